@@ -1,0 +1,318 @@
+"""Hydra structured configs: one dataclass per section, a docstring under every field.
+
+Entry points compose ``configs/config.yaml`` with command-line overrides
+(``specrl-actor learner.address=tcp://10.0.0.5:5555 redis.url=redis://10.0.0.5:6379/0``) and
+turn the result into a typed :class:`SpecRLConfig`; ``__post_init__`` checks reject bad values at
+start with a message that quotes them. Code below the entry points receives typed sub-configs,
+never a raw DictConfig.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+CONFIG_DIR_ENV = "SPECRL_CONFIG_DIR"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class RunConfig:
+    name: str = "specrl"
+    """Run id: namespaces Redis keys (``weights:{name}:…``) and names the run directory."""
+    dir: str = ""
+    """Run directory (metrics JSONL, checkpoints, plots). Empty: ``runs/{name}``."""
+    seed: int = 0
+    """Seed for model init, prompt sampling and token sampling (actor i adds i)."""
+    steps: int = 400
+    """Learner optimizer steps before the run ends."""
+    torch_threads: int = 1
+    """``torch.set_num_threads`` per process; 1 keeps learner and actors from fighting over cores."""
+    log_level: str = "INFO"
+    """Python logging level of every process."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
+        _require(
+            self.torch_threads >= 1, f"run.torch_threads must be >= 1, got {self.torch_threads}"
+        )
+        _require(
+            bool(self.name) and "/" not in self.name,
+            f"run.name must be a non-empty name without '/', got {self.name!r}",
+        )
+
+    def resolved_dir(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF-format model directory (config.json + model.safetensors + tokenizer). Empty: the tiny
+    built-in model of the task, created by ``specrl init-model`` on first use under ``runs/models``."""
+    hidden_size: int = 64
+    """Tiny built-in model: width."""
+    num_layers: int = 4
+    """Tiny built-in model: decoder layers."""
+    num_heads: int = 2
+    """Tiny built-in model: attention heads (head_dim = hidden_size / num_heads, kept >= 32 for vLLM)."""
+    num_kv_heads: int = 1
+    """Tiny built-in model: key/value heads (GQA)."""
+    intermediate_size: int = 256
+    """Tiny built-in model: SwiGLU inner width."""
+    init_steps: int = 150
+    """Supervised warm-start steps of ``specrl init-model`` (partial competence, not mastery)."""
+    init_batch_size: int = 64
+    """Supervised warm-start batch size."""
+    init_lr: float = 3e-3
+    """Supervised warm-start learning rate."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.hidden_size > 0 and self.num_heads > 0,
+            f"model.hidden_size={self.hidden_size} and model.num_heads={self.num_heads} must be > 0",
+        )
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}",
+        )
+        _require(
+            self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}",
+        )
+        _require(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
+        _require(self.init_steps >= 0, f"model.init_steps must be >= 0, got {self.init_steps}")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "reverse"
+    """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``, ``jsonl``."""
+    path: str = ""
+    """``jsonl`` only: file of ``{"prompt": ..., "answer": ...}`` lines."""
+    min_digits: int = 3
+    """Built-in tasks: fewest digits per number."""
+    max_digits: int = 6
+    """Built-in tasks: most digits per number."""
+    partial_credit: float = 0.0
+    """Built-in tasks: reward share for a wrong answer's matching positions (0 = exact match only)."""
+    max_new_tokens: int = 0
+    """Generation budget per completion; 0 = the task's own default."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in ("reverse", "addition", "jsonl"),
+            f"task.name must be one of reverse, addition, jsonl; got {self.name!r}",
+        )
+        _require(
+            self.name != "jsonl" or bool(self.path), "task.name=jsonl needs task.path=FILE.jsonl"
+        )
+        _require(
+            1 <= self.min_digits <= self.max_digits,
+            f"need 1 <= task.min_digits <= task.max_digits, got {self.min_digits} and {self.max_digits}",
+        )
+        _require(
+            0.0 <= self.partial_credit < 1.0,
+            f"task.partial_credit must be in [0, 1), got {self.partial_credit}",
+        )
+        _require(
+            self.max_new_tokens >= 0, f"task.max_new_tokens must be >= 0, got {self.max_new_tokens}"
+        )
+
+
+@dataclass
+class RedisConfig:
+    url: str = ""
+    """Redis URL (``redis://[:password@]host:port/db``, ``rediss://`` for TLS). Empty: ``specrl run``
+    starts a private server; ``specrl-learner``/``specrl-actor`` use redis://127.0.0.1:6379/0."""
+    chunk_bytes: int = 4 * 2**20
+    """Largest value written per weights chunk."""
+    retention: int = 3
+    """Weight versions kept in Redis; older ones are deleted."""
+    poll_interval_s: float = 1.0
+    """Actors poll ``latest`` this often in case a pub/sub notice was missed."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.chunk_bytes >= 1024, f"redis.chunk_bytes must be >= 1024, got {self.chunk_bytes}"
+        )
+        _require(self.retention >= 1, f"redis.retention must be >= 1, got {self.retention}")
+        _require(
+            self.poll_interval_s > 0,
+            f"redis.poll_interval_s must be > 0, got {self.poll_interval_s}",
+        )
+
+    def resolved_url(self) -> str:
+        return self.url or "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature; behaviour log-probs and the learner's log-probs both use it."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+    def __post_init__(self) -> None:
+        _require(self.temperature > 0, f"sampling.temperature must be > 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class ActorConfig:
+    num_actors: int = 2
+    """``specrl run`` only: actor processes to launch."""
+    index: int = 0
+    """This actor's index (seeds its prompts; part of its id)."""
+    actor_id: str = ""
+    """Identity on the wire; empty: ``{hostname}-{index}``. A restart appends a fresh incarnation."""
+    group_size: int = 8
+    """Completions per prompt (G of GRPO)."""
+    prompts_per_batch: int = 8
+    """Prompts generated together in one batch (batch = prompts_per_batch * group_size rows)."""
+    max_batches: int = 0
+    """Stop after this many batches (0 = run until stopped)."""
+    outbox_max: int = 8
+    """Groups kept unacked before ``submit`` blocks (backpressure: an actor far ahead of the
+    learner waits instead of generating groups that would arrive too stale to train on)."""
+    resend_timeout_s: float = 10.0
+    """Resend a group not acked within this time."""
+    heartbeat_interval_s: float = 1.0
+    """Heartbeat period towards the learner."""
+    wait_version_timeout_s: float = 300.0
+    """How long to wait for the first weights version before giving up."""
+    device: str = "cpu"
+    """Torch device of the rollout engine (``cuda``, ``cuda:1``, ``cpu``)."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_actors >= 1, f"actor.num_actors must be >= 1, got {self.num_actors}")
+        _require(
+            self.group_size >= 2,
+            f"actor.group_size must be >= 2 (GRPO needs a group), got {self.group_size}",
+        )
+        _require(
+            self.prompts_per_batch >= 1,
+            f"actor.prompts_per_batch must be >= 1, got {self.prompts_per_batch}",
+        )
+        _require(self.outbox_max >= 1, f"actor.outbox_max must be >= 1, got {self.outbox_max}")
+        _require(
+            self.resend_timeout_s > 0,
+            f"actor.resend_timeout_s must be > 0, got {self.resend_timeout_s}",
+        )
+
+
+@dataclass
+class LearnerConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    """Where actors connect (the learner's reachable address)."""
+    bind: str = ""
+    """Where the learner binds; empty: same as ``address``. Use ``tcp://0.0.0.0:5555`` to accept
+    actors on other machines (loopback only by default)."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip (0 = off)."""
+    groups_per_step: int = 16
+    """Trajectory groups consumed per optimizer step."""
+    max_staleness: int = 2
+    """Groups with ``learner_version - group.version`` above this are dropped (and counted)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    is_cap: float = 2.0
+    """Truncation of the importance weight pi_prox / pi_behaviour (off-policy correction)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the initial (reference) policy; 0 keeps no reference copy."""
+    publish_every: int = 1
+    """Publish a new weights version every N optimizer steps."""
+    checkpoint_every: int = 50
+    """Write a checkpoint every N steps (and always at exit)."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory when one exists."""
+    queue_max: int = 16
+    """Groups received but not yet trained on; when full the learner stops reading (and acking),
+    so actors' outboxes fill and they wait: memory stays bounded and data stays fresh."""
+    group_timeout_s: float = 600.0
+    """Give up when no group arrives for this long."""
+    metrics_every: int = 1
+    """Write a metrics line every N steps."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"learner.lr must be > 0, got {self.lr}")
+        _require(
+            self.groups_per_step >= 1,
+            f"learner.groups_per_step must be >= 1, got {self.groups_per_step}",
+        )
+        _require(
+            self.max_staleness >= 0, f"learner.max_staleness must be >= 0, got {self.max_staleness}"
+        )
+        _require(0 < self.clip_eps < 1, f"learner.clip_eps must be in (0, 1), got {self.clip_eps}")
+        _require(self.is_cap >= 1, f"learner.is_cap must be >= 1, got {self.is_cap}")
+        _require(self.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {self.kl_coef}")
+        _require(
+            self.publish_every >= 1, f"learner.publish_every must be >= 1, got {self.publish_every}"
+        )
+        _require(
+            self.checkpoint_every >= 1,
+            f"learner.checkpoint_every must be >= 1, got {self.checkpoint_every}",
+        )
+        _require(
+            self.address.startswith(("tcp://", "ipc://")),
+            f"learner.address must be tcp://HOST:PORT or ipc://PATH, got {self.address!r}",
+        )
+
+    def resolved_bind(self) -> str:
+        return self.bind or self.address
+
+
+@dataclass
+class SpecRLConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="specrl_schema", node=SpecRLConfig)
+    cs.store(group="task", name="task_schema", node=TaskConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+
+
+def config_dir() -> Path:
+    """The YAML config tree: ``$SPECRL_CONFIG_DIR`` or ``configs/`` beside the packages."""
+    env = os.environ.get(CONFIG_DIR_ENV)
+    path = Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+    if not (path / "config.yaml").is_file():
+        raise FileNotFoundError(
+            f"no config.yaml in {path}; set {CONFIG_DIR_ENV} to the configs/ folder"
+        )
+    return path
+
+
+def load_config(overrides: list[str] | None = None) -> SpecRLConfig:
+    """Compose ``configs/config.yaml`` with Hydra overrides and validate it into dataclasses."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        raw = compose(config_name="config", overrides=list(overrides or []))
+    cfg = OmegaConf.to_object(raw)
+    assert isinstance(cfg, SpecRLConfig)
+    return cfg
+
+
+def to_yaml(cfg: SpecRLConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

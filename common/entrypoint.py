@@ -1,0 +1,44 @@
+"""What every entry point does before ``run(cfg)``: parse Hydra overrides, set up logging."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from common.config import SpecRLConfig, load_config
+
+OVERRIDES_HELP = """\
+Overrides are Hydra's KEY=VALUE (see configs/ and common/config.py for every field). Main ones:
+  actor.num_actors=N        actors launched by `specrl run` (default 2)
+  task=reverse|addition     built-in task; task=jsonl task.path=F.jsonl model.path=HF_DIR for your own
+  run.steps=N               learner optimizer steps (default 400)
+  run.name=NAME             run id (Redis key prefix, run directory runs/NAME)
+  learner.max_staleness=K   drop groups more than K versions behind (0 = on-policy)
+  learner.address=tcp://HOST:5555   where actors reach the learner
+  redis.url=redis://[:PASSWORD@]HOST:6379/0   external Redis (default: a private one)
+"""
+
+
+def parse(argv: list[str], prog: str, description: str) -> SpecRLConfig | None:
+    """Config from ``argv`` overrides; prints help and returns None for -h/--help."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage: {prog} [KEY=VALUE ...]\n\n{description}\n\n{OVERRIDES_HELP}")
+        return None
+    bad = [a for a in argv if "=" not in a]
+    if bad:
+        raise SystemExit(f"{prog}: expected KEY=VALUE overrides, got {bad}\n\n{OVERRIDES_HELP}")
+    try:
+        cfg = load_config(argv)
+    except Exception as e:  # noqa: BLE001 - the boundary: any config error becomes one clear line
+        raise SystemExit(f"{prog}: invalid configuration: {e}") from e
+    setup_logging(cfg.run.log_level, prog)
+    return cfg
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
