@@ -1,0 +1,389 @@
+"""Prompt sources and exact reward functions.
+
+A :class:`Task` samples :class:`Problem`s with a caller-owned ``random.Random`` (so actors are
+reproducible from a seed) and scores a completion with a deterministic, verifiable reward in
+``[0, 1]``. The completion passed to ``reward`` is the decoded generated text up to, and
+excluding, EOS.
+
+Built-in tasks (:class:`ReverseTask`, :class:`AdditionTask`) only use characters of
+:data:`~common.tokenizer.BUILTIN_ALPHABET`, so a :class:`~common.tokenizer.CharTokenizer` over it
+can encode every prompt and answer. :class:`JsonlTask` reads prompts with numeric answers from a
+file (GSM8K style).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from common.config import TaskConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer."""
+
+    prompt_id: str
+    """Stable id: the same problem always gets the same id (used to group completions)."""
+    prompt: str
+    """Text fed to the model, e.g. ``"123+45="``."""
+    answer: str
+    """Reference answer, e.g. ``"168"``."""
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A prompt source with an exact reward."""
+
+    name: str
+    """Short name, as given to :func:`make_task`."""
+    max_new_tokens: int
+    """Generation budget for one completion of this task (room for the answer and EOS)."""
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        """``n`` problems drawn with ``rng`` only (deterministic given its state)."""
+        ...
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Score of ``completion`` (decoded text before EOS) for ``problem``, in ``[0, 1]``."""
+        ...
+
+    def demonstration(self, problem: Problem) -> str:
+        """The ideal completion (for a supervised warm start); may raise NotImplementedError."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in tasks: exact string answers, optional dense partial credit.
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_match_reward(answer: str, completion: str, partial_credit: float = 0.0) -> float:
+    """1.0 if ``completion`` equals ``answer`` after stripping surrounding whitespace.
+
+    Otherwise ``partial_credit * matches / max(len(answer), len(completion))``, where ``matches``
+    counts positions ``i`` with ``answer[i] == completion[i]``; dividing by the longer length
+    penalises a too-short or too-long completion. Always below 1.0 for a wrong answer when
+    ``partial_credit <= 1``, so a correct answer stays strictly the best.
+    """
+    completion = completion.strip()
+    if completion == answer:
+        return 1.0
+    if partial_credit <= 0.0 or not completion:
+        return 0.0
+    matches = sum(a == c for a, c in zip(answer, completion, strict=False))
+    return partial_credit * matches / max(len(answer), len(completion))
+
+
+def _check_partial_credit(partial_credit: float) -> None:
+    if not 0.0 <= partial_credit <= 1.0:
+        raise ValueError(f"partial_credit must be in [0, 1], got {partial_credit}")
+
+
+def _check_digit_range(min_digits: int, max_digits: int) -> None:
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(
+            f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, "
+            f"max_digits={max_digits}"
+        )
+
+
+class ReverseTask:
+    """Reverse a digit string: prompt ``"4821>"`` → answer ``"1284"``.
+
+    Lengths are uniform in ``[min_digits, max_digits]``; digits are uniform (leading zeros
+    allowed, since the answer is a string, not a number).
+    """
+
+    name: ClassVar[str] = "reverse"
+    separator: ClassVar[str] = ">"
+
+    def __init__(self, min_digits: int = 3, max_digits: int = 6, partial_credit: float = 0.0):
+        _check_digit_range(min_digits, max_digits)
+        _check_partial_credit(partial_credit)
+        self.min_digits = min_digits
+        self.max_digits = max_digits
+        self.partial_credit = partial_credit
+        # The answer has at most max_digits characters; +1 for EOS, +1 slack so a model that
+        # overshoots by one character is still cut by its own EOS rather than by the budget.
+        self.max_new_tokens = max_digits + 2
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        """``n`` digit strings drawn with ``rng``."""
+        problems: list[Problem] = []
+        for _ in range(n):
+            length = rng.randint(self.min_digits, self.max_digits)
+            digits = "".join(str(rng.randrange(10)) for _ in range(length))
+            problems.append(
+                Problem(
+                    prompt_id=f"reverse:{digits}",
+                    prompt=f"{digits}{self.separator}",
+                    answer=digits[::-1],
+                )
+            )
+        return problems
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Exact match after stripping whitespace, else optional partial credit."""
+        return exact_match_reward(problem.answer, completion, self.partial_credit)
+
+    def demonstration(self, problem: Problem) -> str:
+        """The reversed digits."""
+        return problem.answer
+
+    def __repr__(self) -> str:
+        return (
+            f"ReverseTask(min_digits={self.min_digits}, max_digits={self.max_digits}, "
+            f"partial_credit={self.partial_credit})"
+        )
+
+
+class AdditionTask:
+    """Add two non-negative integers: prompt ``"123+45="`` → answer ``"168"``.
+
+    Each operand first draws its digit count uniformly in ``[min_digits, max_digits]``, then a
+    value uniformly among numbers with exactly that many digits (``0..9`` for one digit), so
+    short operands are as common as long ones.
+    """
+
+    name: ClassVar[str] = "addition"
+
+    def __init__(self, min_digits: int = 1, max_digits: int = 3, partial_credit: float = 0.0):
+        _check_digit_range(min_digits, max_digits)
+        _check_partial_credit(partial_credit)
+        self.min_digits = min_digits
+        self.max_digits = max_digits
+        self.partial_credit = partial_credit
+        # The sum has at most max_digits + 1 digits; +1 for EOS, +1 slack.
+        self.max_new_tokens = max_digits + 3
+
+    def _operand(self, rng: random.Random) -> int:
+        num_digits = rng.randint(self.min_digits, self.max_digits)
+        low = 0 if num_digits == 1 else 10 ** (num_digits - 1)
+        return rng.randint(low, 10**num_digits - 1)
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        """``n`` additions drawn with ``rng``."""
+        problems: list[Problem] = []
+        for _ in range(n):
+            a = self._operand(rng)
+            b = self._operand(rng)
+            problems.append(
+                Problem(prompt_id=f"add:{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b))
+            )
+        return problems
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Exact match after stripping whitespace, else optional partial credit."""
+        return exact_match_reward(problem.answer, completion, self.partial_credit)
+
+    def demonstration(self, problem: Problem) -> str:
+        """The decimal sum."""
+        return problem.answer
+
+    def __repr__(self) -> str:
+        return (
+            f"AdditionTask(min_digits={self.min_digits}, max_digits={self.max_digits}, "
+            f"partial_credit={self.partial_credit})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric answers (JSONL task).
+# ---------------------------------------------------------------------------------------------
+
+# A number: thousands-grouped ("1,234,567.5") or plain ("1234.5", ".5"). A minus sign counts only
+# when it is not preceded by a digit, so "10-3" reads as 10 and 3, not 10 and -3.
+_NUMBER = re.compile(r"(?:(?<![\d.])-)?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|\d+(?:\.\d+)?|\.\d+)")
+_BOXED = "\\boxed{"
+_FINAL_ANSWER_MARKER = "####"
+
+
+def _last_boxed_content(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None if there is none."""
+    start = text.rfind(_BOXED)
+    while start != -1:
+        depth = 1
+        position = start + len(_BOXED)
+        while position < len(text):
+            if text[position] == "{":
+                depth += 1
+            elif text[position] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start + len(_BOXED) : position]
+            position += 1
+        # Unclosed box (e.g. a truncated completion): fall back to an earlier, complete one.
+        start = text.rfind(_BOXED, 0, start)
+    return None
+
+
+def extract_numeric_answer(text: str) -> str | None:
+    """The model's final number in ``text``, with thousands commas removed, or None.
+
+    Preference: the last number inside the last ``\\boxed{...}``; else the first number after
+    the last ``####`` (GSM8K format); else the last number anywhere. When a marker is present
+    only the text it marks is searched, so a box or ``####`` without a number gives None rather
+    than crediting some other number in the reasoning.
+    """
+    boxed = _last_boxed_content(text)
+    if boxed is not None:
+        numbers = _NUMBER.findall(boxed)
+        return numbers[-1].replace(",", "") if numbers else None
+    marker = text.rfind(_FINAL_ANSWER_MARKER)
+    if marker != -1:
+        match = _NUMBER.search(text, marker + len(_FINAL_ANSWER_MARKER))
+        return match.group().replace(",", "") if match else None
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def _parse_number(text: str) -> Decimal | None:
+    """``text`` as an exact decimal (commas stripped), or None if it is not one finite number."""
+    try:
+        value = Decimal(text.strip().replace(",", ""))
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def numeric_answers_equal(answer: str, predicted: str | None) -> bool:
+    """Exact numeric equality: ``"1,000" == "1000"``, ``"3.0" == "3"``."""
+    if predicted is None:
+        return False
+    expected = _parse_number(answer)
+    got = _parse_number(predicted)
+    return expected is not None and got is not None and expected == got
+
+
+class JsonlTask:
+    """Prompts with numeric answers from a JSONL file of ``{"prompt": str, "answer": str|number}``.
+
+    Every line is validated on load (blank lines are skipped, extra keys ignored); an error
+    quotes ``file:line``. The reward is 1.0 when the number extracted from the completion by
+    :func:`extract_numeric_answer` equals the answer numerically, else 0.0.
+    """
+
+    name: ClassVar[str] = "jsonl"
+
+    def __init__(self, path: str | Path, max_new_tokens: int = 256) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.path = Path(path)
+        self.max_new_tokens = max_new_tokens
+        self.problems: list[Problem] = _load_jsonl_problems(self.path)
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        """``n`` problems drawn uniformly with replacement using ``rng``."""
+        return [self.problems[rng.randrange(len(self.problems))] for _ in range(n)]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 if the completion's final number equals the answer, else 0.0."""
+        return (
+            1.0
+            if numeric_answers_equal(problem.answer, extract_numeric_answer(completion))
+            else 0.0
+        )
+
+    def demonstration(self, problem: Problem) -> str:
+        """Not available: the file holds answers, not worked solutions."""
+        raise NotImplementedError(
+            f"JsonlTask ({self.path}) has no demonstrations: the file holds answers only, "
+            "so a supervised warm start is not possible for it"
+        )
+
+    def __repr__(self) -> str:
+        return f"JsonlTask(path={str(self.path)!r}, problems={len(self.problems)})"
+
+
+def _load_jsonl_problems(path: Path) -> list[Problem]:
+    """Parse and validate every line of ``path``; errors quote ``path:line``."""
+    if not path.is_file():
+        raise FileNotFoundError(f"JSONL task file {path} does not exist")
+    problems: list[Problem] = []
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record: Any = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
+            problems.append(_problem_from_record(record, where))
+    if not problems:
+        raise ValueError(f"JSONL task file {path} holds no problems")
+    return problems
+
+
+def _problem_from_record(record: Any, where: str) -> Problem:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+    if "answer" not in record:
+        raise ValueError(f"{where}: missing 'answer'")
+    raw_answer = record["answer"]
+    # bool is an int subclass; true/false is never a meant numeric answer.
+    if isinstance(raw_answer, bool) or not isinstance(raw_answer, str | int | float):
+        raise ValueError(
+            f"{where}: 'answer' must be a string or a number, got {type(raw_answer).__name__}"
+        )
+    if isinstance(raw_answer, float) and not math.isfinite(raw_answer):
+        raise ValueError(f"{where}: 'answer' must be finite, got {raw_answer}")
+    answer = str(raw_answer).strip()
+    # The reward is numeric, so an answer that is not a number could never be matched.
+    if _parse_number(answer) is None:
+        raise ValueError(f"{where}: 'answer' {raw_answer!r} is not a number")
+    digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
+    return Problem(prompt_id=f"jsonl:{digest}", prompt=prompt, answer=answer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry.
+# ---------------------------------------------------------------------------------------------
+
+TASKS: dict[str, type] = {
+    ReverseTask.name: ReverseTask,
+    AdditionTask.name: AdditionTask,
+    JsonlTask.name: JsonlTask,
+}
+
+
+def make_task(name: str, **kwargs: Any) -> Task:
+    """Build the task called ``name`` (``reverse``, ``addition``, ``jsonl``) with ``kwargs``."""
+    task_cls = TASKS.get(name)
+    if task_cls is None:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    signature = inspect.signature(task_cls)
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise TypeError(f"task {name!r} accepts {signature}: {err}") from err
+    return task_cls(**kwargs)
+
+
+def task_from_config(cfg: TaskConfig) -> Task:
+    """The task a :class:`~common.config.TaskConfig` describes."""
+    if cfg.name == "jsonl":
+        return JsonlTask(
+            cfg.path, **({"max_new_tokens": cfg.max_new_tokens} if cfg.max_new_tokens else {})
+        )
+    task = make_task(
+        cfg.name,
+        min_digits=cfg.min_digits,
+        max_digits=cfg.max_digits,
+        partial_credit=cfg.partial_credit,
+    )
+    if cfg.max_new_tokens:
+        task.max_new_tokens = cfg.max_new_tokens
+    return task
