@@ -1,0 +1,452 @@
+"""The actor's end of the delivery contract (DESIGN §5): outbox, acks, resend, heartbeats.
+
+Delivery is at-least-once: a group stays in a bounded outbox from ``submit`` until the learner
+acks its ``(actor_id, seq)``; the learner drops duplicates. A full outbox blocks ``submit``,
+which is how a slow or absent learner slows actors down instead of growing their memory.
+
+Resend triggers:
+- timeout: a group sent ``resend_timeout_s`` ago and still unacked is sent again;
+- reconnect: the DEALER runs with IMMEDIATE, so frames are only queued onto a live connection,
+  and a socket monitor reports every completed ZMTP handshake (``EVENT_HANDSHAKE_SUCCEEDED``).
+  Frames written to a connection that then died may be lost, so on the first handshake after a
+  ``EVENT_DISCONNECTED``, each group already sent once is sent again at once, without waiting
+  for the timeout.
+  The resend timeout stays the backstop for anything the monitor cannot see (a learner that
+  received but lost a group, a dropped ack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from types import TracebackType
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from common.protocol import (
+    Ack,
+    DecodeLimits,
+    Heartbeat,
+    ProtocolError,
+    TrajectoryGroup,
+    decode,
+    encode,
+)
+from common.transport import DEFAULT_MAX_FRAME_BYTES, connect_dealer, shared_context
+
+log = logging.getLogger(__name__)
+
+# While a send is refused (no connection yet, or the pipe is at its high-water mark) the I/O
+# thread retries this often; the connect event wakes it sooner in the common case.
+_BLOCKED_RETRY_S = 0.05
+# Upper bound on one poll, so a missed wake-up costs at most this much latency.
+_MAX_POLL_S = 0.5
+# Acks carry no token ids; the sender decodes nothing else.
+_ACK_LIMITS = DecodeLimits(vocab_size=1)
+
+
+def unique_actor_id(name: str) -> str:
+    """``name`` plus a random suffix, for one sender's lifetime.
+
+    Seqs restart at 0 in every GroupSender, so an actor process restarted under its old
+    actor_id would see its new groups acked-and-dropped as duplicates by a learner that
+    remembers the old seqs. A fresh id per process incarnation avoids that.
+    """
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+@dataclasses.dataclass
+class _Entry:
+    frame: bytes
+    sends: int = 0
+    last_sent: float | None = None  # time.monotonic() of the last send; None: (re)send now
+
+
+class GroupSender:
+    """Sends TrajectoryGroups to the learner's ROUTER with acks and resends; thread-safe.
+
+    A background thread owns the DEALER socket; ``submit`` only touches the outbox (under a
+    lock) and rings an inproc doorbell, because zmq sockets must not be shared across threads.
+    The DEALER identity is ``actor_id`` (the receiver requires them to match).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        actor_id: str,
+        outbox_max: int = 64,
+        resend_timeout_s: float = 10.0,
+        heartbeat_interval_s: float = 2.0,
+        *,
+        limits: DecodeLimits | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        """``limits``: if given, ``submit`` also runs the receiver's full validation, so a group
+        the learner would reject (e.g. out-of-vocab ids) fails in ``submit`` instead of being
+        resent forever."""
+        identity = actor_id.encode("utf-8")
+        if not 1 <= len(identity) <= 255 or identity.startswith(b"\x00"):
+            raise ValueError(f"actor_id must be 1..255 UTF-8 bytes, not NUL-led: {actor_id!r}")
+        if outbox_max < 1:
+            raise ValueError(f"outbox_max must be >= 1, got {outbox_max}")
+        if resend_timeout_s <= 0 or heartbeat_interval_s <= 0:
+            raise ValueError(
+                f"resend_timeout_s ({resend_timeout_s}) and heartbeat_interval_s "
+                f"({heartbeat_interval_s}) must be > 0"
+            )
+        self.address = address
+        self.actor_id = actor_id
+        self._identity = identity
+        self._outbox_max = outbox_max
+        self._resend_timeout_s = resend_timeout_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._limits = limits
+        self._max_frame_bytes = limits.max_frame_bytes if limits else DEFAULT_MAX_FRAME_BYTES
+        self._context = context or shared_context()
+
+        # _cond guards the outbox, counters, status and lifecycle flags; it is notified when
+        # acks free outbox space, and when the I/O thread stops or fails.
+        self._cond = threading.Condition()
+        self._outbox: OrderedDict[int, _Entry] = OrderedDict()
+        self._next_seq = 0
+        self._acked_total = 0
+        self._resent_total = 0
+        self._bad_replies = 0
+        self._connects = 0
+        self._reconnects = 0
+        self._link_lost = False  # a DISCONNECTED event since the last handshake (I/O thread)
+        self._status_version = 0
+        self._status_stats: dict[str, float] = {}
+        self._closed = False
+        self._error: BaseException | None = None
+        # Serialises submitters so a seq is consumed only once its frame is in the outbox:
+        # a seq gap would keep the learner's dedupe window from ever compacting.
+        self._submit_lock = threading.Lock()
+
+        self._doorbell_addr = f"inproc://specrl-sender-{id(self)}-{secrets.token_hex(4)}"
+        self._doorbell_lock = threading.Lock()
+        self._doorbell_tx: zmq.Socket | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> GroupSender:
+        if self._thread is not None:
+            raise RuntimeError("GroupSender already started")
+        # Built here, before the thread starts (a full memory barrier), then used only by it.
+        sock = connect_dealer(self.address, self._identity, context=self._context)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        doorbell_rx = self._context.socket(zmq.PAIR)
+        doorbell_rx.bind(self._doorbell_addr)
+        tx = self._context.socket(zmq.PAIR)
+        tx.setsockopt(zmq.LINGER, 0)
+        tx.connect(self._doorbell_addr)
+        self._doorbell_tx = tx
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(sock, monitor, doorbell_rx),
+            name=f"group-sender-{self.actor_id}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait up to ``timeout_s`` for outstanding acks, then stop; never raises on unacked."""
+        if self._thread is not None and self._error is None:
+            self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            left = len(self._outbox)
+            self._cond.notify_all()
+        self._stop.set()
+        self._ring()
+        if self._thread is not None:
+            self._thread.join()
+        with self._doorbell_lock:
+            if self._doorbell_tx is not None:
+                self._doorbell_tx.close(linger=0)
+                self._doorbell_tx = None
+        if left:
+            # Not silent: the groups are not delivered and the operator must know how many.
+            log.warning("sender %s closed with %d unacked group(s)", self.actor_id, left)
+
+    def __enter__(self) -> GroupSender:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # On an exception, do not wait for acks that may never come.
+        self.close(timeout_s=0.0 if exc_type is not None else 5.0)
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, group: TrajectoryGroup, timeout_s: float | None = None) -> int:
+        """Queue ``group`` for delivery and return its seq (also written into ``group``).
+
+        Blocks while the outbox holds ``outbox_max`` unacked groups; raises TimeoutError if no
+        space frees within ``timeout_s`` (None: wait forever), ProtocolError if the group is
+        malformed (no seq is consumed then), RuntimeError after close or an I/O thread failure.
+        """
+        if group.actor_id not in ("", self.actor_id):
+            raise ValueError(f"group.actor_id {group.actor_id!r} != sender {self.actor_id!r}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        lock_timeout_s = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._submit_lock.acquire(timeout=lock_timeout_s):
+            raise TimeoutError(f"submit: outbox full ({self._outbox_max}) for {timeout_s} s")
+        try:
+            with self._cond:
+                while True:
+                    self._check_usable()
+                    if len(self._outbox) < self._outbox_max:
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(
+                            f"submit: outbox full ({self._outbox_max}) for {timeout_s} s"
+                        )
+                    self._cond.wait(remaining)
+                seq = self._next_seq
+            # Encode outside _cond so the I/O thread keeps handling acks meanwhile.
+            frame = encode(dataclasses.replace(group, actor_id=self.actor_id, seq=seq))
+            if self._limits is not None:
+                decode(frame, self._limits)
+            if len(frame) > self._max_frame_bytes:
+                # The learner's MAXMSGSIZE would drop the connection on it, we would reconnect
+                # and resend it, forever: refuse it here instead.
+                raise ProtocolError("oversize", f"{len(frame)} > {self._max_frame_bytes} bytes")
+            with self._cond:
+                self._outbox[seq] = _Entry(frame)
+                self._next_seq = seq + 1
+            group.actor_id = self.actor_id
+            group.seq = seq
+        finally:
+            self._submit_lock.release()
+        self._ring()
+        return seq
+
+    def set_status(self, version: int, stats: dict[str, float]) -> None:
+        """What the next heartbeats carry: the actor's current policy version and its numbers."""
+        # Validate here: an unencodable heartbeat would otherwise fail inside the I/O thread.
+        encode(Heartbeat(actor_id=self.actor_id, version=version, stats=stats, sent_at=0.0))
+        with self._cond:
+            self._status_version = version
+            self._status_stats = dict(stats)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted group is acked; False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._outbox:
+                if self._error is not None:
+                    raise RuntimeError("sender I/O thread failed") from self._error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._thread is None or self._closed:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def unacked(self) -> int:
+        with self._cond:
+            return len(self._outbox)
+
+    def unacked_seqs(self) -> list[int]:
+        """Seqs still waiting for an ack, oldest first (for ledgers and shutdown reports)."""
+        with self._cond:
+            return list(self._outbox)
+
+    @property
+    def acked_total(self) -> int:
+        with self._cond:
+            return self._acked_total
+
+    @property
+    def resent_total(self) -> int:
+        with self._cond:
+            return self._resent_total
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            return {
+                "sender/unacked": float(len(self._outbox)),
+                # Waiting for a send (new, or due again after a reconnect/timeout).
+                "sender/unsent": float(sum(e.last_sent is None for e in self._outbox.values())),
+                "sender/acked_total": float(self._acked_total),
+                "sender/resent_total": float(self._resent_total),
+                "sender/connects": float(self._connects),
+                "sender/reconnects": float(self._reconnects),
+                "sender/bad_replies": float(self._bad_replies),
+            }
+
+    # ------------------------------------------------------------------ caller-side helpers
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("sender I/O thread failed") from self._error
+        if self._closed:
+            raise RuntimeError("sender is closed")
+
+    def _ring(self) -> None:
+        with self._doorbell_lock:
+            if self._doorbell_tx is None:
+                return
+            # zmq.Again: the doorbell pipe is full, so a wake-up is already pending.
+            with contextlib.suppress(zmq.Again):
+                self._doorbell_tx.send(b"", zmq.NOBLOCK)
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _run(self, sock: zmq.Socket, monitor: zmq.Socket, doorbell_rx: zmq.Socket) -> None:
+        try:
+            self._loop(sock, monitor, doorbell_rx)
+        except BaseException as e:
+            # Thread boundary: hand the failure to the callers (submit/flush raise it).
+            log.exception("sender %s I/O thread failed", self.actor_id)
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            doorbell_rx.close(linger=0)
+            sock.close()
+
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket, doorbell_rx: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(doorbell_rx, zmq.POLLIN)
+        next_heartbeat = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_heartbeat and self._send_heartbeat(sock):
+                next_heartbeat = now + self._heartbeat_interval_s
+            blocked = not self._send_due(sock, now)
+            wait_s = min(next_heartbeat, self._next_resend_at()) - time.monotonic()
+            if blocked or now >= next_heartbeat:
+                wait_s = min(wait_s, _BLOCKED_RETRY_S)
+            events = dict(poller.poll(_ms(min(max(wait_s, 0.0), _MAX_POLL_S))))
+            if doorbell_rx in events:
+                _drain(doorbell_rx)
+            if monitor in events and self._on_monitor(monitor):
+                next_heartbeat = time.monotonic()  # tell a (new) learner about us at once
+            if sock in events:
+                self._on_replies(sock)
+
+    def _send_due(self, sock: zmq.Socket, now: float) -> bool:
+        """Send new and timed-out groups in seq order; False if zmq refused one (retry later)."""
+        with self._cond:
+            due = [
+                (seq, entry)
+                for seq, entry in self._outbox.items()
+                if entry.last_sent is None or now - entry.last_sent >= self._resend_timeout_s
+            ]
+        for seq, entry in due:
+            try:
+                sock.send(entry.frame, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            with self._cond:
+                # Only this thread removes entries, but stay correct if an ack raced ahead.
+                if seq in self._outbox:
+                    if entry.sends:
+                        self._resent_total += 1
+                    entry.sends += 1
+                    entry.last_sent = time.monotonic()
+        return True
+
+    def _next_resend_at(self) -> float:
+        with self._cond:
+            sent = [e.last_sent for e in self._outbox.values() if e.last_sent is not None]
+        return min(sent) + self._resend_timeout_s if sent else float("inf")
+
+    def _send_heartbeat(self, sock: zmq.Socket) -> bool:
+        with self._cond:
+            beat = Heartbeat(
+                actor_id=self.actor_id,
+                version=self._status_version,
+                stats=dict(self._status_stats),
+                sent_at=time.time(),
+            )
+        try:
+            sock.send(encode(beat), zmq.NOBLOCK)
+        except zmq.Again:
+            return False  # not connected (or pipe full): retried shortly, heartbeats are cheap
+        return True
+
+    def _on_monitor(self, monitor: zmq.Socket) -> bool:
+        """Handle socket events; True if a connection (re)completed its handshake."""
+        connected = False
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._link_lost = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                connected = True
+        if connected:
+            with self._cond:
+                self._connects += 1
+                # Keyed on a seen disconnect, not on "not the first handshake": the monitor is
+                # attached after connect() and may miss the first handshake. IMMEDIATE refuses
+                # sends before any handshake, so nothing can be lost without a disconnect.
+                if self._link_lost:
+                    self._link_lost = False
+                    self._reconnects += 1
+                    # Anything sent before now may have died with the old connection (some of
+                    # it may arrive twice now; the learner drops those duplicates).
+                    for entry in self._outbox.values():
+                        if entry.sends:
+                            entry.last_sent = None
+        return connected
+
+    def _on_replies(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame, _ACK_LIMITS)
+            except ProtocolError as e:
+                # I/O boundary: a bad reply must not stop delivery; the group stays unacked.
+                self._count_bad_reply(f"undecodable reply ({e.reason})")
+                continue
+            if not isinstance(msg, Ack) or msg.actor_id != self.actor_id:
+                self._count_bad_reply(f"unexpected {type(msg).__name__} for {msg.actor_id!r}")
+                continue
+            with self._cond:
+                for seq in msg.seqs:
+                    if self._outbox.pop(seq, None) is not None:
+                        self._acked_total += 1
+                self._cond.notify_all()
+
+    def _count_bad_reply(self, what: str) -> None:
+        with self._cond:
+            self._bad_replies += 1
+            n = self._bad_replies
+        # Powers of two: visible at first, quiet if a peer keeps sending garbage.
+        if n & (n - 1) == 0:
+            log.warning("sender %s: %s (%d bad replies so far)", self.actor_id, what, n)
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000) + 1 if seconds > 0 else 0
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return

@@ -1,0 +1,484 @@
+"""Every wire message of specrl, its msgpack codec, the protocol version and the Redis key names.
+
+One module holds the contract between actors and learner (DESIGN §5); nothing else encodes
+or decodes frames, and no pickle is used anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Redis key names (weights store). All keys of one run share the prefix ``weights:{run_id}:``.
+# ---------------------------------------------------------------------------------------------
+
+
+def weights_chunk_key(run_id: str, version: int, index: int) -> str:
+    """One chunk of the safetensors bytes of ``version``."""
+    return f"weights:{run_id}:{version}:chunk:{index}"
+
+
+def weights_manifest_key(run_id: str, version: int) -> str:
+    """JSON manifest of ``version`` (tensor names, shapes, dtypes, chunk sha256s); written last."""
+    return f"weights:{run_id}:{version}:manifest"
+
+
+def weights_latest_key(run_id: str) -> str:
+    """The newest complete version number; moved only after its manifest exists."""
+    return f"weights:{run_id}:latest"
+
+
+def weights_versions_key(run_id: str) -> str:
+    """Sorted set of complete versions (score = version), used for retention."""
+    return f"weights:{run_id}:versions"
+
+
+def weights_channel(run_id: str) -> str:
+    """Pub/sub channel on which a new version number is announced."""
+    return f"weights:{run_id}:announce"
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire protocol (DESIGN §5 "Wire").
+#
+# Every frame is one msgpack map carrying ``"v"`` (PROTOCOL_VERSION) and ``"type"``. Arrays
+# travel as packed little-endian ``bin`` values, never as lists of Python numbers. ``decode``
+# trusts nothing: it bounds sizes before and during unpacking, then checks every field's type,
+# range and cross-field lengths, and reports any violation as ``ProtocolError(reason)``.
+# ---------------------------------------------------------------------------------------------
+
+PROTOCOL_VERSION: Final[int] = 1
+
+# float32 log-softmax can round a probability-1 token to a tiny positive log-prob; anything
+# above this is not a log-probability and means a producer bug.
+LOGPROB_TOLERANCE: Final[float] = 1e-4
+
+# Wire dtypes are fixed little-endian so actors and learner on different hosts agree.
+_TOKEN_DTYPE: Final = np.dtype("<i4")
+_LOGPROB_DTYPE: Final = np.dtype("<f4")
+
+MSG_GROUP: Final[str] = "group"
+MSG_ACK: Final[str] = "ack"
+MSG_HEARTBEAT: Final[str] = "heartbeat"
+
+# Machine-readable ``ProtocolError.reason`` values (counters are keyed by them):
+#   oversize        frame, string, array, map or count beyond a DecodeLimits bound
+#   not_msgpack     undecodable, truncated or trailing bytes
+#   not_map         the top-level value is not a map
+#   wrong_version   ``"v"`` missing or not PROTOCOL_VERSION
+#   wrong_type      ``"type"`` missing or unknown
+#   bad_field       missing/extra key, wrong value type, array bytes not a multiple of the item
+#                   size, ext types, invalid UTF-8, a group without completions
+#   length_mismatch token_ids / behaviour_logprobs / token_versions of one completion disagree
+#   out_of_vocab    a token id outside [0, vocab_size)
+#   non_finite      NaN or inf in a log-prob, reward, stat or timestamp
+#   out_of_range    negative seq/version/token version, or a log-prob above LOGPROB_TOLERANCE
+PROTOCOL_ERROR_REASONS: Final[tuple[str, ...]] = (
+    "oversize",
+    "not_msgpack",
+    "not_map",
+    "wrong_version",
+    "wrong_type",
+    "bad_field",
+    "length_mismatch",
+    "out_of_vocab",
+    "non_finite",
+    "out_of_range",
+)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; ``reason`` is one of PROTOCOL_ERROR_REASONS."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Bounds a frame must respect; they cap the memory one frame can make the decoder allocate."""
+
+    vocab_size: int
+    """Token ids must lie in [0, vocab_size)."""
+    max_frame_bytes: int = 64 * 1024 * 1024
+    """Largest accepted frame, checked before unpacking."""
+    max_completions: int = 1024
+    """Most completions in one TrajectoryGroup."""
+    max_tokens: int = 65536
+    """Most tokens in one sequence (the prompt, or one completion)."""
+    max_str_len: int = 256
+    """Longest string (ids, stat names) in characters; also bounds map keys."""
+    max_ack_seqs: int = 4096
+    """Most seqs in one Ack."""
+    max_stats_entries: int = 256
+    """Most entries in one ``stats`` map."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        # Field names such as "behaviour_logprobs" are strings too and must survive the bound.
+        if self.max_str_len < 32:
+            raise ValueError(f"max_str_len must be >= 32, got {self.max_str_len}")
+        for name in ("max_frame_bytes", "max_completions", "max_tokens", "max_ack_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stats_entries < 0:
+            raise ValueError(f"max_stats_entries must be >= 0, got {self.max_stats_entries}")
+
+
+# encode() checks the limit-independent invariants (types, lengths, finiteness, signs) so a
+# malformed message fails in the producer instead of being rejected, unacked and resent forever.
+_ENCODE_LIMITS: Final = DecodeLimits(
+    vocab_size=2**31 - 1,
+    max_frame_bytes=2**62,
+    max_completions=2**31,
+    max_tokens=2**31,
+    max_str_len=2**31,
+    max_ack_seqs=2**31,
+    max_stats_entries=2**31,
+)
+
+
+@dataclass(eq=False)
+class Completion:
+    """One sampled continuation of a prompt (arrays compare by content in tests, not ``==``)."""
+
+    token_ids: np.ndarray  # [T] int32, generated tokens only (prompt excluded)
+    behaviour_logprobs: np.ndarray  # [T] float32, log-prob under the processed sampling dist.
+    token_versions: np.ndarray  # [T] int32, policy version that produced each token
+    reward: float
+    finished: bool  # True: ended with EOS; False: hit the length limit
+
+
+@dataclass(eq=False)
+class TrajectoryGroup:
+    """All G completions of one prompt, the unit the actor sends and the learner consumes."""
+
+    actor_id: str
+    seq: int  # per-actor sequence number; (actor_id, seq) is the dedupe key
+    prompt_id: str
+    prompt_ids: np.ndarray  # [P] int32
+    version: int  # policy version the group counts as (min over its tokens' versions)
+    completions: list[Completion]
+    stats: dict[str, float] = field(default_factory=dict)  # actor-side numbers, free-form
+
+
+@dataclass
+class Ack:
+    """Learner -> actor: these seqs of ``actor_id`` were received (the actor may drop them)."""
+
+    actor_id: str
+    seqs: list[int]
+
+
+@dataclass
+class Heartbeat:
+    """Actor -> learner liveness and status; ``sent_at`` is the actor's ``time.time()``."""
+
+    actor_id: str
+    version: int
+    stats: dict[str, float]
+    sent_at: float
+
+
+Message = TrajectoryGroup | Ack | Heartbeat
+
+_GROUP_KEYS: Final = frozenset(
+    {"v", "type", "actor_id", "seq", "prompt_id", "prompt_ids", "version", "completions", "stats"}
+)
+_COMPLETION_KEYS: Final = frozenset(
+    {"token_ids", "behaviour_logprobs", "token_versions", "reward", "finished"}
+)
+_ACK_KEYS: Final = frozenset({"v", "type", "actor_id", "seqs"})
+_HEARTBEAT_KEYS: Final = frozenset({"v", "type", "actor_id", "version", "stats", "sent_at"})
+
+
+# ----------------------------------------- encode -------------------------------------------
+
+
+def _pack_array(values: np.ndarray, dtype: np.dtype, name: str) -> bytes:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ProtocolError("bad_field", f"{name} must be 1-D, got shape {array.shape}")
+    return array.astype(dtype, copy=False).tobytes()
+
+
+def _stats_to_wire(stats: dict[str, float]) -> dict[str, float]:
+    # Sorted keys make the encoding canonical (stored fixtures, byte-equal re-encodes).
+    return {k: float(stats[k]) for k in sorted(stats)}
+
+
+def _to_wire(msg: Message) -> dict[str, Any]:
+    if isinstance(msg, TrajectoryGroup):
+        return {
+            "v": PROTOCOL_VERSION,
+            "type": MSG_GROUP,
+            "actor_id": msg.actor_id,
+            "seq": int(msg.seq),
+            "prompt_id": msg.prompt_id,
+            "prompt_ids": _pack_array(msg.prompt_ids, _TOKEN_DTYPE, "prompt_ids"),
+            "version": int(msg.version),
+            "completions": [
+                {
+                    "token_ids": _pack_array(c.token_ids, _TOKEN_DTYPE, "token_ids"),
+                    "behaviour_logprobs": _pack_array(
+                        c.behaviour_logprobs, _LOGPROB_DTYPE, "behaviour_logprobs"
+                    ),
+                    "token_versions": _pack_array(c.token_versions, _TOKEN_DTYPE, "token_versions"),
+                    "reward": float(c.reward),
+                    "finished": bool(c.finished),
+                }
+                for c in msg.completions
+            ],
+            "stats": _stats_to_wire(msg.stats),
+        }
+    if isinstance(msg, Ack):
+        return {
+            "v": PROTOCOL_VERSION,
+            "type": MSG_ACK,
+            "actor_id": msg.actor_id,
+            "seqs": [int(s) for s in msg.seqs],
+        }
+    if isinstance(msg, Heartbeat):
+        return {
+            "v": PROTOCOL_VERSION,
+            "type": MSG_HEARTBEAT,
+            "actor_id": msg.actor_id,
+            "version": int(msg.version),
+            "stats": _stats_to_wire(msg.stats),
+            "sent_at": float(msg.sent_at),
+        }
+    raise TypeError(f"not a wire message: {type(msg).__name__}")
+
+
+def encode(msg: Message) -> bytes:
+    """One frame for ``msg``; raises ProtocolError if ``msg`` could never pass ``decode``.
+
+    Only vocabulary and size limits are left to the receiver (the producer may not know them).
+    """
+    wire = _to_wire(msg)
+    _from_wire(wire, _ENCODE_LIMITS)
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+# ----------------------------------------- decode -------------------------------------------
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("bad_field", f"msgpack ext type {code} is not part of the protocol")
+
+
+def _unpack(frame: bytes, limits: DecodeLimits) -> Any:
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+            max_bin_len=limits.max_tokens * _TOKEN_DTYPE.itemsize,
+            max_str_len=limits.max_str_len,
+            max_array_len=max(limits.max_completions, limits.max_ack_seqs),
+            max_map_len=max(limits.max_stats_entries, len(_GROUP_KEYS)),
+        )
+    except ProtocolError:
+        raise
+    except UnicodeDecodeError as e:
+        raise ProtocolError("bad_field", f"invalid UTF-8 string: {e.reason}") from e
+    except ValueError as e:
+        # msgpack reports every problem as a ValueError subclass; the limit and map-key
+        # violations are told apart only by their message text.
+        text = str(e)
+        if "exceeds max" in text:
+            raise ProtocolError("oversize", text) from e
+        if "map key" in text:
+            raise ProtocolError("bad_field", text) from e
+        raise ProtocolError("not_msgpack", f"{type(e).__name__}: {text}") from e
+
+
+def _check_keys(obj: dict[str, Any], expected: frozenset[str], what: str) -> None:
+    keys = obj.keys()
+    if keys != expected:
+        missing = sorted(expected - keys)
+        extra = sorted(str(k) for k in keys - expected)
+        raise ProtocolError("bad_field", f"{what}: missing {missing}, extra {extra}")
+
+
+def _get_str(obj: dict[str, Any], key: str, limits: DecodeLimits) -> str:
+    value = obj[key]
+    if type(value) is not str:
+        raise ProtocolError("bad_field", f"{key} must be str, got {type(value).__name__}")
+    if len(value) > limits.max_str_len:
+        raise ProtocolError("oversize", f"{key} has {len(value)} > {limits.max_str_len} chars")
+    return value
+
+
+def _get_nonneg_int(obj: dict[str, Any], key: str) -> int:
+    value = obj[key]
+    # ``type is int`` rejects bool, which Python treats as an int subclass.
+    if type(value) is not int:
+        raise ProtocolError("bad_field", f"{key} must be int, got {type(value).__name__}")
+    if value < 0:
+        raise ProtocolError("out_of_range", f"{key} must be >= 0, got {value}")
+    return value
+
+
+def _get_finite_float(obj: dict[str, Any], key: str) -> float:
+    value = obj[key]
+    if type(value) is not float:
+        raise ProtocolError("bad_field", f"{key} must be float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ProtocolError("non_finite", f"{key} is {value}")
+    return value
+
+
+def _get_array(obj: dict[str, Any], key: str, dtype: np.dtype, limits: DecodeLimits) -> np.ndarray:
+    value = obj[key]
+    if type(value) is not bytes:
+        raise ProtocolError("bad_field", f"{key} must be bin, got {type(value).__name__}")
+    if len(value) % dtype.itemsize:
+        raise ProtocolError(
+            "bad_field", f"{key} has {len(value)} bytes, not a multiple of {dtype.itemsize}"
+        )
+    count = len(value) // dtype.itemsize
+    if count > limits.max_tokens:
+        raise ProtocolError("oversize", f"{key} has {count} > {limits.max_tokens} items")
+    # astype copies into a writable native array (frombuffer alone is a read-only view).
+    return np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="))
+
+
+def _get_stats(obj: dict[str, Any], limits: DecodeLimits) -> dict[str, float]:
+    value = obj["stats"]
+    if type(value) is not dict:
+        raise ProtocolError("bad_field", f"stats must be a map, got {type(value).__name__}")
+    if len(value) > limits.max_stats_entries:
+        raise ProtocolError(
+            "oversize", f"stats has {len(value)} > {limits.max_stats_entries} entries"
+        )
+    stats: dict[str, float] = {}
+    for name in value:
+        if type(name) is not str:
+            raise ProtocolError("bad_field", "stats keys must be str")
+        stats[name] = _get_finite_float(value, name)
+    return stats
+
+
+def _check_token_ids(ids: np.ndarray, key: str, limits: DecodeLimits) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size):
+        raise ProtocolError(
+            "out_of_vocab",
+            f"{key} spans [{int(ids.min())}, {int(ids.max())}], vocab_size {limits.vocab_size}",
+        )
+
+
+def _completion_from_wire(obj: Any, limits: DecodeLimits) -> Completion:
+    if type(obj) is not dict:
+        raise ProtocolError("bad_field", f"completion must be a map, got {type(obj).__name__}")
+    _check_keys(obj, _COMPLETION_KEYS, "completion")
+    token_ids = _get_array(obj, "token_ids", _TOKEN_DTYPE, limits)  # [T]
+    logprobs = _get_array(obj, "behaviour_logprobs", _LOGPROB_DTYPE, limits)  # [T]
+    token_versions = _get_array(obj, "token_versions", _TOKEN_DTYPE, limits)  # [T]
+    if not (len(token_ids) == len(logprobs) == len(token_versions)):
+        raise ProtocolError(
+            "length_mismatch",
+            f"token_ids {len(token_ids)}, behaviour_logprobs {len(logprobs)}, "
+            f"token_versions {len(token_versions)}",
+        )
+    _check_token_ids(token_ids, "token_ids", limits)
+    if not np.isfinite(logprobs).all():
+        raise ProtocolError("non_finite", "behaviour_logprobs")
+    if logprobs.size and float(logprobs.max()) > LOGPROB_TOLERANCE:
+        raise ProtocolError("out_of_range", f"behaviour_logprobs max {float(logprobs.max())} > 0")
+    if token_versions.size and int(token_versions.min()) < 0:
+        raise ProtocolError("out_of_range", "token_versions must be >= 0")
+    finished = obj["finished"]
+    if type(finished) is not bool:
+        raise ProtocolError("bad_field", f"finished must be bool, got {type(finished).__name__}")
+    return Completion(
+        token_ids=token_ids,
+        behaviour_logprobs=logprobs,
+        token_versions=token_versions,
+        reward=_get_finite_float(obj, "reward"),
+        finished=finished,
+    )
+
+
+def _group_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> TrajectoryGroup:
+    _check_keys(obj, _GROUP_KEYS, "group")
+    prompt_ids = _get_array(obj, "prompt_ids", _TOKEN_DTYPE, limits)  # [P]
+    _check_token_ids(prompt_ids, "prompt_ids", limits)
+    completions = obj["completions"]
+    if type(completions) is not list:
+        raise ProtocolError("bad_field", "completions must be an array")
+    if not completions:
+        raise ProtocolError("bad_field", "a group needs at least one completion")
+    if len(completions) > limits.max_completions:
+        raise ProtocolError(
+            "oversize", f"{len(completions)} > {limits.max_completions} completions"
+        )
+    return TrajectoryGroup(
+        actor_id=_get_str(obj, "actor_id", limits),
+        seq=_get_nonneg_int(obj, "seq"),
+        prompt_id=_get_str(obj, "prompt_id", limits),
+        prompt_ids=prompt_ids,
+        version=_get_nonneg_int(obj, "version"),
+        completions=[_completion_from_wire(c, limits) for c in completions],
+        stats=_get_stats(obj, limits),
+    )
+
+
+def _ack_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> Ack:
+    _check_keys(obj, _ACK_KEYS, "ack")
+    seqs = obj["seqs"]
+    if type(seqs) is not list:
+        raise ProtocolError("bad_field", "seqs must be an array")
+    if len(seqs) > limits.max_ack_seqs:
+        raise ProtocolError("oversize", f"{len(seqs)} > {limits.max_ack_seqs} seqs")
+    for seq in seqs:
+        if type(seq) is not int:
+            raise ProtocolError("bad_field", "seqs must hold ints")
+        if seq < 0:
+            raise ProtocolError("out_of_range", f"seq {seq} < 0")
+    return Ack(actor_id=_get_str(obj, "actor_id", limits), seqs=seqs)
+
+
+def _heartbeat_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> Heartbeat:
+    _check_keys(obj, _HEARTBEAT_KEYS, "heartbeat")
+    return Heartbeat(
+        actor_id=_get_str(obj, "actor_id", limits),
+        version=_get_nonneg_int(obj, "version"),
+        stats=_get_stats(obj, limits),
+        sent_at=_get_finite_float(obj, "sent_at"),
+    )
+
+
+def _from_wire(obj: Any, limits: DecodeLimits) -> Message:
+    if type(obj) is not dict:
+        raise ProtocolError("not_map", f"top level is {type(obj).__name__}")
+    version = obj.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError("wrong_version", f"v={version!r}, expected {PROTOCOL_VERSION}")
+    kind = obj.get("type")
+    if kind == MSG_GROUP:
+        return _group_from_wire(obj, limits)
+    if kind == MSG_ACK:
+        return _ack_from_wire(obj, limits)
+    if kind == MSG_HEARTBEAT:
+        return _heartbeat_from_wire(obj, limits)
+    raise ProtocolError("wrong_type", f"type={kind!r}")
+
+
+def decode(frame: bytes, limits: DecodeLimits) -> Message:
+    """The validated message in ``frame``; raises ProtocolError (and nothing else) if invalid."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise ProtocolError("bad_field", f"frame must be bytes, got {type(frame).__name__}")
+    if len(frame) > limits.max_frame_bytes:
+        raise ProtocolError("oversize", f"{len(frame)} > {limits.max_frame_bytes} bytes")
+    return _from_wire(_unpack(frame, limits), limits)

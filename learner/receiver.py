@@ -1,0 +1,414 @@
+"""The learner's end of the delivery contract (DESIGN §5): validate, dedupe, queue, ack.
+
+Identity: every actor's DEALER identity is its ``actor_id`` (UTF-8). A group or heartbeat whose
+``actor_id`` differs from the identity of the connection it came on is rejected
+("identity_mismatch", not acked): acks are routed by identity and dedupe is keyed by actor_id,
+so tying the two stops one peer from filling (or acking away) another actor's seqs; with CURVE
+the identity can later be bound to the authenticated key.
+
+Acks are sent on receipt: a new group is queued, then acked; a duplicate is only acked again.
+The ack therefore promises "in this learner's memory", not "trained on" or "durable"; moving to
+ack-once-durable only changes ``_accept_group``.
+
+Backpressure: when ``queue_max`` groups wait for ``get()``, the I/O thread stops reading the
+socket altogether. Unread frames stay in zmq's bounded pipes (HWM), actors get no acks, their
+outboxes fill and ``submit`` blocks. Memory stays bounded; heartbeats are not read meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from common.protocol import (
+    PROTOCOL_ERROR_REASONS,
+    Ack,
+    DecodeLimits,
+    Heartbeat,
+    ProtocolError,
+    TrajectoryGroup,
+    decode,
+    encode,
+)
+from common.transport import DEFAULT_HWM, bind_router, bound_endpoint, shared_context
+
+log = logging.getLogger(__name__)
+
+# Receiver-level rejections on top of the codec's PROTOCOL_ERROR_REASONS.
+RECEIVER_REJECT_REASONS: tuple[str, ...] = (
+    "bad_envelope",  # not exactly [identity, frame] (a multipart message from the peer)
+    "identity_mismatch",  # frame actor_id != connection identity
+    "wrong_direction",  # an Ack sent to the learner
+)
+_POLL_S = 0.05  # bounds how long close() waits for the I/O thread
+_MAX_BATCH = 256  # frames handled per wake-up before re-checking stop/backpressure
+_BAD_LOG_EVERY_S = 10.0
+_DEDUPE_FORMAT = 1
+
+
+@dataclasses.dataclass
+class ActorInfo:
+    """What the learner last heard from one actor."""
+
+    actor_id: str
+    version: int  # heartbeat version if any heartbeat came, else the newest group version
+    last_seen: float  # time.monotonic() of the last group or heartbeat
+    stats: dict[str, float]  # from the last heartbeat
+    groups: int  # new groups received from it
+    heartbeats: int  # heartbeats received from it
+
+
+@dataclasses.dataclass
+class _DedupeWindow:
+    """Seqs seen from one actor: all of 0..floor, plus the sparse set above it.
+
+    Seqs arrive nearly in order, so ``above`` holds only the few groups overtaken by a resend.
+    """
+
+    floor: int = -1
+    above: set[int] = dataclasses.field(default_factory=set)
+
+    def add(self, seq: int) -> bool:
+        """Record ``seq``; False if it was seen before."""
+        if seq <= self.floor or seq in self.above:
+            return False
+        self.above.add(seq)
+        while self.floor + 1 in self.above:
+            self.floor += 1
+            self.above.remove(self.floor)
+        return True
+
+
+class GroupReceiver:
+    """Receives TrajectoryGroups and heartbeats on a ROUTER; ``get()`` yields each group once."""
+
+    def __init__(
+        self,
+        bind_address: str,
+        limits: DecodeLimits,
+        actor_timeout_s: float = 30.0,
+        queue_max: int = 1024,
+        *,
+        hwm: int = DEFAULT_HWM,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if queue_max < 1:
+            raise ValueError(f"queue_max must be >= 1, got {queue_max}")
+        if actor_timeout_s <= 0:
+            raise ValueError(f"actor_timeout_s must be > 0, got {actor_timeout_s}")
+        self._bind_address = bind_address
+        self._limits = limits
+        self._actor_timeout_s = actor_timeout_s
+        self._queue_max = queue_max
+        self._hwm = hwm
+        self._context = context or shared_context()
+
+        # _cond guards everything below; notified when the queue gains or loses a group.
+        self._cond = threading.Condition()
+        self._queue: deque[TrajectoryGroup] = deque()
+        self._dedupe: dict[str, _DedupeWindow] = {}
+        self._actors: dict[str, ActorInfo] = {}
+        self._received = 0
+        self._duplicates = 0
+        self._acks_sent = 0
+        self._heartbeats = 0
+        self._bad_by_reason: dict[str, int] = dict.fromkeys(
+            PROTOCOL_ERROR_REASONS + RECEIVER_REJECT_REASONS, 0
+        )
+        self._bad_logged_at: dict[str, float] = {}
+        self._bad_suppressed: dict[str, int] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+
+        self._bound_address: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> GroupReceiver:
+        if self._thread is not None:
+            raise RuntimeError("GroupReceiver already started")
+        # Bound here so a bind error raises in the caller and bound_address is ready on return.
+        sock = bind_router(
+            self._bind_address,
+            max_frame_bytes=self._limits.max_frame_bytes,
+            hwm=self._hwm,
+            context=self._context,
+        )
+        self._bound_address = bound_endpoint(sock)
+        self._thread = threading.Thread(
+            target=self._run, args=(sock,), name="group-receiver", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop receiving and release the port. Queued groups stay readable with ``get``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cond:
+            self._closed = True
+            left = len(self._queue)
+            self._cond.notify_all()
+        if left:
+            # Acked on receipt, so unless the caller drains them these are lost to training.
+            log.warning("receiver closed with %d acked group(s) not yet consumed", left)
+
+    def __enter__(self) -> GroupReceiver:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def bound_address(self) -> str:
+        """The concrete endpoint (a ``:*`` / port-0 bind resolved), valid after ``start()``."""
+        if self._bound_address is None:
+            raise RuntimeError("GroupReceiver not started")
+        return self._bound_address
+
+    # ------------------------------------------------------------------ consumer API
+
+    def get(self, timeout_s: float) -> TrajectoryGroup | None:
+        """The next new group, or None if none arrived within ``timeout_s``."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._queue or self._error is not None or self._closed, timeout_s
+            )
+            if self._error is not None:
+                raise RuntimeError("receiver I/O thread failed") from self._error
+            if not self._queue:
+                return None
+            group = self._queue.popleft()
+            self._cond.notify_all()  # the I/O thread may be waiting for queue space
+            return group
+
+    def live_actors(self) -> dict[str, ActorInfo]:
+        """Actors heard from (group or heartbeat) within ``actor_timeout_s``; others forgotten."""
+        cutoff = time.monotonic() - self._actor_timeout_s
+        with self._cond:
+            for actor_id in [a for a, info in self._actors.items() if info.last_seen < cutoff]:
+                del self._actors[actor_id]
+            return {a: dataclasses.replace(i, stats=dict(i.stats)) for a, i in self._actors.items()}
+
+    @property
+    def received(self) -> int:
+        """New groups queued (duplicates excluded)."""
+        with self._cond:
+            return self._received
+
+    @property
+    def duplicates(self) -> int:
+        with self._cond:
+            return self._duplicates
+
+    @property
+    def acks_sent(self) -> int:
+        with self._cond:
+            return self._acks_sent
+
+    @property
+    def bad_frames(self) -> int:
+        with self._cond:
+            return sum(self._bad_by_reason.values())
+
+    def bad_frames_by_reason(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._bad_by_reason)
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            out = {
+                "receiver/received": float(self._received),
+                "receiver/duplicates": float(self._duplicates),
+                "receiver/bad_frames": float(sum(self._bad_by_reason.values())),
+                "receiver/acks_sent": float(self._acks_sent),
+                "receiver/heartbeats": float(self._heartbeats),
+                "receiver/queue_size": float(len(self._queue)),
+            }
+            out.update(
+                {f"receiver/bad_frames/{r}": float(n) for r, n in self._bad_by_reason.items()}
+            )
+        out["receiver/live_actors"] = float(len(self.live_actors()))
+        return out
+
+    # ------------------------------------------------------------------ dedupe persistence
+
+    def dedupe_state(self) -> dict[str, Any]:
+        """Seqs seen per actor, JSON/msgpack-serialisable, for the learner checkpoint."""
+        with self._cond:
+            return {
+                "format": _DEDUPE_FORMAT,
+                "actors": {
+                    actor_id: {"floor": w.floor, "above": sorted(w.above)}
+                    for actor_id, w in self._dedupe.items()
+                },
+            }
+
+    def load_dedupe_state(self, state: dict[str, Any]) -> None:
+        """Replace the seen-seqs record with one from ``dedupe_state()`` (checkpoint restore).
+
+        ``{}`` means nothing seen. Raises ValueError on anything malformed. Must be called
+        before ``start()``: a group accepted before the load would be judged against the wrong
+        record (a resend of an already-trained group would be trained on again).
+        """
+        if self._thread is not None:
+            raise RuntimeError("load_dedupe_state must be called before start()")
+        if not state:
+            # A fresh run's checkpoint holds no dedupe record yet.
+            with self._cond:
+                self._dedupe = {}
+            return
+        if state.get("format") != _DEDUPE_FORMAT or not isinstance(state.get("actors"), dict):
+            raise ValueError(f"not a dedupe state (format {_DEDUPE_FORMAT}): {state!r:.200}")
+        windows: dict[str, _DedupeWindow] = {}
+        for actor_id, entry in state["actors"].items():
+            if not isinstance(entry, dict) or entry.keys() != {"floor", "above"}:
+                raise ValueError(f"bad dedupe entry for {actor_id!r}: {entry!r:.200}")
+            floor, above = entry["floor"], entry["above"]
+            if (
+                type(floor) is not int
+                or floor < -1
+                or not isinstance(above, list)
+                or not all(type(s) is int and s > floor for s in above)
+            ):
+                raise ValueError(f"bad dedupe entry for {actor_id!r}: {entry!r:.200}")
+            window = _DedupeWindow(floor=floor)
+            for seq in above:
+                window.add(seq)
+            windows[str(actor_id)] = window
+        with self._cond:
+            self._dedupe = windows
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _run(self, sock: zmq.Socket) -> None:
+        try:
+            self._loop(sock)
+        except BaseException as e:
+            # Thread boundary: hand the failure to the consumer (get() raises it).
+            log.exception("receiver I/O thread failed")
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        finally:
+            sock.close()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                if len(self._queue) >= self._queue_max:
+                    # Backpressure: read nothing (so ack nothing) until get() frees space.
+                    self._cond.wait(_POLL_S)
+                    continue
+            if not sock.poll(int(_POLL_S * 1000), zmq.POLLIN):
+                continue
+            for _ in range(_MAX_BATCH):
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if self._handle(sock, parts):
+                    break
+
+    def _handle(self, sock: zmq.Socket, parts: list[bytes]) -> bool:
+        """Process one ROUTER message; True if the queue is now full (stop reading)."""
+        identity = parts[0]
+        if len(parts) != 2:
+            self._reject(identity, "bad_envelope", f"{len(parts) - 1} frames")
+            return False
+        try:
+            msg = decode(parts[1], self._limits)
+        except ProtocolError as e:
+            # I/O boundary: count, log, keep serving; the sender resends anything unacked.
+            self._reject(identity, e.reason, e.detail)
+            return False
+        if isinstance(msg, Ack):
+            self._reject(identity, "wrong_direction", "Ack sent to the learner")
+            return False
+        if msg.actor_id.encode("utf-8") != identity:
+            self._reject(identity, "identity_mismatch", f"frame says {msg.actor_id!r}")
+            return False
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg)
+            return False
+        return self._accept_group(sock, identity, msg)
+
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        with self._cond:
+            self._heartbeats += 1
+            info = self._touch(beat.actor_id)
+            info.version = beat.version
+            info.stats = beat.stats
+            info.heartbeats += 1
+
+    def _accept_group(self, sock: zmq.Socket, identity: bytes, group: TrajectoryGroup) -> bool:
+        with self._cond:
+            info = self._touch(group.actor_id)
+            # A group's version is the oldest of its tokens; a heartbeat's is authoritative.
+            if info.heartbeats == 0:
+                info.version = max(info.version, group.version)
+            window = self._dedupe.setdefault(group.actor_id, _DedupeWindow())
+            is_new = window.add(group.seq)
+            if is_new:
+                self._queue.append(group)
+                self._received += 1
+                info.groups += 1
+                self._cond.notify_all()
+            else:
+                self._duplicates += 1
+            full = len(self._queue) >= self._queue_max
+        # Ack on receipt (also re-ack duplicates: the first ack may have been lost).
+        sock.send_multipart([identity, encode(Ack(actor_id=group.actor_id, seqs=[group.seq]))])
+        with self._cond:
+            self._acks_sent += 1
+        return full
+
+    def _touch(self, actor_id: str) -> ActorInfo:
+        info = self._actors.get(actor_id)
+        if info is None:
+            info = ActorInfo(
+                actor_id=actor_id, version=0, last_seen=0.0, stats={}, groups=0, heartbeats=0
+            )
+            self._actors[actor_id] = info
+        info.last_seen = time.monotonic()
+        return info
+
+    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+        now = time.monotonic()
+        with self._cond:
+            self._bad_by_reason[reason] = self._bad_by_reason.get(reason, 0) + 1
+            last = self._bad_logged_at.get(reason)
+            if last is not None and now - last < _BAD_LOG_EVERY_S:
+                self._bad_suppressed[reason] = self._bad_suppressed.get(reason, 0) + 1
+                return
+            self._bad_logged_at[reason] = now
+            suppressed = self._bad_suppressed.pop(reason, 0)
+        peer = identity.decode("utf-8", errors="backslashreplace")
+        log.warning(
+            "bad frame from %r: %s (%s)%s",
+            peer,
+            reason,
+            detail[:200],
+            f"; {suppressed} more like it in the last {_BAD_LOG_EVERY_S:.0f} s"
+            if suppressed
+            else "",
+        )
