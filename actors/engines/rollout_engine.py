@@ -1,0 +1,40 @@
+"""The one interface every rollout engine (torch, vLLM) implements."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Rollout:
+    """One completion of one prompt."""
+
+    token_ids: np.ndarray  # [T] int32, generated tokens only (EOS included when it ended the row)
+    behaviour_logprobs: np.ndarray  # [T] float32, processed log-prob each token was sampled with
+    token_versions: np.ndarray  # [T] int32, policy version that produced each token
+    finished: bool
+    """True when the completion ended with EOS, False when it hit the length budget."""
+
+
+class RolloutEngine(Protocol):
+    version: int
+    """Policy version of the weights currently loaded."""
+
+    def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Swap in a new weights version (HF parameter names)."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int
+    ) -> list[list[Rollout]]:
+        """``n`` sampled completions for each prompt; result[i][j] is completion j of prompt i."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call (namespaced, e.g. ``actor/tokens_per_s``); resets them."""
+        ...

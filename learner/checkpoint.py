@@ -1,0 +1,126 @@
+"""Learner checkpoints: HF-format model + optimizer/step/version/dedupe state, written atomically.
+
+Layout of ``{root}/step_{N:08d}/``: ``config.json`` and ``model.safetensors`` (so ``transformers``
+and vLLM open the directory as is), the tokenizer files, ``optimizer.safetensors`` (AdamW moments
+by parameter name) and ``trainer_state.json``. The directory is written under a temporary name and
+renamed, so a crash never leaves a half-written checkpoint that resume would pick up. No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.model import Transformer, load_pretrained, save_pretrained
+from common.tokenizer import Tokenizer
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+PREFIX = "step_"
+
+
+@dataclass
+class TrainerState:
+    step: int
+    version: int
+    dedupe: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def save_checkpoint(
+    root: Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    keep: int = 2,
+) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{state.step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    save_pretrained(model, tmp)
+    tokenizer.save(tmp)
+    save_file(_optimizer_tensors(model, optimizer), str(tmp / OPTIMIZER_FILE))
+    (tmp / STATE_FILE).write_text(
+        json.dumps(
+            {
+                "step": state.step,
+                "version": state.version,
+                "dedupe": state.dedupe,
+                "metrics": state.metrics,
+                "optimizer_param_groups": [
+                    {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+                ],
+            }
+        )
+    )
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories start with a dot)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def load_checkpoint(
+    path: Path, device: torch.device
+) -> tuple[Transformer, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
+    """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters."""
+    model = load_pretrained(path, device=device)
+    raw = json.loads((path / STATE_FILE).read_text())
+    state = TrainerState(
+        step=int(raw["step"]),
+        version=int(raw["version"]),
+        dedupe=raw.get("dedupe", {}),
+        metrics=raw.get("metrics", {}),
+    )
+    tensors = load_file(str(path / OPTIMIZER_FILE), device=str(device))
+    return model, tensors, state, raw.get("optimizer_param_groups", [])
+
+
+def _optimizer_tensors(
+    model: Transformer, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for param, param_state in optimizer.state.items():
+        name = names[id(param)]
+        for key, value in param_state.items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{name}::{key}"] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def restore_optimizer(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    param_groups: list[dict[str, Any]],
+) -> None:
+    params = dict(model.named_parameters())
+    for key, value in tensors.items():
+        name, _, slot = key.partition("::")
+        optimizer.state[params[name]][slot] = value
+    for group, saved in zip(optimizer.param_groups, param_groups, strict=False):
+        for k, v in saved.items():
+            if k in group and not isinstance(v, list):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
