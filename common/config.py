@@ -39,6 +39,9 @@ class RunConfig:
     """``torch.set_num_threads`` per process; 1 keeps learner and actors from fighting over cores."""
     log_level: str = "INFO"
     """Python logging level of every process."""
+    ledger: bool = False
+    """Write ``ledger/*.jsonl`` in the run directory: every ``(actor_id, seq)`` sent by actors and
+    consumed by the learner (trained, dropped as stale, or pending at exit). For audits and tests."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")

@@ -1,0 +1,237 @@
+"""The actor loop: sync weights → generate G completions per prompt → score → send groups."""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+import torch
+
+from actors.engines.rollout_engine import Rollout, RolloutEngine
+from actors.engines.torch_engine import TorchEngine
+from actors.sender import GroupSender, unique_actor_id
+from common.config import SpecRLConfig
+from common.metrics import MetricsWriter
+from common.model import Transformer
+from common.policy_meta import model_args_from_meta, tokenizer_from_meta
+from common.protocol import Completion, DecodeLimits, TrajectoryGroup
+from common.tasks import Problem, Task, task_from_config
+from common.tokenizer import Tokenizer, encode_prompt
+from common.weights import VersionWatcher, WeightsError, WeightStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActorStats:
+    batches: int = 0
+    groups_sent: int = 0
+    tokens: int = 0
+    weight_loads: int = 0
+    weight_fetch_s: float = 0.0
+    reward_sum: float = 0.0
+    completions: int = 0
+
+
+def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_stop) -> int | None:
+    """Block until the learner has published a version (or the timeout passes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not should_stop():
+        version = watcher.poll(timeout_s=1.0)
+        if version is not None:
+            return version
+    return None
+
+
+def build_engine(
+    store: WeightStore, version: int, cfg: SpecRLConfig, seed: int
+) -> tuple[TorchEngine, Tokenizer]:
+    """The policy from a published version alone: architecture and tokenizer come from its meta."""
+    manifest = store.manifest(version)
+    if manifest is None:
+        raise WeightsError(f"version {version} has no manifest")
+    args = model_args_from_meta(manifest["meta"])
+    tokenizer = tokenizer_from_meta(manifest["meta"], cfg.model.path)
+    model = Transformer(args).to(torch.device(cfg.actor.device))
+    engine = TorchEngine(
+        model,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        seed=seed,
+    )
+    fetched, state = store.fetch(version)
+    engine.load_weights(fetched, state)
+    return engine, tokenizer
+
+
+def sync_weights(
+    engine: RolloutEngine, store: WeightStore, watcher: VersionWatcher, stats: ActorStats
+) -> None:
+    """Load the newest version if one appeared; on a bad or vanished version keep the current one."""
+    version = watcher.poll(timeout_s=0.0)
+    if version is None or version <= engine.version:
+        return
+    started = time.perf_counter()
+    try:
+        fetched, state = store.fetch(version)
+    except WeightsError as e:
+        # Refused (checksum/shape) or expired: keep generating with the weights we have.
+        log.warning(
+            "actor: cannot load version %d (%s); keeping version %d", version, e, engine.version
+        )
+        return
+    except redis.ConnectionError as e:
+        log.warning("actor: Redis unreachable while fetching version %d (%s)", version, e)
+        return
+    engine.load_weights(fetched, state)
+    stats.weight_loads += 1
+    stats.weight_fetch_s = time.perf_counter() - started
+
+
+def make_groups(
+    problems: list[Problem],
+    prompts: list[list[int]],
+    rollouts: list[list[Rollout]],
+    task: Task,
+    tokenizer: Tokenizer,
+) -> list[TrajectoryGroup]:
+    """Score every completion and wrap each prompt's completions into one TrajectoryGroup."""
+    groups = []
+    for problem, prompt, completions in zip(problems, prompts, rollouts, strict=True):
+        scored = []
+        for r in completions:
+            text_ids = r.token_ids[:-1] if r.finished else r.token_ids  # reward sees text, not EOS
+            scored.append(
+                Completion(
+                    token_ids=r.token_ids,
+                    behaviour_logprobs=r.behaviour_logprobs,
+                    token_versions=r.token_versions,
+                    reward=float(task.reward(problem, tokenizer.decode(text_ids.tolist()))),
+                    finished=r.finished,
+                )
+            )
+        # A group counts as its oldest token's version: that is what its staleness is about.
+        versions = [int(c.token_versions.min()) for c in scored if len(c.token_ids)]
+        groups.append(
+            TrajectoryGroup(
+                actor_id="",
+                seq=0,
+                prompt_id=problem.prompt_id,
+                prompt_ids=np.asarray(prompt, dtype=np.int32),
+                version=min(versions) if versions else 0,
+                completions=scored,
+            )
+        )
+    return groups
+
+
+def submit_until_stopped(sender: GroupSender, group: TrajectoryGroup, should_stop) -> bool:
+    """Hand ``group`` to the outbox, waiting out backpressure; False if a stop came first."""
+    while not should_stop():
+        try:
+            sender.submit(group, timeout_s=1.0)
+            return True
+        except TimeoutError:
+            continue  # the learner is behind or away: keep waiting, never drop the group
+    return False
+
+
+def run(cfg: SpecRLConfig) -> ActorStats:
+    torch.set_num_threads(cfg.run.torch_threads)
+    seed = cfg.run.seed * 1_000 + cfg.actor.index
+    stop = {"requested": False}
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("actor: signal %d, stopping after the current batch", signum)
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    store = WeightStore(
+        redis.Redis.from_url(cfg.redis.resolved_url()),
+        cfg.run.name,
+        chunk_bytes=cfg.redis.chunk_bytes,
+        retention=cfg.redis.retention,
+    )
+    watcher = store.watch(poll_interval_s=cfg.redis.poll_interval_s)
+    first = wait_for_first_version(
+        watcher, cfg.actor.wait_version_timeout_s, lambda: stop["requested"]
+    )
+    stats = ActorStats()
+    if first is None:
+        log.error(
+            "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s
+        )
+        return stats
+    engine, tokenizer = build_engine(store, first, cfg, seed)
+    task = task_from_config(cfg.task)
+    rng = random.Random(seed)
+    name = cfg.actor.actor_id or f"{socket.gethostname()}-{cfg.actor.index}"
+    actor_id = unique_actor_id(name)
+    limits = DecodeLimits(vocab_size=engine.model.args.vocab_size)
+    log.info("actor %s: version %d, learner %s", actor_id, engine.version, cfg.learner.address)
+    ledger = (
+        MetricsWriter(cfg.run.resolved_dir() / "ledger" / f"actor-{actor_id}.jsonl")
+        if cfg.run.ledger
+        else None
+    )
+
+    with GroupSender(
+        cfg.learner.address,
+        actor_id,
+        outbox_max=cfg.actor.outbox_max,
+        resend_timeout_s=cfg.actor.resend_timeout_s,
+        heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
+        limits=limits,
+    ) as sender:
+        while not stop["requested"]:
+            if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
+                break
+            # Phase 1: pick up the newest weights.
+            sync_weights(engine, store, watcher, stats)
+            # Phase 2: generate G completions for each prompt of the batch.
+            problems = task.sample(rng, cfg.actor.prompts_per_batch)
+            prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+            rollouts = engine.generate(prompts, cfg.actor.group_size, task.max_new_tokens)
+            # Phase 3: score and send one group per prompt (blocks when the outbox is full).
+            groups = make_groups(problems, prompts, rollouts, task, tokenizer)
+            engine_stats = engine.stats()
+            for group in groups:
+                group.stats = {"actor/tokens_per_s": engine_stats["actor/tokens_per_s"]}
+                if not submit_until_stopped(sender, group, lambda: stop["requested"]):
+                    break
+                if ledger is not None:
+                    ledger.write({"actor_id": actor_id, "seq": group.seq, "event": "submitted"})
+                stats.groups_sent += 1
+                stats.reward_sum += sum(c.reward for c in group.completions)
+                stats.completions += len(group.completions)
+            # Phase 4: report.
+            stats.batches += 1
+            stats.tokens += int(engine_stats["actor/tokens"])
+            sender.set_status(
+                engine.version,
+                {
+                    **engine_stats,
+                    **sender.stats(),
+                    "actor/weight_fetch_s": stats.weight_fetch_s,
+                    "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
+                },
+            )
+        sender.flush(timeout_s=5.0)
+        if ledger is not None:
+            ledger.write({"actor_id": actor_id, "event": "exit", "unacked": sender.unacked_seqs()})
+            ledger.close()
+    watcher.close()
+    log.info(
+        "actor %s: stopped after %d batches, %d groups", actor_id, stats.batches, stats.groups_sent
+    )
+    return stats

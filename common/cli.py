@@ -1,0 +1,72 @@
+"""``specrl``: subcommands ``run`` (embedded default), ``init-model``, ``learner``, ``actor``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from common.entrypoint import OVERRIDES_HELP, parse
+
+USAGE = f"""\
+usage: specrl COMMAND [KEY=VALUE ...]
+
+commands:
+  run          start a private Redis, the learner and N actors; live progress; summary at the end
+  init-model   build and warm-start the tiny built-in model of a task (done by `run` when needed)
+  learner      run the learner process only (same as specrl-learner)
+  actor        run one actor process only (same as specrl-actor)
+
+{OVERRIDES_HELP}
+examples:
+  specrl run
+  specrl run actor.num_actors=3 task=addition run.steps=200
+  specrl-actor learner.address=tcp://10.0.0.5:5555 redis.url=redis://:PASSWORD@10.0.0.5:6379/0
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from common.launcher import run
+
+        # A fresh run id per invocation unless one is given, so a second `specrl run` starts
+        # over instead of resuming a finished run.
+        if (
+            not any(a.startswith("run.name=") for a in rest)
+            and "-h" not in rest
+            and "--help" not in rest
+        ):
+            rest = [*rest, f"run.name=run-{time.strftime('%Y%m%d-%H%M%S')}"]
+        cfg = parse(rest, "specrl run", "Runs the whole pipeline on this machine.")
+        if cfg is None:
+            return 0
+        summary = run(cfg, rest)
+        return 0 if summary.get("outcome") == "completed" else 1
+    if command == "init-model":
+        from common.warm_start import default_model_dir, warm_start
+
+        cfg = parse(rest, "specrl init-model", "Builds and warm-starts the tiny built-in model.")
+        if cfg is None:
+            return 0
+        out = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg)
+        summary = warm_start(cfg, out)
+        print(f"model written to {out}")
+        for key, value in summary.items():
+            print(f"  {key:<24} {value:.4g}")
+        return 0
+    if command in ("learner", "actor"):
+        # exec, not import: `common` stays below `actors` and `learner` in the layering.
+        module = "learner.main" if command == "learner" else "actors.main"
+        os.execv(sys.executable, [sys.executable, "-m", module, *rest])
+    print(f"specrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The learner loop: collect fresh groups → one GRPO/PPO step → publish a version → log → checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+import torch
+
+from common.config import LearnerConfig, SamplingConfig, SpecRLConfig
+from common.metrics import MetricsWriter
+from common.model import Transformer, load_pretrained
+from common.protocol import DecodeLimits
+from common.sampling import token_logprobs
+from common.tokenizer import Tokenizer, load_tokenizer
+from common.warm_start import ensure_model
+from common.weights import WeightStore
+from learner.batch import TrainBatch, collate
+from learner.buffer import StalenessBuffer
+from learner.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_optimizer,
+    save_checkpoint,
+)
+from learner.loss import ppo_clip_loss
+from learner.publisher import Publisher
+from learner.receiver import GroupReceiver
+
+log = logging.getLogger(__name__)
+
+
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived: finish cleanly (checkpoint, close sockets)."""
+
+
+@dataclass
+class LearnerState:
+    model: Transformer
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    ref_model: Transformer | None
+    step: int
+    version: int
+    dedupe: dict
+    """Receiver dedupe state restored from the checkpoint (empty on a fresh start)."""
+
+
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    cfg: LearnerConfig,
+    sampling: SamplingConfig,
+    ref_model: Transformer | None = None,
+) -> dict[str, float]:
+    """One optimizer step of the decoupled PPO-clip objective on GRPO advantages."""
+    model.train()
+    valid = batch.mask > 0
+    logits = model(batch.input_ids)[:, :-1]  # [B, S-1, V]
+    logprobs = token_logprobs(logits, batch.targets, sampling.temperature, sampling.top_p)
+    # Padding targets may sit outside the nucleus (-inf); zero them so no NaN reaches the loss.
+    logprobs = logprobs.masked_fill(~valid, 0.0)  # [B, S-1]
+    ref_logprobs = None
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_logits = ref_model(batch.input_ids)[:, :-1]
+            ref_logprobs = token_logprobs(
+                ref_logits, batch.targets, sampling.temperature, sampling.top_p
+            ).masked_fill(~valid, 0.0)
+    out = ppo_clip_loss(
+        logprobs=logprobs,
+        prox_logprobs=logprobs.detach(),
+        behaviour_logprobs=batch.behaviour_logprobs,
+        advantages=batch.advantages,
+        mask=batch.mask,
+        clip_eps=cfg.clip_eps,
+        is_cap=cfg.is_cap,
+        ref_logprobs=ref_logprobs,
+        kl_coef=cfg.kl_coef,
+    )
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.step()
+    return {
+        "learner/loss": float(out.loss.detach()),
+        "learner/pg_loss": float(out.pg_loss),
+        "learner/kl": float(out.kl),
+        "learner/clip_frac": float(out.clip_frac),
+        "learner/is_weight_mean": float(out.is_weight_mean),
+        "learner/is_truncated_frac": float(out.is_truncated_frac),
+        "learner/abs_log_ratio_behaviour": float(out.abs_log_ratio_behaviour),
+        "learner/grad_norm": float(grad_norm),
+    }
+
+
+def make_optimizer(model: Transformer, cfg: LearnerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def setup(cfg: SpecRLConfig, checkpoint_root: Path, device: torch.device) -> LearnerState:
+    """Model, optimizer and counters: from the newest checkpoint, else from the model directory."""
+    ckpt = latest_checkpoint(checkpoint_root) if cfg.learner.resume else None
+    if ckpt is not None:
+        model, opt_tensors, trainer, param_groups = load_checkpoint(ckpt, device)
+        tokenizer = load_tokenizer(ckpt)
+        optimizer = make_optimizer(model, cfg.learner)
+        restore_optimizer(model, optimizer, opt_tensors, param_groups)
+        step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
+        log.info("resumed from %s (step %d, version %d)", ckpt, step, version)
+    else:
+        model_dir = ensure_model(cfg)
+        model = load_pretrained(model_dir, device=device)
+        tokenizer = load_tokenizer(model_dir)
+        optimizer = make_optimizer(model, cfg.learner)
+        step, version, dedupe = 0, -1, {}
+    ref_model = None
+    if cfg.learner.kl_coef > 0:
+        # The reference is the policy the run started from (the checkpoint's, after a resume).
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return LearnerState(model, tokenizer, optimizer, ref_model, step, version, dedupe)
+
+
+def run(cfg: SpecRLConfig) -> dict[str, float]:
+    """Train for ``cfg.run.steps`` steps; returns the last metrics record."""
+    torch.set_num_threads(cfg.run.torch_threads)
+    torch.manual_seed(cfg.run.seed)
+    run_dir = cfg.run.resolved_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoint_root = run_dir / "checkpoints"
+
+    stop = {"requested": False}
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("learner: signal %d, stopping after the current step", signum)
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    state = setup(cfg, checkpoint_root, device)
+    store = WeightStore(
+        redis.Redis.from_url(cfg.redis.resolved_url()),
+        cfg.run.name,
+        chunk_bytes=cfg.redis.chunk_bytes,
+        retention=cfg.redis.retention,
+    )
+    # Versions only grow, across restarts too: continue after whatever Redis already holds.
+    latest = store.latest_version()
+    state.version = max(state.version, latest if latest is not None else -1) + 1
+    publisher = Publisher(store, state.model, state.tokenizer)
+    publisher.publish(state.version)
+    log.info(
+        "learner: published version %d; waiting for actors at %s",
+        state.version,
+        cfg.learner.resolved_bind(),
+    )
+
+    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    ledger = MetricsWriter(run_dir / "ledger" / "learner.jsonl") if cfg.run.ledger else None
+    buffer = StalenessBuffer(cfg.learner.max_staleness, ledger)
+    limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
+    receiver = GroupReceiver(cfg.learner.resolved_bind(), limits, queue_max=cfg.learner.queue_max)
+    trainer = TrainerState(step=state.step, version=state.version)
+    last: dict[str, float] = {}
+
+    def check_stop() -> None:
+        if stop["requested"]:
+            raise StopRequested
+
+    def checkpoint() -> None:
+        trainer.step, trainer.version = state.step, state.version
+        trainer.dedupe = receiver.dedupe_state()
+        trainer.metrics = {k: v for k, v in last.items() if isinstance(v, int | float)}
+        path = save_checkpoint(
+            checkpoint_root, state.model, state.tokenizer, state.optimizer, trainer
+        )
+        log.info("learner: checkpoint %s", path)
+
+    receiver.load_dedupe_state(state.dedupe)
+    receiver.start()
+    wall_start = time.perf_counter()
+    try:
+        while state.step < cfg.run.steps:
+            # Phase 1: collect fresh groups (stale ones are dropped and counted).
+            t0 = time.perf_counter()
+            groups = buffer.collect(
+                receiver.get,
+                cfg.learner.groups_per_step,
+                state.version,
+                cfg.learner.group_timeout_s,
+                on_wait=check_stop,
+            )
+            t1 = time.perf_counter()
+            # Phase 2: one optimizer step.
+            batch = collate(groups, state.version, state.tokenizer.pad_id, device)
+            step_metrics = train_step(
+                state.model, state.optimizer, batch, cfg.learner, cfg.sampling, state.ref_model
+            )
+            state.step += 1
+            t2 = time.perf_counter()
+            # Phase 3: publish the new policy.
+            if state.step % cfg.learner.publish_every == 0:
+                state.version += 1
+                publisher.publish(state.version)
+            t3 = time.perf_counter()
+            # Phase 4: log.
+            last = {
+                "learner/step": state.step,
+                "learner/version": state.version,
+                **step_metrics,
+                **_batch_metrics(batch, groups),
+                **_actor_metrics(receiver),
+                **receiver.stats(),
+                "learner/dropped_stale": buffer.dropped_stale,
+                "learner/wait_s": t1 - t0,
+                "learner/train_s": t2 - t1,
+                "learner/publish_s": t3 - t2,
+                "learner/wall_s": t3 - wall_start,
+            }
+            if state.step % cfg.learner.metrics_every == 0 or state.step == cfg.run.steps:
+                metrics.write(last)
+            # Phase 5: checkpoint.
+            if state.step % cfg.learner.checkpoint_every == 0:
+                checkpoint()
+            check_stop()
+    except StopRequested:
+        log.info("learner: stop requested at step %d", state.step)
+    finally:
+        receiver.close()
+        # Acked on receipt but never trained on; recorded so the ledger accounts for every group.
+        while (group := receiver.get(0.0)) is not None:
+            buffer.record(group, "pending_at_exit", state.version)
+        checkpoint()
+        metrics.write(
+            {"event": "learner_exit", "learner/step": state.step, "learner/version": state.version}
+        )
+        metrics.close()
+        if ledger is not None:
+            ledger.close()
+    return last
+
+
+def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
+    lengths = batch.mask.sum(dim=-1)
+    finished = [c.finished for g in groups for c in g.completions]
+    return {
+        "learner/reward_mean": float(batch.rewards.mean()),
+        "learner/reward_max": float(batch.rewards.max()),
+        "learner/staleness_mean": float(batch.staleness.float().mean()),
+        "learner/staleness_max": int(batch.staleness.max()),
+        "learner/groups": len(groups),
+        "learner/tokens": batch.num_tokens,
+        "learner/completion_len_mean": float(lengths.mean()),
+        "learner/finished_frac": sum(finished) / max(len(finished), 1),
+    }
+
+
+def _actor_metrics(receiver: GroupReceiver) -> dict[str, float]:
+    live = receiver.live_actors()
+    tokens_per_s = sum(info.stats.get("actor/tokens_per_s", 0.0) for info in live.values())
+    return {"actor/live": len(live), "actor/tokens_per_s": tokens_per_s}

@@ -1,0 +1,124 @@
+"""The whole pipeline as separate processes: real Redis, real ZeroMQ sockets, learner + 2 actors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from common.weights import WeightStore
+from learner.checkpoint import latest_checkpoint
+from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
+
+pytestmark = pytest.mark.integration
+
+STEPS = 100
+MAX_STALENESS = 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return warm_model(tmp_path_factory.mktemp("model"))
+
+
+def wait_exit(proc, timeout_s: float, pipeline: Pipeline) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            return code
+        for i, actor in enumerate(pipeline.actors):
+            assert actor.poll() is None, f"actor {i} died:\n{pipeline.log_tail(f'actor-{i}')}"
+        time.sleep(0.5)
+    pytest.fail(f"learner did not finish in {timeout_s}s:\n{pipeline.log_tail('learner')}")
+
+
+def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
+    pipeline = Pipeline.make(
+        tmp_path,
+        redis_server.url,
+        model_dir,
+        [
+            f"run.steps={STEPS}",
+            f"learner.max_staleness={MAX_STALENESS}",
+            "learner.checkpoint_every=40",
+            "learner.lr=5e-4",
+        ],
+    )
+    try:
+        learner = pipeline.start_learner()
+        pipeline.start_actor(0)
+        pipeline.start_actor(1)
+        code = wait_exit(learner, 400, pipeline)
+        assert code == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    for i, actor in enumerate(pipeline.actors):
+        assert actor.returncode == 0, pipeline.log_tail(f"actor-{i}")
+
+    steps = pipeline.steps()
+    assert len(steps) == STEPS
+
+    # Versions advance: one publish per step, starting from version 0 at start-up.
+    versions = [r["learner/version"] for r in steps]
+    assert versions == list(range(1, STEPS + 1))
+    store = WeightStore(redis.Redis.from_url(redis_server.url), f"it-{tmp_path.name}")
+    assert store.latest_version() == STEPS
+
+    # Both actors contributed and were seen alive.
+    ledger = read_ledger(tmp_path)
+    assert len({actor for actor, _ in ledger.submitted}) == 2
+    assert max(r["actor/live"] for r in steps) == 2
+
+    # The staleness bound holds for every trained group.
+    assert ledger.trained, "nothing was trained"
+    assert all(r["learner_version"] - r["version"] <= MAX_STALENESS for r in ledger.trained)
+    assert max(r["learner/staleness_max"] for r in steps) <= MAX_STALENESS
+
+    # Exactly once: nothing consumed twice, nothing consumed that was not sent, and whatever was
+    # sent but not consumed is still unacked in its actor's outbox (not lost in between).
+    duplicates = {k: n for k, n in ledger.consumed.items() if n > 1}
+    assert not duplicates
+    assert all(n == 1 for n in ledger.submitted.values())
+    assert set(ledger.consumed) <= set(ledger.submitted)
+    missing = set(ledger.submitted) - set(ledger.consumed)
+    assert missing <= ledger.unacked_at_exit, sorted(missing - ledger.unacked_at_exit)[:10]
+    assert sum(r["learner/groups"] for r in steps) == sum(
+        1 for o in ledger.outcomes.values() if o == "trained"
+    )
+
+    # Reward rises on the built-in task within the budget.
+    rewards = [r["learner/reward_mean"] for r in steps]
+    quarter = STEPS // 4
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert last > first + 0.05, f"reward did not rise: first quarter {first:.3f}, last {last:.3f}"
+
+    # HF-format checkpoint at exit.
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    assert ckpt is not None and (ckpt / "config.json").is_file()
+    assert (ckpt / "model.safetensors").is_file()
+
+
+def test_learner_restart_resumes_and_versions_keep_growing(tmp_path, redis_server, model_dir):
+    pipeline = Pipeline.make(
+        tmp_path, redis_server.url, model_dir, ["run.steps=6", "learner.checkpoint_every=3"]
+    )
+    try:
+        learner = pipeline.start_learner()
+        pipeline.start_actor(0)
+        assert wait_exit(learner, 240, pipeline) == 0, pipeline.log_tail("learner")
+        first_run = pipeline.steps()
+        assert first_run[-1]["learner/version"] == 6
+        # Restart the learner with a larger budget: it resumes at step 6 and versions go on.
+        learner = pipeline.start_learner(["run.steps=10"])
+        assert wait_exit(learner, 240, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    steps = pipeline.steps()
+    resumed = steps[len(first_run) :]
+    assert [r["learner/step"] for r in resumed] == [7, 8, 9, 10]
+    # On restart the learner republishes its weights as 7, then one version per step.
+    assert [r["learner/version"] for r in resumed] == [8, 9, 10, 11]
+    ledger = read_ledger(tmp_path)
+    assert not {k: n for k, n in ledger.consumed.items() if n > 1}
