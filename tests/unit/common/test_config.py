@@ -11,7 +11,9 @@ from common.entrypoint import parse
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(["task=addition", "actor.num_actors=3", "learner.address=tcp://10.0.0.5:5555"])
+    cfg = load_config(
+        ["task=addition", "actor.num_actors=3", "learner.address=tcp://10.0.0.5:5555"]
+    )
     assert isinstance(cfg, SpecRLConfig)
     assert cfg.task.name == "addition" and cfg.task.max_digits == 3
     assert cfg.actor.num_actors == 3
