@@ -66,6 +66,7 @@ def build_engine(
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         seed=seed,
+        spec=cfg.spec,
     )
     fetched, state = store.fetch(version)
     engine.load_weights(fetched, state)
@@ -206,7 +207,13 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             groups = make_groups(problems, prompts, rollouts, task, tokenizer)
             engine_stats = engine.stats()
             for group in groups:
-                group.stats = {"actor/tokens_per_s": engine_stats["actor/tokens_per_s"]}
+                # Per-group copies of the batch's rollout figures: the learner averages them per
+                # step, which gives acceptance against policy version.
+                group.stats = {
+                    k: v
+                    for k, v in engine_stats.items()
+                    if k in ("actor/tokens_per_s", "spec/acceptance_rate", "spec/mean_accepted_len")
+                }
                 if not submit_until_stopped(sender, group, lambda: stop["requested"]):
                     break
                 if ledger is not None:

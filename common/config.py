@@ -171,6 +171,38 @@ class SamplingConfig:
 
 
 @dataclass
+class SpecConfig:
+    method: str = "none"
+    """Self-speculative drafting in the torch engine: ``none`` (plain decoding), ``early_exit``
+    (the first ``exit_layer`` layers + final norm + LM head draft; the full model verifies),
+    ``ngram`` (drafts looked up in the prompt, the GRPO group and earlier completions)."""
+    k: int = 4
+    """Draft tokens proposed per verification forward pass."""
+    exit_layer: int = 1
+    """``early_exit``: layers the draft runs (must be below the model's layer count)."""
+    ngram_max_n: int = 4
+    """``ngram``: longest suffix matched against the history."""
+    ngram_min_n: int = 1
+    """``ngram``: shortest suffix matched before giving up on a draft."""
+    aux_coef: float = 0.0
+    """Learner: weight of the early-exit co-training loss KL(full || early exit) on generated
+    tokens (0 = off). On with ``spec=early_exit`` so the draft follows the policy it drafts for."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in ("none", "early_exit", "ngram"),
+            f"spec.method must be one of none, early_exit, ngram; got {self.method!r}",
+        )
+        _require(self.k >= 1, f"spec.k must be >= 1, got {self.k}")
+        _require(self.exit_layer >= 1, f"spec.exit_layer must be >= 1, got {self.exit_layer}")
+        _require(
+            1 <= self.ngram_min_n <= self.ngram_max_n,
+            f"need 1 <= spec.ngram_min_n <= spec.ngram_max_n, got {self.ngram_min_n} and {self.ngram_max_n}",
+        )
+        _require(self.aux_coef >= 0, f"spec.aux_coef must be >= 0, got {self.aux_coef}")
+
+
+@dataclass
 class ActorConfig:
     num_actors: int = 2
     """``specrl run`` only: actor processes to launch."""
@@ -285,6 +317,7 @@ class SpecRLConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
@@ -294,6 +327,7 @@ def register_configs() -> None:
     cs.store(name="specrl_schema", node=SpecRLConfig)
     cs.store(group="task", name="task_schema", node=TaskConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="spec", name="spec_schema", node=SpecConfig)
 
 
 def config_dir() -> Path:

@@ -210,12 +210,15 @@ def _progress_line(rows: list[dict]) -> str:
     last = rows[-1]
     window = rows[-10:]
     reward = sum(r.get("learner/reward_mean", 0.0) for r in window) / len(window)
-    return (
+    line = (
         f"v{last['learner/version']} reward {reward:.3f} "
         f"tok/s {last.get('actor/tokens_per_s', 0):.0f} "
         f"stale {last.get('learner/staleness_mean', 0):.2f} "
         f"actors {last.get('actor/live', 0)}"
     )
+    if last.get("spec/acceptance_rate") is not None:
+        line += f" accept {last['spec/acceptance_rate']:.2f}"
+    return line
 
 
 def _print_summary(console: Console, summary: dict, run_dir: Path) -> None:

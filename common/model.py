@@ -450,21 +450,36 @@ class Transformer(nn.Module):
         num_layers: int | None = None,
     ) -> Tensor:
         """Final-normed hidden states [B, T, H]; arguments as in `forward`."""
-        B, T = input_ids.shape
         L = self.args.num_hidden_layers
         num_layers = L if num_layers is None else num_layers
         if not 1 <= num_layers <= L:
             raise ValueError(f"num_layers={num_layers} must be in [1, {L}]")
-        if positions is not None and positions.shape != input_ids.shape:
-            raise ValueError(
-                f"positions shape {tuple(positions.shape)} != input_ids shape "
-                f"{tuple(input_ids.shape)}"
-            )
-
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        return self.model.norm(self.run_layers(x, positions, cache, 0, num_layers))
+
+    def run_layers(
+        self,
+        x: Tensor,
+        positions: Tensor | None,
+        cache: KVCache | None,
+        start: int,
+        end: int,
+    ) -> Tensor:
+        """Decoder layers ``[start, end)`` on the residual stream x [B, T, H] (before the final norm).
+
+        Split execution is what early-exit drafting needs: the draft runs layers [0, E) and stops;
+        verification resumes the same hidden states at layer E instead of recomputing them.
+        """
+        B, T, _ = x.shape
+        if not 0 <= start <= end <= self.args.num_hidden_layers:
+            raise ValueError(
+                f"layer range [{start}, {end}) outside [0, {self.args.num_hidden_layers}]"
+            )
+        if positions is not None and tuple(positions.shape) != (B, T):
+            raise ValueError(f"positions shape {tuple(positions.shape)} != {(B, T)}")
         default_positions = positions is None
         if positions is None:
-            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            positions = torch.arange(T, device=x.device).expand(B, T)
         positions = positions.to(torch.long)  # [B, T]
         if cache is not None:
             mask = self._cache_mask(positions, cache, x.dtype)  # [B, 1, T, S]
@@ -474,11 +489,14 @@ class Transformer(nn.Module):
         else:
             mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, T]
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
-
-        for i, layer in enumerate(self.model.layers[:num_layers]):
+        for i in range(start, end):
             kv = (cache.k[i], cache.v[i], positions) if cache is not None else None
-            x = layer(x, cos, sin, mask, kv)
-        return self.model.norm(x)
+            x = self.model.layers[i](x, cos, sin, mask, kv)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm + LM head on the residual stream: [B, T, H] -> logits [B, T, V] float32."""
+        return self.lm_head(self.model.norm(x)).float()
 
     def forward(
         self,

@@ -38,6 +38,24 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
             / max(final.get("learner/wall_s", 0.0), 1e-9),
         }
     )
+    accepted = [
+        r["spec/acceptance_rate"] for r in steps if r.get("spec/acceptance_rate") is not None
+    ]
+    if accepted:
+        tenth_a = max(1, len(accepted) // 10)
+        lengths = [
+            r["spec/mean_accepted_len"]
+            for r in steps
+            if r.get("spec/mean_accepted_len") is not None
+        ]
+        summary.update(
+            {
+                "spec_acceptance_rate": _mean(accepted),
+                "spec_acceptance_first_10pct": _mean(accepted[:tenth_a]),
+                "spec_acceptance_last_10pct": _mean(accepted[-tenth_a:]),
+                "spec_mean_accepted_len": _mean(lengths),
+            }
+        )
     return summary
 
 

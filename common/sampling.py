@@ -15,8 +15,15 @@ def processed_logprobs(
 ) -> torch.Tensor:
     """Log-probabilities of the sampling distribution; tokens outside the nucleus get -inf.
 
-    logits: [..., V] -> [..., V] float32.
+    logits: [..., V] -> [..., V] float32. ``temperature == 0`` is greedy decoding: the
+    distribution is one-hot at the argmax (log-prob 0 there, -inf elsewhere), so greedy runs go
+    through the same sampling and speculative code paths as stochastic ones.
     """
+    if temperature == 0:
+        greedy = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+        return greedy.scatter(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     scaled = logits.float() / temperature
     logprobs = torch.log_softmax(scaled, dim=-1)
     if top_p >= 1.0:

@@ -12,11 +12,11 @@ from pathlib import Path
 import redis
 import torch
 
-from common.config import LearnerConfig, SamplingConfig, SpecRLConfig
+from common.config import LearnerConfig, SamplingConfig, SpecConfig, SpecRLConfig
 from common.metrics import MetricsWriter
 from common.model import Transformer, load_pretrained
 from common.protocol import DecodeLimits
-from common.sampling import token_logprobs
+from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.warm_start import ensure_model
 from common.weights import WeightStore
@@ -29,7 +29,7 @@ from learner.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from learner.loss import ppo_clip_loss
+from learner.loss import early_exit_kl, ppo_clip_loss
 from learner.publisher import Publisher
 from learner.receiver import GroupReceiver
 
@@ -59,11 +59,22 @@ def train_step(
     cfg: LearnerConfig,
     sampling: SamplingConfig,
     ref_model: Transformer | None = None,
+    spec: SpecConfig | None = None,
 ) -> dict[str, float]:
-    """One optimizer step of the decoupled PPO-clip objective on GRPO advantages."""
+    """One optimizer step of the decoupled PPO-clip objective on GRPO advantages, plus the
+    early-exit co-training loss when ``spec.aux_coef > 0``."""
     model.train()
     valid = batch.mask > 0
-    logits = model(batch.input_ids)[:, :-1]  # [B, S-1, V]
+    aux_coef = spec.aux_coef if spec is not None else 0.0
+    num_layers = model.args.num_hidden_layers
+    x = model.model.embed_tokens(batch.input_ids)  # [B, S, H]
+    if aux_coef > 0:
+        exit_layer = min(spec.exit_layer, num_layers)
+        h_exit = model.run_layers(x, None, None, 0, exit_layer)
+        logits = model.head(model.run_layers(h_exit, None, None, exit_layer, num_layers))[:, :-1]
+        exit_logits = model.head(h_exit)[:, :-1]  # [B, S-1, V]
+    else:
+        logits = model.head(model.run_layers(x, None, None, 0, num_layers))[:, :-1]  # [B, S-1, V]
     logprobs = token_logprobs(logits, batch.targets, sampling.temperature, sampling.top_p)
     # Padding targets may sit outside the nucleus (-inf); zero them so no NaN reaches the loss.
     logprobs = logprobs.masked_fill(~valid, 0.0)  # [B, S-1]
@@ -85,8 +96,17 @@ def train_step(
         ref_logprobs=ref_logprobs,
         kl_coef=cfg.kl_coef,
     )
+    loss = out.loss
+    exit_kl = torch.zeros(())
+    if aux_coef > 0:
+        exit_kl = early_exit_kl(
+            processed_logprobs(logits, sampling.temperature),
+            processed_logprobs(exit_logits, sampling.temperature),
+            batch.mask,
+        )
+        loss = loss + aux_coef * exit_kl
     optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
+    loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -100,6 +120,7 @@ def train_step(
         "learner/is_truncated_frac": float(out.is_truncated_frac),
         "learner/abs_log_ratio_behaviour": float(out.abs_log_ratio_behaviour),
         "learner/grad_norm": float(grad_norm),
+        "spec/exit_kl": float(exit_kl.detach()),
     }
 
 
@@ -205,7 +226,13 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
             # Phase 2: one optimizer step.
             batch = collate(groups, state.version, state.tokenizer.pad_id, device)
             step_metrics = train_step(
-                state.model, state.optimizer, batch, cfg.learner, cfg.sampling, state.ref_model
+                state.model,
+                state.optimizer,
+                batch,
+                cfg.learner,
+                cfg.sampling,
+                state.ref_model,
+                cfg.spec,
             )
             state.step += 1
             t2 = time.perf_counter()
@@ -254,7 +281,14 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
 def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
     lengths = batch.mask.sum(dim=-1)
     finished = [c.finished for g in groups for c in g.completions]
+    # Rollout figures the actors attached to each group (e.g. spec/acceptance_rate), averaged.
+    rollout_keys = {k for g in groups for k in g.stats if k.startswith("spec/")}
+    rollout = {
+        k: sum(g.stats[k] for g in groups if k in g.stats) / sum(k in g.stats for g in groups)
+        for k in sorted(rollout_keys)
+    }
     return {
+        **rollout,
         "learner/reward_mean": float(batch.rewards.mean()),
         "learner/reward_max": float(batch.rewards.max()),
         "learner/staleness_mean": float(batch.staleness.float().mean()),

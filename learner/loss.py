@@ -93,3 +93,19 @@ def ppo_clip_loss(
         is_truncated_frac=is_truncated_frac,
         abs_log_ratio_behaviour=abs_lr,
     )
+
+
+def early_exit_kl(
+    full_logprobs: torch.Tensor,  # [B, T, V] log p of the full model (processed, no top-p)
+    exit_logprobs: torch.Tensor,  # [B, T, V] log q of the early exit, same processing
+    mask: torch.Tensor,  # [B, T]
+) -> torch.Tensor:
+    """Draft co-training loss: token-mean KL(p_full || q_exit) with the full model detached.
+
+    Only the early exit learns from it (the target is detached), so the same optimizer step that
+    moves the policy pulls its own draft after it; acceptance min(1, p/q) rises as q nears p.
+    """
+    p = full_logprobs.detach()
+    kl = (p.exp() * (p - exit_logprobs)).sum(dim=-1)  # [B, T]
+    mask = mask.float()
+    return (kl * mask).sum() / mask.sum().clamp(min=1.0)

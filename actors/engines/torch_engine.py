@@ -1,24 +1,71 @@
-"""Rollout engine on the repository's own transformer: batched sampling with a per-row KV cache."""
+"""Rollout engine on the repository's own transformer: batched sampling with a per-row KV cache,
+plain or self-speculative (early-exit or n-gram drafts verified by the full model)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from actors.drafting import EarlyExitDrafter, NgramDrafter
 from actors.engines.rollout_engine import Rollout
+from actors.speculative import rejection_sample
+from common.config import SpecConfig
 from common.model import KVCache, Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
 
+@dataclass
+class _Rows:
+    """Per-row generation state; index i of every list is original row i."""
+
+    prompts: list[list[int]]
+    budget: int
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens = [[] for _ in self.prompts]
+        self.logprobs = [[] for _ in self.prompts]
+        self.finished = [False] * len(self.prompts)
+
+    def emit(self, row: int, tokens: Sequence[int], logprobs: Sequence[float], eos_id: int) -> bool:
+        """Append tokens up to EOS or the budget; True when the row is done."""
+        for token, lp in zip(tokens, logprobs, strict=True):
+            self.tokens[row].append(int(token))
+            self.logprobs[row].append(float(lp))
+            if token == eos_id:
+                self.finished[row] = True
+                return True
+            if len(self.tokens[row]) >= self.budget:
+                return True
+        return False
+
+
+@dataclass
+class _Counters:
+    tokens: int = 0
+    full_forwards: int = 0
+    draft_layer_passes: int = 0
+    verify_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    gen_time_s: float = 0.0
+
+
 class TorchEngine:
-    """Plain autoregressive sampling: one full forward pass per generated token.
+    """Batched rollouts; ``spec.method`` picks plain decoding or a self-speculative drafter.
 
     Rows are right-padded prompts with their own positions; the cache is written at each row's
-    position before it is attended to, so pads are overwritten by real tokens before anyone sees
-    them. Finished rows leave the batch (``KVCache.select_rows``) so the others do not wait on them.
+    position before it is attended to, so pads and rejected drafts are overwritten by real tokens
+    before anyone sees them, and every row accepts its own number of tokens per step without
+    re-padding. Finished rows leave the batch (``KVCache.select_rows``).
     """
 
     def __init__(
@@ -30,6 +77,7 @@ class TorchEngine:
         top_p: float = 1.0,
         seed: int = 0,
         version: int = -1,
+        spec: SpecConfig | None = None,
     ) -> None:
         self.model = model.eval()
         self.eos_id = eos_id
@@ -37,11 +85,20 @@ class TorchEngine:
         self.temperature = temperature
         self.top_p = top_p
         self.version = version
+        self.spec = spec or SpecConfig()
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._tokens = 0
-        self._forwards = 0
-        self._gen_time_s = 0.0
+        self.early_exit = (
+            EarlyExitDrafter(model, self.spec.exit_layer)
+            if self.spec.method == "early_exit"
+            else None
+        )
+        self.ngram = (
+            NgramDrafter(self.spec.ngram_max_n, self.spec.ngram_min_n)
+            if self.spec.method == "ngram"
+            else None
+        )
+        self._c = _Counters()
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(dict(state_dict), strict=True)
@@ -52,77 +109,202 @@ class TorchEngine:
         self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int
     ) -> list[list[Rollout]]:
         started = time.perf_counter()
-        rows = [list(p) for p in prompts for _ in range(n)]
-        batch = len(rows)
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)  # [B]
-        if int(lengths.min()) < 1:
+        rows = _Rows([list(p) for p in prompts for _ in range(n)], max_new_tokens)
+        batch = len(rows.prompts)
+        if min(len(p) for p in rows.prompts) < 1:
             raise ValueError("every prompt needs at least one token")
+        lengths = torch.tensor([len(p) for p in rows.prompts], device=self.device)  # [B]
         max_prompt = int(lengths.max())
+        # Speculative steps write up to k slots past the last kept token.
+        cache = KVCache(
+            self.model.args,
+            batch,
+            max_prompt + max_new_tokens + self.spec.k + 1,
+            device=self.device,
+        )
+
+        # Prefill every prompt, then sample the first token of each row.
         input_ids = torch.full(
             (batch, max_prompt), self.pad_id, dtype=torch.long, device=self.device
         )
-        for i, r in enumerate(rows):
-            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        for i, p in enumerate(rows.prompts):
+            input_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         positions = torch.arange(max_prompt, device=self.device).expand(batch, -1)  # [B, P]
+        logits = self.model(input_ids, positions, cache)[torch.arange(batch), lengths - 1]  # [B, V]
+        self._c.full_forwards += 1
+        tokens, token_lp = sample_tokens(
+            processed_logprobs(logits, self.temperature, self.top_p), self.generator
+        )
+        active = torch.arange(batch, device=self.device)  # original row of each cache row
+        emitted = [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
+        active, last, pos = self._advance(rows, cache, active, emitted, tokens, lengths)
 
-        cache = KVCache(self.model.args, batch, max_prompt + max_new_tokens, device=self.device)
-        logits = self.model(input_ids, positions, cache)  # [B, P, V]
-        self._forwards += 1
-        next_logits = logits[torch.arange(batch), lengths - 1]  # [B, V]
+        while len(active):
+            if self.early_exit is not None:
+                emitted = self._early_exit_step(cache, last, pos)
+            elif self.ngram is not None:
+                emitted = self._ngram_step(rows, cache, active, last, pos)
+            else:
+                emitted = self._plain_step(cache, last, pos)
+            new_last = torch.tensor([e[0][-1] for e in emitted], device=self.device)
+            advance = torch.tensor([len(e[0]) for e in emitted], device=self.device)
+            active, last, pos = self._advance(rows, cache, active, emitted, new_last, pos + advance)
 
-        out_tokens: list[list[int]] = [[] for _ in range(batch)]
-        out_logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finished = [False] * batch
-        active = torch.arange(batch, device=self.device)  # original row index of each cache row
-        pos = lengths.clone()  # [B_active] position of the next token
+        if self.ngram is not None:
+            for prompt, completion in zip(rows.prompts, rows.tokens, strict=True):
+                self.ngram.remember(_prompt_key(prompt), prompt + completion)
+        self._c.gen_time_s += time.perf_counter() - started
+        return self._rollouts(rows, len(prompts), n)
 
-        for step in range(max_new_tokens):
-            lp = processed_logprobs(next_logits, self.temperature, self.top_p)
-            tokens, token_lp = sample_tokens(lp, self.generator)
-            tokens_l, lp_l = tokens.tolist(), token_lp.tolist()
-            keep: list[int] = []
-            for j, row in enumerate(active.tolist()):
-                out_tokens[row].append(tokens_l[j])
-                out_logprobs[row].append(lp_l[j])
-                if tokens_l[j] == self.eos_id:
-                    finished[row] = True
-                else:
-                    keep.append(j)
-            self._tokens += len(tokens_l)
-            if not keep or step == max_new_tokens - 1:
-                break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, device=self.device)
-                cache.select_rows(idx)
-                active, tokens, pos = active[idx], tokens[idx], pos[idx]
-            next_logits = self.model(tokens.unsqueeze(-1), pos.unsqueeze(-1), cache)[:, -1]
-            self._forwards += 1
-            pos = pos + 1
+    # ------------------------------------------------------------------ decoding steps
 
-        self._gen_time_s += time.perf_counter() - started
+    def _plain_step(self, cache: KVCache, last: torch.Tensor, pos: torch.Tensor) -> list:
+        logits = self.model(last[:, None], pos[:, None], cache)[:, 0]  # [B, V]
+        self._c.full_forwards += 1
+        tokens, token_lp = sample_tokens(
+            processed_logprobs(logits, self.temperature, self.top_p), self.generator
+        )
+        return [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
+
+    def _early_exit_step(self, cache: KVCache, last: torch.Tensor, pos: torch.Tensor) -> list:
+        assert self.early_exit is not None
+        k = self.spec.k
+        draft = self.early_exit.draft(
+            last, pos, cache, k, self.temperature, self.top_p, self.generator
+        )
+        target = processed_logprobs(
+            self.early_exit.verify_logits(draft, pos, cache), self.temperature, self.top_p
+        )  # [B, K+1, V]
+        self._c.draft_layer_passes += (k + 1) * self.early_exit.exit_layer
+        self._c.full_forwards += 1
+        result = rejection_sample(target, draft.tokens, draft.logprobs, generator=self.generator)
+        num_drafts = torch.full_like(result.accepted, k)
+        return self._spec_emitted(result, num_drafts)
+
+    def _ngram_step(
+        self,
+        rows: _Rows,
+        cache: KVCache,
+        active: torch.Tensor,
+        last: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> list:
+        assert self.ngram is not None
+        originals = active.tolist()
+        drafts = self.ngram.propose(
+            [rows.prompts[r] + rows.tokens[r] for r in originals],
+            [_prompt_key(rows.prompts[r]) for r in originals],
+            self.spec.k,
+        )
+        k = max(len(d) for d in drafts)
+        if k == 0:
+            return self._plain_step(cache, last, pos)
+        draft_tokens = torch.full(
+            (len(drafts), k), self.pad_id, dtype=torch.long, device=self.device
+        )
+        for i, d in enumerate(drafts):
+            draft_tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+        num_drafts = torch.tensor([len(d) for d in drafts], device=self.device)
+        inputs = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K+1]
+        positions = pos[:, None] + torch.arange(k + 1, device=self.device)
+        target = processed_logprobs(
+            self.model(inputs, positions, cache), self.temperature, self.top_p
+        )  # [B, K+1, V]
+        self._c.full_forwards += 1
+        result = rejection_sample(target, draft_tokens, None, num_drafts, generator=self.generator)
+        return self._spec_emitted(result, num_drafts)
+
+    def _spec_emitted(self, result, num_drafts: torch.Tensor) -> list:
+        """Per-row (tokens, logprobs) from a SpecResult, and the acceptance counters."""
+        self._c.verify_steps += len(num_drafts)
+        accepted = result.accepted.tolist()
+        proposed = num_drafts.tolist()
+        kmax = max(proposed) if proposed else 0
+        if len(self._c.proposed_at) < kmax:
+            grow = kmax - len(self._c.proposed_at)
+            self._c.proposed_at += [0] * grow
+            self._c.accepted_at += [0] * grow
+        for a, m in zip(accepted, proposed, strict=True):
+            self._c.proposed += m
+            self._c.accepted += a
+            for i in range(m):
+                self._c.proposed_at[i] += 1
+                self._c.accepted_at[i] += int(a > i)
+        emitted_n = result.num_emitted.tolist()
+        tokens = result.tokens.tolist()
+        logprobs = result.logprobs.tolist()
+        return [
+            (tokens[b][: emitted_n[b]], logprobs[b][: emitted_n[b]]) for b in range(len(accepted))
+        ]
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _advance(
+        self,
+        rows: _Rows,
+        cache: KVCache,
+        active: torch.Tensor,
+        emitted: list,
+        last: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Record emitted tokens; drop finished rows from the batch and the cache."""
+        keep = []
+        for j, row in enumerate(active.tolist()):
+            tokens, logprobs = emitted[j]
+            before = len(rows.tokens[row])
+            done = rows.emit(row, tokens, logprobs, self.eos_id)
+            self._c.tokens += len(rows.tokens[row]) - before
+            if not done:
+                keep.append(j)
+        if len(keep) < len(active):
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            cache.select_rows(idx)
+            active, last, pos = active[idx], last[idx], pos[idx]
+        return active, last, pos
+
+    def _rollouts(self, rows: _Rows, num_prompts: int, n: int) -> list[list[Rollout]]:
         results: list[list[Rollout]] = []
-        for i in range(len(prompts)):
+        for i in range(num_prompts):
             group = []
             for j in range(n):
                 row = i * n + j
-                t = len(out_tokens[row])
+                t = len(rows.tokens[row])
                 group.append(
                     Rollout(
-                        token_ids=np.asarray(out_tokens[row], dtype=np.int32),
-                        behaviour_logprobs=np.asarray(out_logprobs[row], dtype=np.float32),
+                        token_ids=np.asarray(rows.tokens[row], dtype=np.int32),
+                        behaviour_logprobs=np.asarray(rows.logprobs[row], dtype=np.float32),
                         token_versions=np.full(t, self.version, dtype=np.int32),
-                        finished=finished[row],
+                        finished=rows.finished[row],
                     )
                 )
             results.append(group)
         return results
 
     def stats(self) -> dict[str, float]:
+        """Counters since the last call (then reset): throughput and acceptance figures."""
+        c = self._c
         out = {
-            "actor/tokens": float(self._tokens),
-            "actor/forward_passes": float(self._forwards),
-            "actor/gen_time_s": self._gen_time_s,
-            "actor/tokens_per_s": self._tokens / self._gen_time_s if self._gen_time_s else 0.0,
+            "actor/tokens": float(c.tokens),
+            "actor/forward_passes": float(c.full_forwards),
+            "actor/gen_time_s": c.gen_time_s,
+            "actor/tokens_per_s": c.tokens / c.gen_time_s if c.gen_time_s else 0.0,
+            "spec/forwards_per_token": c.full_forwards / c.tokens if c.tokens else 0.0,
         }
-        self._tokens, self._forwards, self._gen_time_s = 0, 0, 0.0
+        if self.spec.method != "none":
+            out["spec/acceptance_rate"] = c.accepted / c.proposed if c.proposed else 0.0
+            # Tokens emitted per verification: accepted drafts + the one sampled token.
+            out["spec/mean_accepted_len"] = (
+                (c.accepted + c.verify_steps) / c.verify_steps if c.verify_steps else 0.0
+            )
+            out["spec/draft_layer_passes_per_token"] = (
+                c.draft_layer_passes / c.tokens if c.tokens else 0.0
+            )
+            for i, (p, a) in enumerate(zip(c.proposed_at, c.accepted_at, strict=True)):
+                out[f"spec/acceptance_pos{i + 1}"] = a / p if p else 0.0
+        self._c = _Counters()
         return out
+
+
+def _prompt_key(prompt: Sequence[int]) -> str:
+    return ",".join(map(str, prompt))

@@ -326,3 +326,24 @@ def test_init_is_deterministic():
     init_weights(b, seed=7)
     for name, t in a.state_dict().items():
         assert torch.equal(t, b.state_dict()[name]), name
+
+
+def test_split_layer_execution_equals_forward():
+    # Early-exit drafting runs layers [0, E) and verification resumes at E: the split must be exact.
+    torch.manual_seed(0)
+    args = ModelArgs(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = Transformer(args).eval()
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.no_grad():
+        x = model.model.embed_tokens(ids)
+        h = model.run_layers(x, None, None, 0, 1)
+        split = model.head(model.run_layers(h, None, None, 1, 4))
+        torch.testing.assert_close(split, model(ids))
+        torch.testing.assert_close(model.head(h), model(ids, num_layers=1))

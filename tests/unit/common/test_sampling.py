@@ -51,3 +51,11 @@ def test_token_logprobs_gathers():
         float(torch.log_softmax(logits[1, 2] / 2.0, -1)[tokens[1, 2]]),
         rel_tol=1e-6,
     )
+
+
+def test_temperature_zero_is_greedy_one_hot():
+    logits = torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]])
+    lp = processed_logprobs(logits, 0.0)
+    assert lp.exp().tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    tokens, token_lp = sample_tokens(lp)
+    assert tokens.tolist() == [1, 0] and token_lp.tolist() == [0.0, 0.0]

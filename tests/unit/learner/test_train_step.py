@@ -133,3 +133,25 @@ def test_checkpoint_round_trip(tmp_path):
     for step in (8, 9, 10):
         save_checkpoint(tmp_path, model, tokenizer, optimizer, TrainerState(step, step, {}))
     assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_00000009", "step_00000010"]
+
+
+def test_early_exit_aux_loss_reduces_exit_divergence():
+    # Equal rewards: no policy gradient, so only the co-training loss moves the weights.
+    from common.config import SpecConfig
+
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    model = tiny_model(tokenizer.vocab_size)
+    cfg = LearnerConfig(lr=3e-3)
+    spec = SpecConfig(method="early_exit", exit_layer=1, aux_coef=1.0)
+    optimizer = make_optimizer(model, cfg)
+    groups = make_groups(tokenizer.vocab_size)
+    for group in groups:
+        for c in group.completions:
+            c.reward = 0.5
+    batch = collate(groups, 0, 0, torch.device("cpu"))
+    kls = [
+        train_step(model, optimizer, batch, cfg, SamplingConfig(), spec=spec)["spec/exit_kl"]
+        for _ in range(30)
+    ]
+    assert kls[0] > 0
+    assert kls[-1] < 0.5 * kls[0], kls

@@ -1,0 +1,138 @@
+"""Draft proposers for self-speculative decoding (DESIGN §2).
+
+- :class:`EarlyExitDrafter`: the policy's own first ``exit_layer`` layers + final norm + LM head
+  draft ``k`` tokens. Their KV-cache slots are the full model's slots for those layers (same
+  weights, same inputs), so verification resumes the drafted hidden states at layer
+  ``exit_layer`` instead of recomputing the early layers.
+- :class:`NgramDrafter`: proposals copied from history — the prompt, the other completions of the
+  same prompt (the GRPO group) and earlier completions of it — by matching the longest suffix of
+  the row's context. Deterministic drafts (q is one-hot), no forward pass.
+
+Both return what the rejection sampler needs; the verify forward and the acceptance rule live in
+the engine and in :mod:`actors.speculative`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.model import KVCache, Transformer
+from common.sampling import processed_logprobs, sample_tokens
+
+
+@dataclass
+class EarlyExitDraft:
+    tokens: torch.Tensor  # [B, K] int64 drafted tokens d_1..d_K
+    logprobs: torch.Tensor  # [B, K, V] processed draft log q at positions 0..K-1
+    hidden: torch.Tensor  # [B, K + 1, H] residual stream after layer E for last token, d_1..d_K
+
+
+class EarlyExitDrafter:
+    """Drafts with the first ``exit_layer`` layers of the policy itself."""
+
+    def __init__(self, model: Transformer, exit_layer: int) -> None:
+        layers = model.args.num_hidden_layers
+        if not 1 <= exit_layer < layers:
+            raise ValueError(
+                f"spec.exit_layer={exit_layer} must be in [1, {layers - 1}] for a "
+                f"{layers}-layer model (the draft must be cheaper than the model)"
+            )
+        self.model = model
+        self.exit_layer = exit_layer
+
+    def draft(
+        self,
+        last_tokens: torch.Tensor,  # [B] tokens not yet in the cache
+        positions: torch.Tensor,  # [B] position of last_tokens
+        cache: KVCache,
+        k: int,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+    ) -> EarlyExitDraft:
+        hidden, tokens, logprobs = [], [], []
+        token = last_tokens
+        for i in range(k + 1):
+            # Layers [0, E) for one token per row; writes their cache slots at positions + i.
+            x = self.model.model.embed_tokens(token[:, None])  # [B, 1, H]
+            h = self.model.run_layers(x, (positions + i)[:, None], cache, 0, self.exit_layer)
+            hidden.append(h)
+            if i == k:
+                break  # the last draft only needs its early layers, for verification
+            q = processed_logprobs(self.model.head(h)[:, 0], temperature, top_p)  # [B, V]
+            token, _ = sample_tokens(q, generator)
+            tokens.append(token)
+            logprobs.append(q)
+        return EarlyExitDraft(
+            tokens=torch.stack(tokens, dim=1),
+            logprobs=torch.stack(logprobs, dim=1),
+            hidden=torch.cat(hidden, dim=1),
+        )
+
+    def verify_logits(
+        self, draft: EarlyExitDraft, positions: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """Full-model logits [B, K+1, V] at positions .. positions+K, resuming at layer E."""
+        k1 = draft.hidden.shape[1]
+        pos = positions[:, None] + torch.arange(k1, device=positions.device)  # [B, K+1]
+        layers = self.model.args.num_hidden_layers
+        return self.model.head(
+            self.model.run_layers(draft.hidden, pos, cache, self.exit_layer, layers)
+        )
+
+
+class NgramDrafter:
+    """Longest-suffix match against the tokens of the same prompt: the rows of the batch that
+    share it (the GRPO group, its own context included) and a bounded memory of earlier
+    completions per prompt (``history_prompts`` prompts kept, LRU, ``per_prompt`` each)."""
+
+    def __init__(self, max_n: int, min_n: int, history_prompts: int = 4096, per_prompt: int = 16):
+        self.max_n = max_n
+        self.min_n = min_n
+        self.history_prompts = history_prompts
+        self.per_prompt = per_prompt
+        self._history: OrderedDict[str, list[list[int]]] = OrderedDict()
+
+    def history(self, prompt_key: str) -> list[list[int]]:
+        return self._history.get(prompt_key, [])
+
+    def remember(self, prompt_key: str, sequence: Sequence[int]) -> None:
+        """Keep a finished prompt + completion as a draft source for later samples of the prompt."""
+        seen = self._history.setdefault(prompt_key, [])
+        self._history.move_to_end(prompt_key)
+        seen.append(list(sequence))
+        del seen[: -self.per_prompt]
+        while len(self._history) > self.history_prompts:
+            self._history.popitem(last=False)
+
+    def propose(
+        self, contexts: Sequence[Sequence[int]], prompt_keys: Sequence[str], k: int
+    ) -> list[list[int]]:
+        """Up to ``k`` draft tokens per row: what followed the longest suffix of the row's context
+        (``max_n`` down to ``min_n`` tokens) in any source of the same prompt."""
+        # One index per step: (prompt, n-gram) -> where it last occurred with a successor. Only
+        # n-grams that have a successor are indexed, so a row's own suffix never matches itself.
+        index: dict[tuple[str, tuple[int, ...]], tuple[Sequence[int], int]] = {}
+        sources: list[tuple[str, Sequence[int]]] = [
+            (key, seq) for key in dict.fromkeys(prompt_keys) for seq in self.history(key)
+        ]
+        sources += list(zip(prompt_keys, contexts, strict=True))
+        for key, seq in sources:
+            for n in range(self.min_n, self.max_n + 1):
+                for start in range(len(seq) - n):
+                    index[(key, tuple(seq[start : start + n]))] = (seq, start + n)
+        drafts = []
+        for key, context in zip(prompt_keys, contexts, strict=True):
+            draft: list[int] = []
+            for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+                hit = index.get((key, tuple(context[-n:])))
+                if hit is not None:
+                    seq, follow = hit
+                    draft = list(seq[follow : follow + k])
+                    break
+            drafts.append(draft)
+        return drafts

@@ -1,0 +1,133 @@
+"""Self-speculative decoding in the torch engine is lossless: greedy outputs equal plain greedy
+decoding, and sampled complete sequences follow the plain sampling distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engines.torch_engine import TorchEngine
+from common.config import SpecConfig
+from common.goodness_of_fit import chi_square_pvalue
+from common.model import ModelArgs, Transformer
+from common.sampling import processed_logprobs
+
+EOS = 2
+METHODS = [
+    SpecConfig(method="none"),
+    SpecConfig(method="early_exit", k=3, exit_layer=1),
+    SpecConfig(method="early_exit", k=2, exit_layer=2),
+    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1),
+]
+
+
+def peaky_model(vocab: int, seed: int, scale: float) -> Transformer:
+    """A random model whose next-token distributions are far from uniform (and far from its own
+    early exit), so a wrong acceptance rule would show in the statistics."""
+    torch.manual_seed(seed)
+    model = Transformer(
+        ModelArgs(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        model.model.embed_tokens.weight.mul_(scale / 2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
+def test_greedy_speculative_equals_greedy_plain(spec):
+    model = peaky_model(vocab=16, seed=0, scale=30.0)
+    prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9], [1, 3]]
+    plain = TorchEngine(model, EOS, 0, temperature=0.0).generate(prompts, 2, 12)
+    engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec)
+    # Twice: the second call also drafts from earlier completions of the same prompts (n-gram).
+    for _ in range(2):
+        fast = engine.generate(prompts, 2, 12)
+        for group_plain, group_fast in zip(plain, fast, strict=True):
+            for a, b in zip(group_plain, group_fast, strict=True):
+                assert a.token_ids.tolist() == b.token_ids.tolist()
+                assert a.finished == b.finished
+    stats = engine.stats()
+    if spec.method != "none":
+        assert stats["spec/acceptance_rate"] > 0, stats
+        assert stats["actor/forward_passes"] < sum(len(r.token_ids) for g in fast for r in g)
+
+
+def exact_sequence_probs(model, prompt, max_new, temperature, top_p, vocab):
+    """P(complete output) for every possible output, by enumeration under plain sampling."""
+    outcomes = {}
+
+    def walk(prefix, logp):
+        seq = torch.tensor([prompt + prefix])
+        with torch.no_grad():
+            lp = processed_logprobs(model(seq)[0, -1], temperature, top_p)
+        for token in range(vocab):
+            if lp[token] == float("-inf"):
+                continue
+            total = logp + float(lp[token])
+            out = (*prefix, token)
+            if token == EOS or len(out) == max_new:
+                outcomes[out] = total
+            else:
+                walk(list(out), total)
+
+    walk([], 0.0)
+    return outcomes
+
+
+@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.3, 1.0), (0.7, 0.9)])
+def test_sampled_sequences_follow_plain_distribution(spec, temperature, top_p):
+    vocab, max_new, n = 6, 3, 6000
+    model = peaky_model(vocab=vocab, seed=1, scale=8.0)
+    prompt = [1, 4, 5, 4]
+    exact = exact_sequence_probs(model, prompt, max_new, temperature, top_p, vocab)
+    keys = sorted(exact)
+    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
+    # Two calls so the n-gram drafter also drafts from earlier completions of the prompt.
+    rollouts = (
+        engine.generate([prompt], n // 2, max_new)[0]
+        + engine.generate([prompt], n // 2, max_new)[0]
+    )
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys))
+    for r in rollouts:
+        counts[index[tuple(r.token_ids.tolist())]] += 1
+    p_value = chi_square_pvalue(counts, probs)
+    assert p_value > 1e-3, f"{spec.method}: p = {p_value:.2e}"
+    if spec.method != "none":
+        assert engine.stats()["spec/acceptance_rate"] > 0.05
+
+
+def test_statistical_check_detects_a_different_distribution():
+    # Negative control: the same check rejects samples from other weights.
+    vocab, max_new = 6, 3
+    model = peaky_model(vocab=vocab, seed=1, scale=8.0)
+    other = peaky_model(vocab=vocab, seed=2, scale=8.0)
+    prompt = [1, 4, 5, 4]
+    exact = exact_sequence_probs(model, prompt, max_new, 1.3, 1.0, vocab)
+    keys = sorted(exact)
+    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    rollouts = TorchEngine(other, EOS, 0, 1.3, seed=5).generate([prompt], 6000, max_new)[0]
+    counts = torch.zeros(len(keys))
+    index = {k: i for i, k in enumerate(keys)}
+    for r in rollouts:
+        counts[index[tuple(r.token_ids.tolist())]] += 1
+    assert chi_square_pvalue(counts, probs) < 1e-6
+
+
+def test_every_outcome_enumerated_once():
+    model = peaky_model(vocab=4, seed=0, scale=1.0)
+    exact = exact_sequence_probs(model, [1], 2, 1.0, 1.0, 4)
+    # Length-1 outputs end in EOS; length-2 outputs are any non-EOS first token then any token.
+    assert len(exact) == 1 + 3 * 4
+    assert sum(torch.tensor(list(exact.values())).exp()) == pytest.approx(1.0, abs=1e-5)
+    assert all(k[-1] == EOS or len(k) == 2 for k in exact)
