@@ -85,27 +85,48 @@ class EarlyExitDrafter:
         )
 
 
+NgramIndex = dict[tuple[int, ...], tuple[Sequence[int], int]]
+"""n-gram -> (source sequence, index of the token that followed its last occurrence)."""
+
+
+def index_ngrams(index: NgramIndex, seq: Sequence[int], min_n: int, max_n: int) -> None:
+    """Add every n-gram of ``seq`` that has a successor; later occurrences overwrite earlier ones.
+    Only n-grams with a successor are indexed, so a row's own suffix never matches itself."""
+    for n in range(min_n, max_n + 1):
+        for start in range(len(seq) - n):
+            index[tuple(seq[start : start + n])] = (seq, start + n)
+
+
 class NgramDrafter:
     """Longest-suffix match against the tokens of the same prompt: the rows of the batch that
     share it (the GRPO group, its own context included) and a bounded memory of earlier
-    completions per prompt (``history_prompts`` prompts kept, LRU, ``per_prompt`` each)."""
+    completions per prompt (``history_prompts`` prompts kept, LRU, the newest ``per_prompt`` to
+    ``2 * per_prompt`` completions each)."""
 
     def __init__(self, max_n: int, min_n: int, history_prompts: int = 4096, per_prompt: int = 16):
         self.max_n = max_n
         self.min_n = min_n
         self.history_prompts = history_prompts
         self.per_prompt = per_prompt
-        self._history: OrderedDict[str, list[list[int]]] = OrderedDict()
+        # prompt key -> (earlier prompt + completion sequences, their n-gram index)
+        self._history: OrderedDict[str, tuple[list[list[int]], NgramIndex]] = OrderedDict()
 
     def history(self, prompt_key: str) -> list[list[int]]:
-        return self._history.get(prompt_key, [])
+        return self._history[prompt_key][0] if prompt_key in self._history else []
 
     def remember(self, prompt_key: str, sequence: Sequence[int]) -> None:
         """Keep a finished prompt + completion as a draft source for later samples of the prompt."""
-        seen = self._history.setdefault(prompt_key, [])
+        seqs, index = self._history.setdefault(prompt_key, ([], {}))
         self._history.move_to_end(prompt_key)
-        seen.append(list(sequence))
-        del seen[: -self.per_prompt]
+        seqs.append(list(sequence))
+        index_ngrams(index, seqs[-1], self.min_n, self.max_n)
+        if len(seqs) > 2 * self.per_prompt:
+            # Amortised eviction: keep the newest per_prompt sequences and re-index them, so old
+            # completions stop proposing drafts without a rebuild on every call.
+            del seqs[: -self.per_prompt]
+            index.clear()
+            for seq in seqs:
+                index_ngrams(index, seq, self.min_n, self.max_n)
         while len(self._history) > self.history_prompts:
             self._history.popitem(last=False)
 
@@ -114,25 +135,25 @@ class NgramDrafter:
     ) -> list[list[int]]:
         """Up to ``k`` draft tokens per row: what followed the longest suffix of the row's context
         (``max_n`` down to ``min_n`` tokens) in any source of the same prompt."""
-        # One index per step: (prompt, n-gram) -> where it last occurred with a successor. Only
-        # n-grams that have a successor are indexed, so a row's own suffix never matches itself.
-        index: dict[tuple[str, tuple[int, ...]], tuple[Sequence[int], int]] = {}
-        sources: list[tuple[str, Sequence[int]]] = [
-            (key, seq) for key in dict.fromkeys(prompt_keys) for seq in self.history(key)
-        ]
-        sources += list(zip(prompt_keys, contexts, strict=True))
-        for key, seq in sources:
-            for n in range(self.min_n, self.max_n + 1):
-                for start in range(len(seq) - n):
-                    index[(key, tuple(seq[start : start + n]))] = (seq, start + n)
+        # Per prompt: an index of the batch rows' n-grams, looked up before the cached index of
+        # earlier completions (the group's current tokens are the freshest evidence).
+        batch_index: dict[str, NgramIndex] = {}
+        for key, context in zip(prompt_keys, contexts, strict=True):
+            index_ngrams(batch_index.setdefault(key, {}), context, self.min_n, self.max_n)
+        empty: NgramIndex = {}
         drafts = []
         for key, context in zip(prompt_keys, contexts, strict=True):
-            draft: list[int] = []
-            for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-                hit = index.get((key, tuple(context[-n:])))
+            history = self._history.get(key)
+            indexes = (batch_index[key], history[1] if history is not None else empty)
+            drafts.append(self._lookup(context, indexes, k))
+        return drafts
+
+    def _lookup(self, context: Sequence[int], indexes: tuple[NgramIndex, ...], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            suffix = tuple(context[-n:])
+            for index in indexes:
+                hit = index.get(suffix)
                 if hit is not None:
                     seq, follow = hit
-                    draft = list(seq[follow : follow + k])
-                    break
-            drafts.append(draft)
-        return drafts
+                    return list(seq[follow : follow + k])
+        return []

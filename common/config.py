@@ -110,6 +110,11 @@ class TaskConfig:
     """Built-in tasks: reward share for a wrong answer's matching positions (0 = exact match only)."""
     max_new_tokens: int = 0
     """Generation budget per completion; 0 = the task's own default."""
+    pool_size: int = 0
+    """Built-in tasks: a fixed training set of this many problems, iterated over epochs (prompts
+    recur, as in RL on a data set); 0 = a fresh random problem every time."""
+    pool_seed: int = 0
+    """Built-in tasks: seed that draws the fixed training set."""
 
     def __post_init__(self) -> None:
         _require(
@@ -130,6 +135,7 @@ class TaskConfig:
         _require(
             self.max_new_tokens >= 0, f"task.max_new_tokens must be >= 0, got {self.max_new_tokens}"
         )
+        _require(self.pool_size >= 0, f"task.pool_size must be >= 0, got {self.pool_size}")
 
 
 @dataclass
@@ -212,8 +218,9 @@ class ActorConfig:
     """Identity on the wire; empty: ``{hostname}-{index}``. A restart appends a fresh incarnation."""
     group_size: int = 8
     """Completions per prompt (G of GRPO)."""
-    prompts_per_batch: int = 8
-    """Prompts generated together in one batch (batch = prompts_per_batch * group_size rows)."""
+    prompts_per_batch: int = 2
+    """Prompts generated together in one batch (batch = prompts_per_batch * group_size rows).
+    Small batches are where speculative decoding pays on a CPU (see README "Rollout speed")."""
     max_batches: int = 0
     """Stop after this many batches (0 = run until stopped)."""
     outbox_max: int = 8

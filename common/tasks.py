@@ -372,6 +372,35 @@ def make_task(name: str, **kwargs: Any) -> Task:
     return task_cls(**kwargs)
 
 
+class PromptPool:
+    """A fixed data set of ``size`` problems drawn once from ``task`` (with ``seed``) and sampled
+    from over and over, as an RL run iterates over its training set for several epochs.
+
+    Prompts then recur, which is what history drafting feeds on: earlier completions of the same
+    prompt are drafts for the next ones.
+    """
+
+    def __init__(self, task: Task, size: int, seed: int = 0) -> None:
+        if size < 1:
+            raise ValueError(f"pool size must be >= 1, got {size}")
+        self.task = task
+        self.name = task.name
+        self.max_new_tokens = task.max_new_tokens
+        self.problems = task.sample(random.Random(seed), size)
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        return [rng.choice(self.problems) for _ in range(n)]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return self.task.reward(problem, completion)
+
+    def demonstration(self, problem: Problem) -> str:
+        return self.task.demonstration(problem)
+
+    def __repr__(self) -> str:
+        return f"PromptPool({self.task!r}, size={len(self.problems)})"
+
+
 def task_from_config(cfg: TaskConfig) -> Task:
     """The task a :class:`~common.config.TaskConfig` describes."""
     if cfg.name == "jsonl":
@@ -386,4 +415,4 @@ def task_from_config(cfg: TaskConfig) -> Task:
     )
     if cfg.max_new_tokens:
         task.max_new_tokens = cfg.max_new_tokens
-    return task
+    return PromptPool(task, cfg.pool_size, cfg.pool_seed) if cfg.pool_size else task

@@ -8,6 +8,7 @@ RL run takes it from there. Deterministic for a seed; well under two minutes on 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import shutil
@@ -125,7 +126,8 @@ def warm_start(
         )
     torch.manual_seed(cfg.run.seed)
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)
-    task = task_from_config(cfg.task)
+    # The warm start stands in for pre-training: the whole task distribution, not the RL pool.
+    task = task_from_config(dataclasses.replace(cfg.task, pool_size=0))
     args = tiny_model_args(cfg, tokenizer, task)
     model = Transformer(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.init_lr, weight_decay=0.0)

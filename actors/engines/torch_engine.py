@@ -123,21 +123,13 @@ class TorchEngine:
             device=self.device,
         )
 
-        # Prefill every prompt, then sample the first token of each row.
-        input_ids = torch.full(
-            (batch, max_prompt), self.pad_id, dtype=torch.long, device=self.device
-        )
-        for i, p in enumerate(rows.prompts):
-            input_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        positions = torch.arange(max_prompt, device=self.device).expand(batch, -1)  # [B, P]
-        logits = self.model(input_ids, positions, cache)[torch.arange(batch), lengths - 1]  # [B, V]
-        self._c.full_forwards += 1
-        tokens, token_lp = sample_tokens(
-            processed_logprobs(logits, self.temperature, self.top_p), self.generator
-        )
         active = torch.arange(batch, device=self.device)  # original row of each cache row
-        emitted = [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
-        active, last, pos = self._advance(rows, cache, active, emitted, tokens, lengths)
+        emitted = self._prefill(rows, cache, lengths)
+        new_last = torch.tensor([e[0][-1] for e in emitted], device=self.device)
+        advance = torch.tensor([len(e[0]) for e in emitted], device=self.device)
+        active, last, pos = self._advance(
+            rows, cache, active, emitted, new_last, lengths + advance - 1
+        )
 
         while len(active):
             if self.early_exit is not None:
@@ -157,6 +149,46 @@ class TorchEngine:
         return self._rollouts(rows, len(prompts), n)
 
     # ------------------------------------------------------------------ decoding steps
+
+    def _prefill(self, rows: _Rows, cache: KVCache, lengths: torch.Tensor) -> list:
+        """Prompts through the model, then the first token(s) of every row.
+
+        With n-gram drafting the prefill doubles as a verification pass: drafts for the start of
+        the completion (copied from earlier completions of the prompt) are appended to each
+        prompt, and the same forward scores them, so a prompt seen before can be answered in one
+        pass.
+        """
+        batch = len(rows.prompts)
+        drafts = [[] for _ in range(batch)]
+        if self.ngram is not None:
+            drafts = self.ngram.propose(
+                rows.prompts, [_prompt_key(p) for p in rows.prompts], self.spec.k
+            )
+        k = max(len(d) for d in drafts)
+        width = max(len(p) + len(d) for p, d in zip(rows.prompts, drafts, strict=True))
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)
+        for i, (p, d) in enumerate(zip(rows.prompts, drafts, strict=True)):
+            input_ids[i, : len(p) + len(d)] = torch.tensor(p + d, dtype=torch.long)
+        positions = torch.arange(width, device=self.device).expand(batch, -1)  # [B, W]
+        logits = self.model(input_ids, positions, cache)  # [B, W, V]
+        self._c.full_forwards += 1
+        # Scores of the first completion token and of each draft: positions len-1 .. len-1+K.
+        at = (lengths - 1)[:, None] + torch.arange(k + 1, device=self.device)  # [B, K+1]
+        at = at.clamp(max=width - 1)  # past a row's drafts: padding the sampler ignores
+        target = processed_logprobs(
+            logits[torch.arange(batch, device=self.device)[:, None], at],
+            self.temperature,
+            self.top_p,
+        )  # [B, K+1, V]
+        if k == 0:
+            tokens, token_lp = sample_tokens(target[:, 0], self.generator)
+            return [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
+        draft_tokens = torch.full((batch, k), self.pad_id, dtype=torch.long, device=self.device)
+        for i, d in enumerate(drafts):
+            draft_tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+        num_drafts = torch.tensor([len(d) for d in drafts], device=self.device)
+        result = rejection_sample(target, draft_tokens, None, num_drafts, generator=self.generator)
+        return self._spec_emitted(result, num_drafts)
 
     def _plain_step(self, cache: KVCache, last: torch.Tensor, pos: torch.Tensor) -> list:
         logits = self.model(last[:, None], pos[:, None], cache)[:, 0]  # [B, V]
