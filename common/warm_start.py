@@ -72,7 +72,7 @@ def tiny_model_args(cfg: SpecRLConfig, tokenizer: Tokenizer, task: Task) -> Mode
     )
 
 
-def _supervised_batch(
+def supervised_batch(
     task: Task, tokenizer: Tokenizer, rng: random.Random, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``BOS prompt demonstration EOS``; loss mask [B, S-1] on the completion only."""
@@ -136,7 +136,7 @@ def warm_start(
     loss_value = float("nan")
     model.train()
     for step in range(cfg.model.init_steps):
-        ids, mask = _supervised_batch(task, tokenizer, rng, cfg.model.init_batch_size)
+        ids, mask = supervised_batch(task, tokenizer, rng, cfg.model.init_batch_size)
         logits = model(ids)[:, :-1]  # [B, S-1, V]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"

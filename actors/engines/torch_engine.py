@@ -114,17 +114,10 @@ class TorchEngine:
         if min(len(p) for p in rows.prompts) < 1:
             raise ValueError("every prompt needs at least one token")
         lengths = torch.tensor([len(p) for p in rows.prompts], device=self.device)  # [B]
-        max_prompt = int(lengths.max())
         # Speculative steps write up to k slots past the last kept token.
-        cache = KVCache(
-            self.model.args,
-            batch,
-            max_prompt + max_new_tokens + self.spec.k + 1,
-            device=self.device,
-        )
-
+        max_len = int(lengths.max()) + max_new_tokens + self.spec.k + 1
+        emitted, cache = self._prefill(rows, lengths, max_len)
         active = torch.arange(batch, device=self.device)  # original row of each cache row
-        emitted = self._prefill(rows, cache, lengths)
         new_last = torch.tensor([e[0][-1] for e in emitted], device=self.device)
         advance = torch.tensor([len(e[0]) for e in emitted], device=self.device)
         active, last, pos = self._advance(
@@ -150,28 +143,38 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ decoding steps
 
-    def _prefill(self, rows: _Rows, cache: KVCache, lengths: torch.Tensor) -> list:
-        """Prompts through the model, then the first token(s) of every row.
+    def _prefill(self, rows: _Rows, lengths: torch.Tensor, max_len: int) -> tuple[list, KVCache]:
+        """Prompts through the model, then the first token(s) of every row; returns the cache.
 
-        With n-gram drafting the prefill doubles as a verification pass: drafts for the start of
-        the completion (copied from earlier completions of the prompt) are appended to each
-        prompt, and the same forward scores them, so a prompt seen before can be answered in one
-        pass.
+        Rows with the same prompt (a GRPO group) are prefilled once and their cache rows copied:
+        the group shares its prefix. With n-gram drafting the prefill doubles as a verification
+        pass: drafts for the start of the completion (copied from earlier completions of the
+        prompt) are appended to the prompt and scored by the same forward, so a prompt answered
+        before can be answered again in one pass.
         """
         batch = len(rows.prompts)
-        drafts = [[] for _ in range(batch)]
+        drafts: list[list[int]] = [[] for _ in range(batch)]
         if self.ngram is not None:
             drafts = self.ngram.propose(
                 rows.prompts, [_prompt_key(p) for p in rows.prompts], self.spec.k
             )
-        k = max(len(d) for d in drafts)
-        width = max(len(p) + len(d) for p, d in zip(rows.prompts, drafts, strict=True))
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)
-        for i, (p, d) in enumerate(zip(rows.prompts, drafts, strict=True)):
-            input_ids[i, : len(p) + len(d)] = torch.tensor(p + d, dtype=torch.long)
-        positions = torch.arange(width, device=self.device).expand(batch, -1)  # [B, W]
-        logits = self.model(input_ids, positions, cache)  # [B, W, V]
+        sequences = [tuple(p + d) for p, d in zip(rows.prompts, drafts, strict=True)]
+        unique = list(dict.fromkeys(sequences))
+        slot = {seq: i for i, seq in enumerate(unique)}
+        inverse = torch.tensor([slot[seq] for seq in sequences], device=self.device)  # [B]
+        width = max(len(seq) for seq in unique)
+        input_ids = torch.full(
+            (len(unique), width), self.pad_id, dtype=torch.long, device=self.device
+        )
+        for i, seq in enumerate(unique):
+            input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        positions = torch.arange(width, device=self.device).expand(len(unique), -1)  # [U, W]
+        cache = KVCache(self.model.args, len(unique), max_len, device=self.device)
+        logits = self.model(input_ids, positions, cache)[inverse]  # [B, W, V]
+        cache.select_rows(inverse)  # one cache row per batch row again
         self._c.full_forwards += 1
+
+        k = max(len(d) for d in drafts)
         # Scores of the first completion token and of each draft: positions len-1 .. len-1+K.
         at = (lengths - 1)[:, None] + torch.arange(k + 1, device=self.device)  # [B, K+1]
         at = at.clamp(max=width - 1)  # past a row's drafts: padding the sampler ignores
@@ -182,13 +185,22 @@ class TorchEngine:
         )  # [B, K+1, V]
         if k == 0:
             tokens, token_lp = sample_tokens(target[:, 0], self.generator)
-            return [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
-        draft_tokens = torch.full((batch, k), self.pad_id, dtype=torch.long, device=self.device)
+            emitted = [
+                ([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)
+            ]
+            return emitted, cache
+        draft_tokens, num_drafts = self._pad_drafts(drafts, k)
+        result = rejection_sample(target, draft_tokens, None, num_drafts, generator=self.generator)
+        return self._spec_emitted(result, num_drafts), cache
+
+    def _pad_drafts(self, drafts: list[list[int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts as [B, K] (padded) and their lengths [B]."""
+        draft_tokens = torch.full(
+            (len(drafts), k), self.pad_id, dtype=torch.long, device=self.device
+        )
         for i, d in enumerate(drafts):
             draft_tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-        num_drafts = torch.tensor([len(d) for d in drafts], device=self.device)
-        result = rejection_sample(target, draft_tokens, None, num_drafts, generator=self.generator)
-        return self._spec_emitted(result, num_drafts)
+        return draft_tokens, torch.tensor([len(d) for d in drafts], device=self.device)
 
     def _plain_step(self, cache: KVCache, last: torch.Tensor, pos: torch.Tensor) -> list:
         logits = self.model(last[:, None], pos[:, None], cache)[:, 0]  # [B, V]
@@ -231,12 +243,7 @@ class TorchEngine:
         k = max(len(d) for d in drafts)
         if k == 0:
             return self._plain_step(cache, last, pos)
-        draft_tokens = torch.full(
-            (len(drafts), k), self.pad_id, dtype=torch.long, device=self.device
-        )
-        for i, d in enumerate(drafts):
-            draft_tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-        num_drafts = torch.tensor([len(d) for d in drafts], device=self.device)
+        draft_tokens, num_drafts = self._pad_drafts(drafts, k)
         inputs = torch.cat([last[:, None], draft_tokens], dim=1)  # [B, K+1]
         positions = pos[:, None] + torch.arange(k + 1, device=self.device)
         target = processed_logprobs(

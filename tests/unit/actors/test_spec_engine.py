@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
+from actors.lossless_check import exact_sequence_logprobs, sequence_pvalue
 from common.config import SpecConfig
 from common.goodness_of_fit import chi_square_pvalue
 from common.model import ModelArgs, Transformer
-from common.sampling import processed_logprobs
 
 EOS = 2
 METHODS = [
@@ -60,48 +60,12 @@ def test_greedy_speculative_equals_greedy_plain(spec):
         assert stats["actor/forward_passes"] < sum(len(r.token_ids) for g in fast for r in g)
 
 
-def exact_sequence_probs(model, prompt, max_new, temperature, top_p, vocab):
-    """P(complete output) for every possible output, by enumeration under plain sampling."""
-    outcomes = {}
-
-    def walk(prefix, logp):
-        seq = torch.tensor([prompt + prefix])
-        with torch.no_grad():
-            lp = processed_logprobs(model(seq)[0, -1], temperature, top_p)
-        for token in range(vocab):
-            if lp[token] == float("-inf"):
-                continue
-            total = logp + float(lp[token])
-            out = (*prefix, token)
-            if token == EOS or len(out) == max_new:
-                outcomes[out] = total
-            else:
-                walk(list(out), total)
-
-    walk([], 0.0)
-    return outcomes
-
-
 @pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.3, 1.0), (0.7, 0.9)])
 def test_sampled_sequences_follow_plain_distribution(spec, temperature, top_p):
-    vocab, max_new, n = 6, 3, 6000
-    model = peaky_model(vocab=vocab, seed=1, scale=8.0)
-    prompt = [1, 4, 5, 4]
-    exact = exact_sequence_probs(model, prompt, max_new, temperature, top_p, vocab)
-    keys = sorted(exact)
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    model = peaky_model(vocab=6, seed=1, scale=8.0)
     engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
-    # Two calls so the n-gram drafter also drafts from earlier completions of the prompt.
-    rollouts = (
-        engine.generate([prompt], n // 2, max_new)[0]
-        + engine.generate([prompt], n // 2, max_new)[0]
-    )
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys))
-    for r in rollouts:
-        counts[index[tuple(r.token_ids.tolist())]] += 1
-    p_value = chi_square_pvalue(counts, probs)
+    p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
     assert p_value > 1e-3, f"{spec.method}: p = {p_value:.2e}"
     if spec.method != "none":
         assert engine.stats()["spec/acceptance_rate"] > 0.05
@@ -109,11 +73,10 @@ def test_sampled_sequences_follow_plain_distribution(spec, temperature, top_p):
 
 def test_statistical_check_detects_a_different_distribution():
     # Negative control: the same check rejects samples from other weights.
-    vocab, max_new = 6, 3
-    model = peaky_model(vocab=vocab, seed=1, scale=8.0)
-    other = peaky_model(vocab=vocab, seed=2, scale=8.0)
-    prompt = [1, 4, 5, 4]
-    exact = exact_sequence_probs(model, prompt, max_new, 1.3, 1.0, vocab)
+    prompt, max_new = [1, 4, 5, 4], 3
+    model = peaky_model(vocab=6, seed=1, scale=8.0)
+    other = peaky_model(vocab=6, seed=2, scale=8.0)
+    exact = exact_sequence_logprobs(model, prompt, max_new, 1.3, 1.0, EOS)
     keys = sorted(exact)
     probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
     rollouts = TorchEngine(other, EOS, 0, 1.3, seed=5).generate([prompt], 6000, max_new)[0]
@@ -126,7 +89,7 @@ def test_statistical_check_detects_a_different_distribution():
 
 def test_every_outcome_enumerated_once():
     model = peaky_model(vocab=4, seed=0, scale=1.0)
-    exact = exact_sequence_probs(model, [1], 2, 1.0, 1.0, 4)
+    exact = exact_sequence_logprobs(model, [1], 2, 1.0, 1.0, EOS)
     # Length-1 outputs end in EOS; length-2 outputs are any non-EOS first token then any token.
     assert len(exact) == 1 + 3 * 4
     assert sum(torch.tensor(list(exact.values())).exp()) == pytest.approx(1.0, abs=1e-5)
