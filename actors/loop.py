@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -17,13 +16,14 @@ from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
 from actors.sender import GroupSender, unique_actor_id
 from common.config import SpecRLConfig
+from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import Transformer
 from common.policy_meta import model_args_from_meta, tokenizer_from_meta
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import Tokenizer, encode_prompt
-from common.weights import VersionWatcher, WeightsError, WeightStore
+from common.weights import VersionWatcher, WeightsError, WeightStore, store_from_config
 
 log = logging.getLogger(__name__)
 
@@ -148,25 +148,10 @@ def submit_until_stopped(sender: GroupSender, group: TrajectoryGroup, should_sto
 def run(cfg: SpecRLConfig) -> ActorStats:
     torch.set_num_threads(cfg.run.torch_threads)
     seed = cfg.run.seed * 1_000 + cfg.actor.index
-    stop = {"requested": False}
-
-    def request_stop(signum: int, _frame: object) -> None:
-        log.info("actor: signal %d, stopping after the current batch", signum)
-        stop["requested"] = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-
-    store = WeightStore(
-        redis.Redis.from_url(cfg.redis.resolved_url()),
-        cfg.run.name,
-        chunk_bytes=cfg.redis.chunk_bytes,
-        retention=cfg.redis.retention,
-    )
+    stop = StopFlag("actor")
+    store = store_from_config(cfg.redis, cfg.run.name)
     watcher = store.watch(poll_interval_s=cfg.redis.poll_interval_s)
-    first = wait_for_first_version(
-        watcher, cfg.actor.wait_version_timeout_s, lambda: stop["requested"]
-    )
+    first = wait_for_first_version(watcher, cfg.actor.wait_version_timeout_s, stop)
     stats = ActorStats()
     if first is None:
         log.error(
@@ -194,7 +179,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
         limits=limits,
     ) as sender:
-        while not stop["requested"]:
+        while not stop():
             if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
                 break
             # Phase 1: pick up the newest weights.
@@ -214,7 +199,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                     for k, v in engine_stats.items()
                     if k in ("actor/tokens_per_s", "spec/acceptance_rate", "spec/mean_accepted_len")
                 }
-                if not submit_until_stopped(sender, group, lambda: stop["requested"]):
+                if not submit_until_stopped(sender, group, stop):
                     break
                 if ledger is not None:
                     ledger.write({"actor_id": actor_id, "seq": group.seq, "event": "submitted"})

@@ -250,6 +250,9 @@ class ActorConfig:
             self.resend_timeout_s > 0,
             f"actor.resend_timeout_s must be > 0, got {self.resend_timeout_s}",
         )
+        for name in ("heartbeat_interval_s", "wait_version_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"actor.{name} must be > 0, got {value}")
 
 
 @dataclass
@@ -271,8 +274,9 @@ class LearnerConfig:
     """Groups with ``learner_version - group.version`` above this are dropped (and counted)."""
     clip_eps: float = 0.2
     """PPO ratio clip."""
-    is_cap: float = 2.0
-    """Truncation of the importance weight pi_prox / pi_behaviour (off-policy correction)."""
+    is_cap: float = 3.0
+    """Dual-clip bound c: for negative advantages the surrogate is bounded below by c * A, which
+    truncates importance ratios pi_theta / pi_behaviour above c (stale-token correction)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to the initial (reference) policy; 0 keeps no reference copy."""
     publish_every: int = 1
@@ -299,7 +303,7 @@ class LearnerConfig:
             self.max_staleness >= 0, f"learner.max_staleness must be >= 0, got {self.max_staleness}"
         )
         _require(0 < self.clip_eps < 1, f"learner.clip_eps must be in (0, 1), got {self.clip_eps}")
-        _require(self.is_cap >= 1, f"learner.is_cap must be >= 1, got {self.is_cap}")
+        _require(self.is_cap > 1, f"learner.is_cap must be > 1, got {self.is_cap}")
         _require(self.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {self.kl_coef}")
         _require(
             self.publish_every >= 1, f"learner.publish_every must be >= 1, got {self.publish_every}"
@@ -307,6 +311,13 @@ class LearnerConfig:
         _require(
             self.checkpoint_every >= 1,
             f"learner.checkpoint_every must be >= 1, got {self.checkpoint_every}",
+        )
+        for name in ("queue_max", "metrics_every"):
+            value = getattr(self, name)
+            _require(value >= 1, f"learner.{name} must be >= 1, got {value}")
+        _require(
+            self.group_timeout_s > 0,
+            f"learner.group_timeout_s must be > 0, got {self.group_timeout_s}",
         )
         _require(
             self.address.startswith(("tcp://", "ipc://")),
@@ -327,6 +338,19 @@ class SpecRLConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+    def __post_init__(self) -> None:
+        uses_exit = self.spec.method == "early_exit" or self.spec.aux_coef > 0
+        # The built-in model's depth is known here; a model.path model is checked when loaded.
+        if uses_exit and not self.model.path:
+            _require(
+                self.spec.exit_layer < self.model.num_layers,
+                f"spec.exit_layer={self.spec.exit_layer} must be below model.num_layers={self.model.num_layers}",
+            )
+        _require(
+            self.task.name != "jsonl" or bool(self.model.path),
+            "task=jsonl needs model.path=HF_DIR (the built-in tiny model only knows built-in tasks)",
+        )
 
 
 def register_configs() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from common.config import SpecRLConfig, load_config
@@ -42,3 +43,23 @@ def setup_logging(level: str, name: str) -> None:
         stream=sys.stderr,
         force=True,
     )
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; loops poll it between phases so a stop never cuts a step in half
+    (the learner checkpoints, the actor flushes its outbox)."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        logging.getLogger(__name__).info(
+            "%s: signal %d, stopping after the current phase", self.who, signum
+        )
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested

@@ -414,6 +414,9 @@ def _group_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> TrajectoryGro
     _check_keys(obj, _GROUP_KEYS, "group")
     prompt_ids = _get_array(obj, "prompt_ids", _TOKEN_DTYPE, limits)  # [P]
     _check_token_ids(prompt_ids, "prompt_ids", limits)
+    if len(prompt_ids) == 0:
+        # A completion is scored from the prompt's last position; without one it has no context.
+        raise ProtocolError("bad_field", "prompt_ids must not be empty")
     completions = obj["completions"]
     if type(completions) is not list:
         raise ProtocolError("bad_field", "completions must be an array")

@@ -27,6 +27,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from common.config import RedisConfig
 from common.protocol import (
     weights_channel,
     weights_chunk_key,
@@ -407,3 +408,13 @@ class VersionWatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def store_from_config(cfg: RedisConfig, run_id: str) -> WeightStore:
+    """The run's weight store on the configured Redis (learner and actors build it the same way)."""
+    return WeightStore(
+        redis.Redis.from_url(cfg.resolved_url()),
+        run_id,
+        chunk_bytes=cfg.chunk_bytes,
+        retention=cfg.retention,
+    )

@@ -1,14 +1,18 @@
-"""Staleness filter between the receiver and the optimizer.
+"""Admission between the receiver and the optimizer: staleness filter and group-shape check.
 
 ``staleness = learner_version - group.version``. A group beyond ``max_staleness`` is dropped and
 counted, never silently: the count is a metric, and a run whose actors cannot keep up shows it.
+A group whose size differs from the run's group size would break GRPO's per-prompt
+normalisation; it is rejected and counted too (a misconfigured or hostile actor must not stop
+the learner).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 from common.metrics import MetricsWriter
 from common.protocol import TrajectoryGroup
@@ -17,12 +21,17 @@ log = logging.getLogger(__name__)
 
 
 class StalenessBuffer:
-    def __init__(self, max_staleness: int, ledger: MetricsWriter | None = None) -> None:
+    def __init__(
+        self, max_staleness: int, group_size: int, ledger: MetricsWriter | None = None
+    ) -> None:
         self.max_staleness = max_staleness
+        self.group_size = group_size
         self.ledger = ledger
-        """When given, one line per group consumed: ``(actor_id, seq)`` and its outcome."""
+        """When given, one line per group with its outcome (stale, rejected, trained, pending)."""
         self.dropped_stale = 0
+        self.rejected = 0
         self.accepted = 0
+        self._carried: deque[TrajectoryGroup] = deque()
 
     def record(self, group: TrajectoryGroup, outcome: str, learner_version: int) -> None:
         if self.ledger is not None:
@@ -36,7 +45,22 @@ class StalenessBuffer:
                 }
             )
 
+    def carry(self, groups: Iterable[TrajectoryGroup]) -> None:
+        """Groups acked before a restart but never trained on: consumed first, re-admitted."""
+        self._carried.extend(groups)
+
     def admit(self, group: TrajectoryGroup, learner_version: int) -> bool:
+        if len(group.completions) != self.group_size:
+            self.rejected += 1
+            self.record(group, "rejected", learner_version)
+            log.warning(
+                "rejected group %s/%d: %d completions, the run's group size is %d",
+                group.actor_id,
+                group.seq,
+                len(group.completions),
+                self.group_size,
+            )
+            return False
         staleness = learner_version - group.version
         if staleness > self.max_staleness:
             self.dropped_stale += 1
@@ -50,7 +74,6 @@ class StalenessBuffer:
             )
             return False
         self.accepted += 1
-        self.record(group, "trained", learner_version)
         return True
 
     def collect(
@@ -59,19 +82,19 @@ class StalenessBuffer:
         n: int,
         learner_version: int,
         timeout_s: float,
-        on_wait: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> list[TrajectoryGroup]:
-        """Pull groups from ``get`` until ``n`` fresh ones are in hand.
+        """Admitted groups until ``n`` are in hand, or fewer if ``should_stop`` turns true.
 
         Raises TimeoutError when no group at all arrives for ``timeout_s``.
         """
         batch: list[TrajectoryGroup] = []
         last_arrival = time.monotonic()
         while len(batch) < n:
-            group = get(0.5)
+            group = self._carried.popleft() if self._carried else get(0.5)
             if group is None:
-                if on_wait is not None:
-                    on_wait()
+                if should_stop():
+                    return batch
                 if time.monotonic() - last_arrival > timeout_s:
                     raise TimeoutError(
                         f"no trajectory group for {timeout_s:.0f}s (have {len(batch)}/{n}); "
@@ -82,3 +105,7 @@ class StalenessBuffer:
             if self.admit(group, learner_version):
                 batch.append(group)
         return batch
+
+    def pending(self) -> list[TrajectoryGroup]:
+        """Carried groups not consumed yet (they go back into the checkpoint)."""
+        return list(self._carried)

@@ -2,8 +2,10 @@
 
 Layout of ``{root}/step_{N:08d}/``: ``config.json`` and ``model.safetensors`` (so ``transformers``
 and vLLM open the directory as is), the tokenizer files, ``optimizer.safetensors`` (AdamW moments
-by parameter name) and ``trainer_state.json``. The directory is written under a temporary name and
-renamed, so a crash never leaves a half-written checkpoint that resume would pick up. No pickle.
+by parameter name), ``trainer_state.json`` and ``pending_groups.msgpack`` (groups the learner
+acked but had not trained on: acked means the actor forgot them, so they must survive a restart).
+The directory is written under a temporary name and renamed, so a crash never leaves a
+half-written checkpoint that resume would pick up. No pickle: groups are wire frames.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 from safetensors.torch import load_file, save_file
 
 from common.model import Transformer, load_pretrained, save_pretrained
+from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.tokenizer import Tokenizer
 
 STATE_FILE = "trainer_state.json"
+PENDING_FILE = "pending_groups.msgpack"
 OPTIMIZER_FILE = "optimizer.safetensors"
 PREFIX = "step_"
 
@@ -41,6 +46,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: TrainerState,
     keep: int = 2,
+    pending: list[TrajectoryGroup] | None = None,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.step:08d}"
@@ -61,9 +67,17 @@ def save_checkpoint(
             }
         )
     )
+    (tmp / PENDING_FILE).write_bytes(msgpack.packb([encode(g) for g in pending or []]))
     if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+        # Swap, never delete-then-rename: a crash between the two must not lose the checkpoint.
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     return final
@@ -79,6 +93,20 @@ def list_checkpoints(root: Path) -> list[Path]:
 def latest_checkpoint(root: Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def load_pending(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
+    """The groups a checkpoint carried over (validated like any frame off the wire)."""
+    file = path / PENDING_FILE
+    if not file.is_file():
+        return []
+    groups = []
+    for frame in msgpack.unpackb(file.read_bytes(), raw=False):
+        message = decode(frame, limits)
+        if not isinstance(message, TrajectoryGroup):
+            raise ValueError(f"{file}: expected trajectory groups, found {type(message).__name__}")
+        groups.append(message)
+    return groups
 
 
 def load_checkpoint(

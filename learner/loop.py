@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import copy
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
 import torch
 
 from common.config import LearnerConfig, SamplingConfig, SpecConfig, SpecRLConfig
+from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import Transformer, load_pretrained
-from common.protocol import DecodeLimits
+from common.protocol import DecodeLimits, TrajectoryGroup
 from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.warm_start import ensure_model
-from common.weights import WeightStore
+from common.weights import store_from_config
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import (
     TrainerState,
     latest_checkpoint,
     load_checkpoint,
+    load_pending,
     restore_optimizer,
     save_checkpoint,
 )
@@ -34,10 +34,6 @@ from learner.publisher import Publisher
 from learner.receiver import GroupReceiver
 
 log = logging.getLogger(__name__)
-
-
-class StopRequested(Exception):
-    """SIGTERM/SIGINT arrived: finish cleanly (checkpoint, close sockets)."""
 
 
 @dataclass
@@ -50,6 +46,8 @@ class LearnerState:
     version: int
     dedupe: dict
     """Receiver dedupe state restored from the checkpoint (empty on a fresh start)."""
+    pending: list[TrajectoryGroup]
+    """Groups acked before the restart but never trained on (from the checkpoint)."""
 
 
 def train_step(
@@ -61,36 +59,44 @@ def train_step(
     ref_model: Transformer | None = None,
     spec: SpecConfig | None = None,
 ) -> dict[str, float]:
-    """One optimizer step of the decoupled PPO-clip objective on GRPO advantages, plus the
-    early-exit co-training loss when ``spec.aux_coef > 0``."""
+    """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
+    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0``."""
     model.train()
     valid = batch.mask > 0
     aux_coef = spec.aux_coef if spec is not None else 0.0
     num_layers = model.args.num_hidden_layers
     x = model.model.embed_tokens(batch.input_ids)  # [B, S, H]
     if aux_coef > 0:
-        exit_layer = min(spec.exit_layer, num_layers)
+        exit_layer = spec.exit_layer
+        if not 1 <= exit_layer < num_layers:
+            raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {num_layers - 1}]")
         h_exit = model.run_layers(x, None, None, 0, exit_layer)
         logits = model.head(model.run_layers(h_exit, None, None, exit_layer, num_layers))[:, :-1]
         exit_logits = model.head(h_exit)[:, :-1]  # [B, S-1, V]
     else:
         logits = model.head(model.run_layers(x, None, None, 0, num_layers))[:, :-1]  # [B, S-1, V]
     logprobs = token_logprobs(logits, batch.targets, sampling.temperature, sampling.top_p)
-    # Padding targets may sit outside the nucleus (-inf); zero them so no NaN reaches the loss.
-    logprobs = logprobs.masked_fill(~valid, 0.0)  # [B, S-1]
     ref_logprobs = None
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad():
-            ref_logits = ref_model(batch.input_ids)[:, :-1]
             ref_logprobs = token_logprobs(
-                ref_logits, batch.targets, sampling.temperature, sampling.top_p
-            ).masked_fill(~valid, 0.0)
+                ref_model(batch.input_ids)[:, :-1],
+                batch.targets,
+                sampling.temperature,
+                sampling.top_p,
+            )
+    # With top-p < 1 a sampled token can fall outside the current (or reference) nucleus: its
+    # log-prob is -inf and the ratio undefined. Such tokens leave the loss and are counted.
+    usable = valid & torch.isfinite(logprobs)
+    if ref_logprobs is not None:
+        usable &= torch.isfinite(ref_logprobs)
+        ref_logprobs = ref_logprobs.masked_fill(~usable, 0.0)
+    logprobs = logprobs.masked_fill(~usable, 0.0)  # [B, S-1]
     out = ppo_clip_loss(
         logprobs=logprobs,
-        prox_logprobs=logprobs.detach(),
         behaviour_logprobs=batch.behaviour_logprobs,
         advantages=batch.advantages,
-        mask=batch.mask,
+        mask=usable.float(),
         clip_eps=cfg.clip_eps,
         is_cap=cfg.is_cap,
         ref_logprobs=ref_logprobs,
@@ -116,9 +122,10 @@ def train_step(
         "learner/pg_loss": float(out.pg_loss),
         "learner/kl": float(out.kl),
         "learner/clip_frac": float(out.clip_frac),
-        "learner/is_weight_mean": float(out.is_weight_mean),
-        "learner/is_truncated_frac": float(out.is_truncated_frac),
-        "learner/abs_log_ratio_behaviour": float(out.abs_log_ratio_behaviour),
+        "learner/truncated_frac": float(out.truncated_frac),
+        "learner/ratio_mean": float(out.ratio_mean),
+        "learner/abs_log_ratio": float(out.abs_log_ratio),
+        "learner/outside_nucleus_frac": float(1.0 - usable.sum() / valid.sum().clamp(min=1)),
         "learner/grad_norm": float(grad_norm),
         "spec/exit_kl": float(exit_kl.detach()),
     }
@@ -136,19 +143,37 @@ def setup(cfg: SpecRLConfig, checkpoint_root: Path, device: torch.device) -> Lea
         tokenizer = load_tokenizer(ckpt)
         optimizer = make_optimizer(model, cfg.learner)
         restore_optimizer(model, optimizer, opt_tensors, param_groups)
+        pending = load_pending(ckpt, DecodeLimits(vocab_size=model.args.vocab_size))
         step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
-        log.info("resumed from %s (step %d, version %d)", ckpt, step, version)
+        log.info(
+            "resumed from %s (step %d, version %d, %d groups carried over)",
+            ckpt,
+            step,
+            version,
+            len(pending),
+        )
     else:
         model_dir = ensure_model(cfg)
         model = load_pretrained(model_dir, device=device)
         tokenizer = load_tokenizer(model_dir)
         optimizer = make_optimizer(model, cfg.learner)
-        step, version, dedupe = 0, -1, {}
+        step, version, dedupe, pending = 0, -1, {}, []
     ref_model = None
     if cfg.learner.kl_coef > 0:
         # The reference is the policy the run started from (the checkpoint's, after a resume).
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    return LearnerState(model, tokenizer, optimizer, ref_model, step, version, dedupe)
+    return LearnerState(model, tokenizer, optimizer, ref_model, step, version, dedupe, pending)
+
+
+def read_version_mark(path: Path) -> int:
+    """Highest version this run ever published (-1 if none), kept beside the checkpoints."""
+    return int(path.read_text()) if path.is_file() else -1
+
+
+def write_version_mark(path: Path, version: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(version))
+    tmp.replace(path)
 
 
 def run(cfg: SpecRLConfig) -> dict[str, float]:
@@ -159,28 +184,25 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     checkpoint_root = run_dir / "checkpoints"
-
-    stop = {"requested": False}
-
-    def request_stop(signum: int, _frame: object) -> None:
-        log.info("learner: signal %d, stopping after the current step", signum)
-        stop["requested"] = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    version_mark = run_dir / "published_version"
+    stop = StopFlag("learner")
 
     state = setup(cfg, checkpoint_root, device)
-    store = WeightStore(
-        redis.Redis.from_url(cfg.redis.resolved_url()),
-        cfg.run.name,
-        chunk_bytes=cfg.redis.chunk_bytes,
-        retention=cfg.redis.retention,
-    )
-    # Versions only grow, across restarts too: continue after whatever Redis already holds.
+    store = store_from_config(cfg.redis, cfg.run.name)
+    # Versions only grow, across restarts too: continue after the newest of the checkpoint, what
+    # Redis holds, and what this run ever published (a private Redis may have lost everything).
     latest = store.latest_version()
-    state.version = max(state.version, latest if latest is not None else -1) + 1
+    state.version = (
+        max(state.version, latest if latest is not None else -1, read_version_mark(version_mark))
+        + 1
+    )
     publisher = Publisher(store, state.model, state.tokenizer)
-    publisher.publish(state.version)
+
+    def publish() -> None:
+        publisher.publish(state.version)
+        write_version_mark(version_mark, state.version)
+
+    publish()
     log.info(
         "learner: published version %d; waiting for actors at %s",
         state.version,
@@ -189,30 +211,33 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
     ledger = MetricsWriter(run_dir / "ledger" / "learner.jsonl") if cfg.run.ledger else None
-    buffer = StalenessBuffer(cfg.learner.max_staleness, ledger)
+    buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, ledger)
+    buffer.carry(state.pending)
     limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
     receiver = GroupReceiver(cfg.learner.resolved_bind(), limits, queue_max=cfg.learner.queue_max)
     trainer = TrainerState(step=state.step, version=state.version)
     last: dict[str, float] = {}
 
-    def check_stop() -> None:
-        if stop["requested"]:
-            raise StopRequested
-
-    def checkpoint() -> None:
+    def checkpoint(pending: list[TrajectoryGroup]) -> None:
         trainer.step, trainer.version = state.step, state.version
         trainer.dedupe = receiver.dedupe_state()
         trainer.metrics = {k: v for k, v in last.items() if isinstance(v, int | float)}
         path = save_checkpoint(
-            checkpoint_root, state.model, state.tokenizer, state.optimizer, trainer
+            checkpoint_root,
+            state.model,
+            state.tokenizer,
+            state.optimizer,
+            trainer,
+            pending=[*buffer.pending(), *pending],
         )
         log.info("learner: checkpoint %s", path)
 
     receiver.load_dedupe_state(state.dedupe)
     receiver.start()
     wall_start = time.perf_counter()
+    unfinished: list[TrajectoryGroup] = []
     try:
-        while state.step < cfg.run.steps:
+        while state.step < cfg.run.steps and not stop():
             # Phase 1: collect fresh groups (stale ones are dropped and counted).
             t0 = time.perf_counter()
             groups = buffer.collect(
@@ -220,8 +245,11 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 cfg.learner.groups_per_step,
                 state.version,
                 cfg.learner.group_timeout_s,
-                on_wait=check_stop,
+                should_stop=stop,
             )
+            if len(groups) < cfg.learner.groups_per_step:
+                unfinished = groups  # a stop came first: keep them for the next run
+                break
             t1 = time.perf_counter()
             # Phase 2: one optimizer step.
             batch = collate(groups, state.version, state.tokenizer.pad_id, device)
@@ -234,12 +262,14 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 state.ref_model,
                 cfg.spec,
             )
+            for group in groups:
+                buffer.record(group, "trained", state.version)
             state.step += 1
             t2 = time.perf_counter()
             # Phase 3: publish the new policy.
             if state.step % cfg.learner.publish_every == 0:
                 state.version += 1
-                publisher.publish(state.version)
+                publish()
             t3 = time.perf_counter()
             # Phase 4: log.
             last = {
@@ -250,6 +280,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 **_actor_metrics(receiver),
                 **receiver.stats(),
                 "learner/dropped_stale": buffer.dropped_stale,
+                "learner/rejected_groups": buffer.rejected,
                 "learner/wait_s": t1 - t0,
                 "learner/train_s": t2 - t1,
                 "learner/publish_s": t3 - t2,
@@ -259,16 +290,15 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 metrics.write(last)
             # Phase 5: checkpoint.
             if state.step % cfg.learner.checkpoint_every == 0:
-                checkpoint()
-            check_stop()
-    except StopRequested:
-        log.info("learner: stop requested at step %d", state.step)
+                checkpoint([])
     finally:
         receiver.close()
-        # Acked on receipt but never trained on; recorded so the ledger accounts for every group.
-        while (group := receiver.get(0.0)) is not None:
+        # Acked but not trained on: carried in the checkpoint so a resumed learner trains them
+        # (acked means the actor has forgotten them; this is the only copy).
+        leftover = [*unfinished, *receiver.drain()]
+        for group in [*buffer.pending(), *leftover]:
             buffer.record(group, "pending_at_exit", state.version)
-        checkpoint()
+        checkpoint(leftover)
         metrics.write(
             {"event": "learner_exit", "learner/step": state.step, "learner/version": state.version}
         )

@@ -1,14 +1,15 @@
 """GRPO advantages and the PPO-clip policy loss with truncated importance weights (pure functions).
 
 Terms, defined once:
-- ``behaviour_logprobs``: log pi_behaviour(y_t), recorded by the actor when it sampled y_t (possibly
-  under an older policy version).
-- ``prox_logprobs``: log pi_prox(y_t), the learner's current policy before this optimizer step
-  (detached). The decoupled PPO objective (Hilton et al., 2021) clips the ratio to pi_prox and
-  corrects the behaviour/prox mismatch with an importance weight, which is what makes stale
-  groups usable without letting one stale token blow up the update.
-- ``is_weight = min(pi_prox / pi_behaviour, is_cap)``: truncated importance weight (detached).
-- ``ratio = pi_theta / pi_prox``; the clipped surrogate is ``min(ratio A, clip(ratio) A)``.
+- ``behaviour_logprobs``: log pi_behaviour(y_t), recorded by the actor when it sampled y_t,
+  possibly under an older policy version (asynchronous RL: groups arrive up to
+  ``max_staleness`` versions late).
+- ``ratio = pi_theta(y_t) / pi_behaviour(y_t)``: the importance ratio to the behaviour policy.
+- PPO-clip surrogate: ``min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)``. For ``A > 0`` it stops
+  pushing once the ratio exceeds ``1 + eps``; for ``A < 0`` once it falls below ``1 - eps``.
+- Truncated importance weight (dual clip, Ye et al. 2020): for ``A < 0`` the surrogate is bounded
+  below by ``is_cap * A``, so a stale token that the current policy now finds far more likely than
+  its sampler did cannot dominate the update with an unbounded ratio.
 - ``advantages``: GRPO, rewards normalised within the group of one prompt.
 """
 
@@ -36,17 +37,16 @@ class PolicyLoss:
     pg_loss: torch.Tensor
     kl: torch.Tensor
     clip_frac: torch.Tensor
-    """Share of tokens whose ratio left [1 - eps, 1 + eps] on the side that matters for A."""
-    is_weight_mean: torch.Tensor
-    is_truncated_frac: torch.Tensor
-    """Share of tokens whose importance weight was capped."""
-    abs_log_ratio_behaviour: torch.Tensor
-    """Mean |log pi_prox - log pi_behaviour|: how far the behaviour policy was from the learner's."""
+    """Share of tokens where the clipped branch of the surrogate was taken."""
+    truncated_frac: torch.Tensor
+    """Share of tokens where the dual-clip bound (truncated importance weight) was active."""
+    ratio_mean: torch.Tensor
+    abs_log_ratio: torch.Tensor
+    """Mean |log pi_theta - log pi_behaviour|: how far the behaviour policy is from the learner's."""
 
 
 def ppo_clip_loss(
     logprobs: torch.Tensor,  # [B, T] log pi_theta(y_t), with grad
-    prox_logprobs: torch.Tensor,  # [B, T] log pi_prox(y_t)
     behaviour_logprobs: torch.Tensor,  # [B, T]
     advantages: torch.Tensor,  # [B] one advantage per sequence
     mask: torch.Tensor,  # [B, T] 1 for generated tokens, 0 for padding
@@ -55,21 +55,18 @@ def ppo_clip_loss(
     ref_logprobs: torch.Tensor | None = None,  # [B, T] log pi_ref(y_t), for the KL penalty
     kl_coef: float = 0.0,
 ) -> PolicyLoss:
-    """Token-mean decoupled PPO-clip loss over all generated tokens of the batch."""
+    """Token-mean PPO-clip loss on the ratio to the behaviour policy, dual-clipped at ``is_cap``."""
     mask = mask.float()
     n_tokens = mask.sum().clamp(min=1.0)
-    prox = prox_logprobs.detach()
     adv = advantages.detach().unsqueeze(-1)  # [B, 1]
-
-    ratio = torch.exp(logprobs - prox)  # [B, T]
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    surrogate = torch.minimum(ratio * adv, clipped * adv)  # [B, T]
-
-    log_w = (prox - behaviour_logprobs).clamp(max=20.0)
-    raw_w = torch.exp(log_w)
-    is_weight = raw_w.clamp(max=is_cap).detach()  # [B, T]
-
-    pg_loss = -(surrogate * is_weight * mask).sum() / n_tokens
+    log_ratio = (logprobs - behaviour_logprobs).clamp(max=20.0)  # exp stays finite
+    ratio = torch.exp(log_ratio)  # [B, T]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
+    surrogate = torch.minimum(unclipped, clipped)  # [B, T]
+    truncated = (adv < 0) & (surrogate < is_cap * adv)
+    surrogate = torch.where(truncated, is_cap * adv, surrogate)
+    pg_loss = -(surrogate * mask).sum() / n_tokens
 
     if ref_logprobs is not None and kl_coef > 0:
         # k3 estimator of KL(pi_theta || pi_ref): exp(ref - theta) - (ref - theta) - 1 >= 0.
@@ -79,19 +76,19 @@ def ppo_clip_loss(
         kl = torch.zeros((), device=logprobs.device)
 
     with torch.no_grad():
-        clip_frac = (((ratio - clipped).abs() > 0).float() * mask).sum() / n_tokens
-        is_weight_mean = (is_weight * mask).sum() / n_tokens
-        is_truncated_frac = ((raw_w > is_cap).float() * mask).sum() / n_tokens
-        abs_lr = ((prox - behaviour_logprobs).abs() * mask).sum() / n_tokens
+        clip_frac = ((clipped < unclipped).float() * mask).sum() / n_tokens
+        truncated_frac = (truncated.float() * mask).sum() / n_tokens
+        ratio_mean = (ratio * mask).sum() / n_tokens
+        abs_lr = (log_ratio.abs() * mask).sum() / n_tokens
 
     return PolicyLoss(
         loss=pg_loss + kl_coef * kl,
         pg_loss=pg_loss.detach(),
         kl=kl.detach(),
         clip_frac=clip_frac,
-        is_weight_mean=is_weight_mean,
-        is_truncated_frac=is_truncated_frac,
-        abs_log_ratio_behaviour=abs_lr,
+        truncated_frac=truncated_frac,
+        ratio_mean=ratio_mean,
+        abs_log_ratio=abs_lr,
     )
 
 
@@ -100,10 +97,11 @@ def early_exit_kl(
     exit_logprobs: torch.Tensor,  # [B, T, V] log q of the early exit, same processing
     mask: torch.Tensor,  # [B, T]
 ) -> torch.Tensor:
-    """Draft co-training loss: token-mean KL(p_full || q_exit) with the full model detached.
+    """Draft co-training loss: token-mean KL(p_full || q_exit) with the full model's side detached.
 
-    Only the early exit learns from it (the target is detached), so the same optimizer step that
-    moves the policy pulls its own draft after it; acceptance min(1, p/q) rises as q nears p.
+    The gradient reaches the first E layers and the shared final norm and LM head, so the same
+    optimizer step that moves the policy also pulls its own draft after it (and nudges the policy
+    through the shared weights, as in LayerSkip); acceptance min(1, p/q) rises as q nears p.
     """
     p = full_logprobs.detach()
     kl = (p.exp() * (p - exit_logprobs)).sum(dim=-1)  # [B, T]

@@ -197,6 +197,15 @@ class GroupReceiver:
             self._cond.notify_all()  # the I/O thread may be waiting for queue space
             return group
 
+    def drain(self) -> list[TrajectoryGroup]:
+        """Every queued group, without raising even if the I/O thread failed (for shutdown: the
+        learner must still persist what it acked)."""
+        with self._cond:
+            groups = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+            return groups
+
     def live_actors(self) -> dict[str, ActorInfo]:
         """Actors heard from (group or heartbeat) within ``actor_timeout_s``; others forgotten."""
         cutoff = time.monotonic() - self._actor_timeout_s

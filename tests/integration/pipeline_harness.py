@@ -107,8 +107,11 @@ class Pipeline:
 class Ledger:
     submitted: Counter
     consumed: Counter
+    """Trained, dropped as stale or rejected: each must happen at most once per group."""
     outcomes: dict
     unacked_at_exit: set
+    pending_at_exit: set
+    """Acked by a learner that stopped before training them (carried in its checkpoint)."""
     trained: list[dict]
 
 
@@ -123,12 +126,17 @@ def read_ledger(run_dir: Path) -> Ledger:
                 unacked.update((row["actor_id"], s) for s in row["unacked"])
     consumed: Counter = Counter()
     outcomes: dict = {}
+    pending: set = set()
     trained = []
     learner_ledger = run_dir / "ledger" / "learner.jsonl"
     for row in map(json.loads, learner_ledger.read_text().splitlines()):
         key = (row["actor_id"], row["seq"])
+        if row["outcome"] == "pending_at_exit":
+            pending.add(key)
+            continue
         consumed[key] += 1
         outcomes[key] = row["outcome"]
         if row["outcome"] == "trained":
             trained.append(row)
-    return Ledger(submitted, consumed, outcomes, unacked, trained)
+    # A group carried over and consumed by the next learner run is no longer pending.
+    return Ledger(submitted, consumed, outcomes, unacked, pending - set(consumed), trained)

@@ -29,12 +29,22 @@ def test_defaults_and_overrides():
         ("sampling.top_p=1.5", "1.5"),
         ("learner.address=http://x:1", "'http://x:1'"),
         ("task.min_digits=7", "7"),
+        ("learner.metrics_every=0", "0"),
+        ("learner.queue_max=0", "0"),
+        ("actor.heartbeat_interval_s=0", "0"),
     ],
 )
 def test_bad_values_fail_with_the_value_quoted(override, quoted):
     with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.")) as err:
         load_config([override])
     assert quoted in str(err.value)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ValueError, match="spec.exit_layer=4 must be below model.num_layers=4"):
+        load_config(["spec=early_exit", "spec.exit_layer=4"])
+    with pytest.raises(ValueError, match="task=jsonl needs model.path"):
+        load_config(["task=jsonl", "task.path=x.jsonl"])
 
 
 def test_entrypoint_turns_errors_into_one_line(capsys):

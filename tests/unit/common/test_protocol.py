@@ -231,6 +231,7 @@ BAD_FRAMES: list[tuple[str, bytes, DecodeLimits, str]] = [
     ("prompt_ids as list", with_field(prompt_ids=[1, 2, 3]), LIMITS, "bad_field"),
     ("completions as map", with_field(completions={}), LIMITS, "bad_field"),
     ("no completions", with_field(completions=[]), LIMITS, "bad_field"),
+    ("empty prompt", with_field(prompt_ids=b""), LIMITS, "bad_field"),
     ("completion as list", with_field(completions=[[1]]), LIMITS, "bad_field"),
     ("stats as list", with_field(stats=[1.0]), LIMITS, "bad_field"),
     ("stat as str", with_field(stats={"a": "x"}), LIMITS, "bad_field"),

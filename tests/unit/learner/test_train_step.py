@@ -155,3 +155,17 @@ def test_early_exit_aux_loss_reduces_exit_divergence():
     ]
     assert kls[0] > 0
     assert kls[-1] < 0.5 * kls[0], kls
+
+
+def test_tokens_outside_the_nucleus_leave_the_loss_instead_of_nan():
+    # Random tokens under top-p 0.3: many are outside the learner's nucleus (log-prob -inf).
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    model = tiny_model(tokenizer.vocab_size)
+    cfg = LearnerConfig(lr=1e-3, kl_coef=0.1)
+    optimizer = make_optimizer(model, cfg)
+    ref = tiny_model(tokenizer.vocab_size)
+    batch = collate(make_groups(tokenizer.vocab_size), 0, 0, torch.device("cpu"))
+    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig(top_p=0.3), ref_model=ref)
+    assert 0 < metrics["learner/outside_nucleus_frac"] < 1
+    assert np.isfinite(metrics["learner/loss"])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
