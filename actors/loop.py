@@ -12,7 +12,7 @@ import numpy as np
 import redis
 import torch
 
-from actors.engines.rollout_engine import Rollout, RolloutEngine
+from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
 from actors.sender import GroupSender, unique_actor_id
 from common.config import SpecRLConfig
@@ -67,34 +67,32 @@ def build_engine(
         top_p=cfg.sampling.top_p,
         seed=seed,
         spec=cfg.spec,
+        inflight=cfg.actor.inflight,
     )
     fetched, state = store.fetch(version)
     engine.load_weights(fetched, state)
     return engine, tokenizer
 
 
-def sync_weights(
-    engine: RolloutEngine, store: WeightStore, watcher: VersionWatcher, stats: ActorStats
-) -> None:
-    """Load the newest version if one appeared; on a bad or vanished version keep the current one."""
+def fetch_update(
+    store: WeightStore, watcher: VersionWatcher, current: int, stats: ActorStats
+) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """The newest published version if there is one newer than ``current`` (non-blocking)."""
     version = watcher.poll(timeout_s=0.0)
-    if version is None or version <= engine.version:
-        return
+    if version is None or version <= current:
+        return None
     started = time.perf_counter()
     try:
         fetched, state = store.fetch(version)
-    except WeightsError as e:
-        # Refused (checksum/shape) or expired: keep generating with the weights we have.
-        log.warning(
-            "actor: cannot load version %d (%s); keeping version %d", version, e, engine.version
-        )
-        return
-    except redis.ConnectionError as e:
-        log.warning("actor: Redis unreachable while fetching version %d (%s)", version, e)
-        return
-    engine.load_weights(fetched, state)
+    except (WeightsError, redis.ConnectionError) as e:
+        # Refused (checksum/shape), expired or Redis away: keep generating with the weights we
+        # have, and let the watcher report this version (or a newer one) again on its next poll.
+        log.warning("actor: cannot load version %d (%s); keeping version %d", version, e, current)
+        watcher.last_seen = current
+        return None
     stats.weight_loads += 1
     stats.weight_fetch_s = time.perf_counter() - started
+    return fetched, state
 
 
 def make_groups(
@@ -183,11 +181,19 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
                 break
             # Phase 1: pick up the newest weights.
-            sync_weights(engine, store, watcher, stats)
-            # Phase 2: generate G completions for each prompt of the batch.
+            update = fetch_update(store, watcher, engine.version, stats)
+            if update is not None:
+                engine.load_weights(*update)
+            # Phase 2: generate G completions for each prompt of the batch; weights that arrive
+            # meanwhile reach the rollouts in flight (actor.inflight says how).
             problems = task.sample(rng, cfg.actor.prompts_per_batch)
             prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
-            rollouts = engine.generate(prompts, cfg.actor.group_size, task.max_new_tokens)
+            rollouts = engine.generate(
+                prompts,
+                cfg.actor.group_size,
+                task.max_new_tokens,
+                weight_source=lambda: fetch_update(store, watcher, engine.version, stats),
+            )
             # Phase 3: score and send one group per prompt (blocks when the outbox is full).
             groups = make_groups(problems, prompts, rollouts, task, tokenizer)
             engine_stats = engine.stats()
@@ -198,6 +204,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                     k: v
                     for k, v in engine_stats.items()
                     if k in ("actor/tokens_per_s", "spec/acceptance_rate", "spec/mean_accepted_len")
+                    or k.startswith("verify/")
                 }
                 if not submit_until_stopped(sender, group, stop):
                     break

@@ -208,6 +208,9 @@ class SpecConfig:
         _require(self.aux_coef >= 0, f"spec.aux_coef must be >= 0, got {self.aux_coef}")
 
 
+INFLIGHT_MODES = ("verify_on_swap", "verify_on_finish", "abort", "keep")
+
+
 @dataclass
 class ActorConfig:
     num_actors: int = 2
@@ -234,6 +237,11 @@ class ActorConfig:
     """How long to wait for the first weights version before giving up."""
     device: str = "cpu"
     """Torch device of the rollout engine (``cuda``, ``cuda:1``, ``cpu``)."""
+    inflight: str = "verify_on_swap"
+    """What new weights do to rollouts in flight: ``verify_on_swap`` (delayed verification when
+    they arrive: stale tokens become exact samples of the new policy), ``verify_on_finish`` (the
+    same, once per sequence when it ends), ``abort`` (restart them), ``keep`` (keep stale tokens,
+    tagged with their version, for the learner's importance weights to correct)."""
 
     def __post_init__(self) -> None:
         _require(self.num_actors >= 1, f"actor.num_actors must be >= 1, got {self.num_actors}")
@@ -249,6 +257,10 @@ class ActorConfig:
         _require(
             self.resend_timeout_s > 0,
             f"actor.resend_timeout_s must be > 0, got {self.resend_timeout_s}",
+        )
+        _require(
+            self.inflight in INFLIGHT_MODES,
+            f"actor.inflight must be one of {', '.join(INFLIGHT_MODES)}; got {self.inflight!r}",
         )
         for name in ("heartbeat_interval_s", "wait_version_timeout_s"):
             value = getattr(self, name)

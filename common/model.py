@@ -275,6 +275,17 @@ class KVCache:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
 
+    def append_rows(self, other: KVCache) -> None:
+        """Add ``other``'s rows after ours (same layers, heads and length), e.g. when rows that
+        were verified on their own rejoin the decoding batch."""
+        if other.k.shape[0] != self.k.shape[0] or other.k.shape[2:] != self.k.shape[2:]:
+            raise ValueError(
+                f"cannot append a cache of shape {tuple(other.k.shape)} to {tuple(self.k.shape)}"
+            )
+        self.k = torch.cat([self.k, other.k], dim=1)
+        self.v = torch.cat([self.v, other.v], dim=1)
+        self.batch_size += other.batch_size
+
     def select_rows(self, idx: Tensor) -> None:
         """Keep only rows `idx` (in that order), e.g. when finished rows leave the batch."""
         idx = idx.to(device=self.k.device, dtype=torch.long)  # [B']

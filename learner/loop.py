@@ -312,7 +312,7 @@ def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
     lengths = batch.mask.sum(dim=-1)
     finished = [c.finished for g in groups for c in g.completions]
     # Rollout figures the actors attached to each group (e.g. spec/acceptance_rate), averaged.
-    rollout_keys = {k for g in groups for k in g.stats if k.startswith("spec/")}
+    rollout_keys = {k for g in groups for k in g.stats if k.startswith(("spec/", "verify/"))}
     rollout = {
         k: sum(g.stats[k] for g in groups if k in g.stats) / sum(k in g.stats for g in groups)
         for k in sorted(rollout_keys)

@@ -137,3 +137,35 @@ def test_learner_restart_resumes_and_versions_keep_growing(tmp_path, redis_serve
     }
     assert carried, "the first learner had nothing in flight; the check would be vacuous"
     assert carried <= consumed_later
+
+
+@pytest.mark.parametrize("mode", ["verify_on_swap", "verify_on_finish", "abort", "keep"])
+def test_pipeline_in_each_inflight_mode(tmp_path, redis_server, model_dir, mode):
+    # Small batches of long-ish groups and a fast learner, so weights often land mid-rollout.
+    pipeline = Pipeline.make(
+        tmp_path,
+        redis_server.url,
+        model_dir,
+        [
+            "run.steps=12",
+            f"actor.inflight={mode}",
+            "learner.groups_per_step=4",
+            "learner.max_staleness=3",
+        ],
+    )
+    try:
+        learner = pipeline.start_learner()
+        pipeline.start_actor(0)
+        assert wait_exit(learner, 240, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    steps = pipeline.steps()
+    assert [r["learner/version"] for r in steps] == list(range(1, 13))
+    swapped = [r for r in steps if r.get("verify/swaps")]
+    assert swapped, f"no weight update reached a rollout in flight ({mode})"
+    ledger = read_ledger(tmp_path)
+    assert not {k: n for k, n in ledger.consumed.items() if n > 1}
+    if mode in ("verify_on_swap", "verify_on_finish"):
+        assert all(
+            0 <= r["verify/salvaged_frac"] <= 1 for r in swapped if "verify/salvaged_frac" in r
+        )

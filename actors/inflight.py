@@ -1,0 +1,118 @@
+"""Delayed verification (DESIGN §3): in-flight tokens sampled under older weights, treated as a
+draft of the old policy for the new one.
+
+For rows with prompt ``x`` and generated tokens ``y_1..y_n`` (token ``i`` sampled from
+``pi_{v_i}``), one forward of the new weights over ``x + y`` gives ``pi_new`` at every position
+and, as a by-product, the new KV cache. Token ``y_i`` is accepted with probability
+``min(1, pi_new(y_i) / pi_{v_i}(y_i))``; at the first rejection ``j`` the row is cut there and
+``y'_j`` is drawn from ``norm(max(0, pi_new - pi_{v_j}))``, which needs the *full* old
+distribution at ``j``: the engine keeps the old weights until verification is done and scores the
+rows with them (exact, no top-k approximation). Tokens already of the new version have
+``q = p`` and are always accepted. Kept tokens get ``log pi_new`` as behaviour log-probability
+and the new version, so the row is an exact sample of ``pi_new``. The acceptance rule and the
+residual are :func:`actors.speculative.rejection_sample`, the same code speculative decoding uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from actors.speculative import rejection_sample
+from common.model import KVCache, Transformer
+from common.sampling import processed_logprobs
+
+
+@dataclass
+class Verification:
+    tokens: list[list[int]]  # per row: accepted prefix, then the residual/bonus token if any
+    logprobs: list[list[float]]  # log pi_new of each kept token
+    accepted: list[int]  # tokens of the old prefix kept, per row
+    rejected: list[bool]  # whether the row was cut (then its last token is a residual sample)
+    gaps: list[list[int]]  # per row: new_version - v_i for every verified token (for metrics)
+    cache: KVCache  # new-weights cache of the rows (prompt + verified tokens written)
+    forward_tokens: int  # tokens pushed through verification forwards (its cost)
+
+
+@torch.no_grad()
+def verify_rows(
+    target: Transformer,
+    target_version: int,
+    old_models: Mapping[int, Transformer],
+    prompts: Sequence[Sequence[int]],
+    tokens: Sequence[Sequence[int]],
+    versions: Sequence[Sequence[int]],
+    temperature: float,
+    top_p: float,
+    max_len: int,
+    generator: torch.Generator | None,
+    bonus: bool,
+    pad_id: int,
+) -> Verification:
+    """Verify every row's generated tokens against ``target`` (see the module docstring).
+
+    ``old_models[v]`` must hold the weights of every version ``v < target_version`` that appears
+    in ``versions``. ``bonus``: when a row keeps every token, also sample its next token from
+    ``pi_new`` (swap-time verification continues decoding; finish-time verification does not).
+    """
+    device = next(target.parameters()).device
+    batch = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
+    n = [len(t) for t in tokens]
+    k = max(n)
+    width = max(len(p) + len(t) for p, t in zip(prompts, tokens, strict=True))
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    for i, (p, t) in enumerate(zip(prompts, tokens, strict=True)):
+        input_ids[i, : len(p) + len(t)] = torch.tensor([*p, *t], dtype=torch.long)
+    positions = torch.arange(width, device=device).expand(batch, -1)  # [B, W]
+    rows = torch.arange(batch, device=device)[:, None]
+    # Scores of y_1..y_n (and of the next token) sit at positions len-1 .. len-1+n.
+    at = ((lengths - 1)[:, None] + torch.arange(k + 1, device=device)).clamp(max=width - 1)
+
+    cache = KVCache(target.args, batch, max_len, device=device)
+    target_lp = processed_logprobs(
+        target(input_ids, positions, cache)[rows, at], temperature, top_p
+    )
+    forward_tokens = batch * width  # [B, K+1, V] above
+
+    draft_tokens = torch.full((batch, k), pad_id, dtype=torch.long, device=device)
+    version_of = torch.full((batch, k), target_version, dtype=torch.long, device=device)
+    for i, (t, v) in enumerate(zip(tokens, versions, strict=True)):
+        draft_tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        version_of[i, : len(v)] = torch.tensor(v, dtype=torch.long)
+    # q = p for tokens already of the target version: accepted with probability 1.
+    draft_lp = target_lp[:, :k].clone()  # [B, K, V]
+    for version in sorted(set(version_of.unique().tolist()) - {target_version}):
+        if version not in old_models:
+            raise KeyError(f"no weights kept for version {version}; cannot verify exactly")
+        uses = (version_of == version).any(dim=1)  # [B] rows with tokens of this version
+        sel = uses.nonzero().squeeze(-1)
+        old_lp = processed_logprobs(
+            old_models[version](input_ids[sel], positions[sel])[rows[sel], at[sel, :k]],
+            temperature,
+            top_p,
+        )  # [B_v, K, V]
+        forward_tokens += len(sel) * width
+        here = (version_of[sel] == version).unsqueeze(-1)  # [B_v, K, 1]
+        draft_lp[sel] = torch.where(here, old_lp, draft_lp[sel])
+
+    num_drafts = torch.tensor(n, device=device)
+    result = rejection_sample(
+        target_lp, draft_tokens, draft_lp, num_drafts, generator=generator, bonus=bonus
+    )
+    emitted = result.num_emitted.tolist()
+    accepted = result.accepted.tolist()
+    out_tokens = result.tokens.tolist()
+    out_lp = result.logprobs.tolist()
+    gaps = (target_version - version_of).tolist()
+    return Verification(
+        tokens=[out_tokens[b][: emitted[b]] for b in range(batch)],
+        logprobs=[out_lp[b][: emitted[b]] for b in range(batch)],
+        accepted=accepted,
+        rejected=[accepted[b] < n[b] for b in range(batch)],
+        gaps=[gaps[b][: n[b]] for b in range(batch)],
+        cache=cache,
+        forward_tokens=forward_tokens,
+    )

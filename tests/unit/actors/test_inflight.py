@@ -1,0 +1,152 @@
+"""Delayed verification: rollouts in flight when new weights arrive end as exact samples of the
+new policy (both verify modes), while `keep` does not; versions and caches stay consistent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engines.torch_engine import TorchEngine
+from actors.lossless_check import exact_sequence_logprobs
+from common.config import SpecConfig
+from common.goodness_of_fit import chi_square_pvalue
+from common.model import ModelArgs, Transformer
+from common.sampling import token_logprobs
+
+NO_EOS = 99  # outside the vocabulary: every row runs to the budget, so all are in flight at a swap
+PROMPT = [1, 4, 5, 4]
+
+
+def model(seed: int, vocab: int = 6, scale: float = 6.0) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(
+        ModelArgs(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    with torch.no_grad():
+        m.lm_head.weight.mul_(scale)
+        m.model.embed_tokens.weight.mul_(scale / 2)
+    return m.eval()
+
+
+def swap_after(steps: int, version: int, new: Transformer):
+    """A weight source that delivers ``new`` once, after ``steps`` decoding steps."""
+    calls = {"n": 0}
+
+    def source():
+        calls["n"] += 1
+        return (version, new.state_dict()) if calls["n"] == steps else None
+
+    return source
+
+
+def sample(
+    mode: str, old: Transformer, new: Transformer, rows: int, max_new: int, spec=None, seed=0
+):
+    engine = TorchEngine(
+        old, NO_EOS, 0, temperature=1.0, seed=seed, version=0, spec=spec, inflight=mode
+    )
+    out = engine.generate([PROMPT], rows, max_new, weight_source=swap_after(1, 1, new))[0]
+    return engine, out
+
+
+def pvalue_against(target: Transformer, rollouts, max_new: int) -> float:
+    exact = exact_sequence_logprobs(target, PROMPT, max_new, 1.0, 1.0, NO_EOS)
+    keys = sorted(exact)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys))
+    for r in rollouts:
+        counts[index[tuple(r.token_ids.tolist())]] += 1
+    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    return chi_square_pvalue(counts, probs)
+
+
+@pytest.mark.parametrize("mode", ["verify_on_swap", "verify_on_finish", "abort"])
+def test_sequences_after_a_swap_follow_the_new_policy(mode):
+    old, new = model(1), model(2)
+    engine, out = sample(mode, old, new, rows=8000, max_new=3)
+    p = pvalue_against(new, out, 3)
+    assert p > 0.01, f"{mode}: p = {p:.2e}"
+    stats = engine.stats()
+    assert stats["verify/swaps"] == 1
+    if mode != "abort":
+        assert 0 < stats["verify/salvaged_frac"] < 1
+        assert "verify/acceptance_gap1" in stats
+
+
+def test_keep_does_not_follow_the_new_policy():
+    # Negative control: the same test rejects the PipelineRL-style keep (stale prefix kept).
+    old, new = model(1), model(2)
+    _, out = sample("keep", old, new, rows=8000, max_new=3)
+    assert pvalue_against(new, out, 3) < 0.01
+
+
+def test_verify_with_speculative_decoding_is_exact_too():
+    old, new = model(1), model(2)
+    _, out = sample(
+        "verify_on_swap", old, new, rows=8000, max_new=3, spec=SpecConfig(method="ngram", k=1)
+    )
+    assert pvalue_against(new, out, 3) > 0.01
+
+
+@pytest.mark.parametrize("mode", ["verify_on_swap", "verify_on_finish", "abort", "keep"])
+def test_per_token_versions(mode):
+    old, new = model(1), model(2)
+    engine = TorchEngine(old, NO_EOS, 0, seed=0, version=0, inflight=mode)
+    out = engine.generate([PROMPT], 64, 4, weight_source=swap_after(2, 1, new))[0]
+    for r in out:
+        versions = r.token_versions.tolist()
+        assert len(versions) == len(r.token_ids) == 4
+        if mode == "keep":
+            # Two tokens were generated before the swap (prefill + one decoding step).
+            assert versions == [0, 0, 1, 1]
+        else:
+            assert versions == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["verify_on_swap", "verify_on_finish"])
+def test_cut_and_resume_keeps_the_cache_consistent(mode):
+    # After cuts, truncation and resumed decoding, every kept token's behaviour log-prob equals
+    # a fresh forward of the new weights over the final sequence: the cache held no stale entry.
+    old, new = model(1, vocab=12), model(2, vocab=12)
+    engine = TorchEngine(old, 2, 0, temperature=1.0, seed=3, version=0, inflight=mode)
+    out = engine.generate([PROMPT, [1, 7, 8]], 16, 8, weight_source=swap_after(2, 1, new))
+    stats = engine.stats()
+    assert stats["verify/wasted_tokens"] > 0, "no row was cut; the test would prove nothing"
+    in_flight = 0
+    for prompt, group in zip([PROMPT, [1, 7, 8]], out, strict=True):
+        for r in group:
+            # A row that ended before the swap is a finished sample of the old weights.
+            versions = set(r.token_versions.tolist())
+            assert versions in ({0}, {1})
+            weights = new if versions == {1} else old
+            in_flight += versions == {1}
+            seq = torch.tensor([prompt + r.token_ids.tolist()])
+            with torch.no_grad():
+                lp = token_logprobs(weights(seq)[:, :-1], seq[:, 1:], 1.0)[0, len(prompt) - 1 :]
+            np.testing.assert_allclose(r.behaviour_logprobs, lp.numpy(), atol=1e-4)
+    assert in_flight > 16
+
+
+def test_kept_weights_are_released():
+    old, new = model(1), model(2)
+    engine, _ = sample("verify_on_finish", old, new, rows=16, max_new=4)
+    assert engine._kept == {}
+    assert engine.version == 1 and engine.model is not old
+
+
+def test_load_weights_between_calls_after_an_in_flight_swap():
+    # The model built during a swap must accept an ordinary load afterwards.
+    old, new = model(1), model(2)
+    engine, _ = sample("verify_on_swap", old, new, rows=8, max_new=3)
+    engine.load_weights(2, model(3).state_dict())
+    engine.generate([PROMPT], 4, 3, weight_source=swap_after(1, 3, model(4)))
+    engine.load_weights(4, model(5).state_dict())
+    assert engine.version == 4
