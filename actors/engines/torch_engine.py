@@ -78,8 +78,7 @@ class _Counters:
     gen_time_s: float = 0.0
     swaps: int = 0
     inflight_tokens: int = 0
-    """Generated tokens of unfinished rows when new weights arrived (or, for verify_on_finish,
-    stale tokens checked when their row finished)."""
+    """Generated tokens of unfinished rows when new weights arrived."""
     salvaged_tokens: int = 0
     wasted_tokens: int = 0
     verify_forward_tokens: int = 0
@@ -444,14 +443,15 @@ class TorchEngine:
         self._c.verify_forward_tokens += verified.forward_tokens
         keep = []
         for j, r in enumerate(originals):
-            checked = len(verified.gaps[j])
             accepted = verified.accepted[j]
-            self._c.salvaged_tokens += accepted
-            self._c.wasted_tokens += checked - accepted
-            for i, gap in enumerate(verified.gaps[j]):
-                if gap > 0:  # tokens already of the new version say nothing about drift
-                    self._c.gap_proposed[gap] = self._c.gap_proposed.get(gap, 0) + 1
-                    self._c.gap_accepted[gap] = self._c.gap_accepted.get(gap, 0) + int(i < accepted)
+            # Tokens already of the new version are accepted by construction; only stale ones
+            # measure drift and count as salvaged. Everything after a cut is discarded.
+            stale = [(i, gap) for i, gap in enumerate(verified.gaps[j]) if gap > 0]
+            self._c.salvaged_tokens += sum(i < accepted for i, _ in stale)
+            self._c.wasted_tokens += len(verified.gaps[j]) - accepted
+            for i, gap in stale:
+                self._c.gap_proposed[gap] = self._c.gap_proposed.get(gap, 0) + 1
+                self._c.gap_accepted[gap] = self._c.gap_accepted.get(gap, 0) + int(i < accepted)
             done = rows.replace(
                 r, verified.tokens[j], verified.logprobs[j], self.version, self.eos_id
             )
@@ -517,9 +517,6 @@ class TorchEngine:
                 bonus=False,
                 pad_id=self.pad_id,
             )
-            self._c.inflight_tokens += sum(
-                sum(v < self.version for v in rows.versions[r]) for r in due
-            )
             back, back_cache, back_last, back_pos = self._apply_verification(
                 rows, due, verified, lengths
             )
@@ -583,8 +580,10 @@ class TorchEngine:
             out["verify/salvaged_tokens"] = float(c.salvaged_tokens)
             out["verify/wasted_tokens"] = float(c.wasted_tokens)
             out["verify/forward_tokens"] = float(c.verify_forward_tokens)
-            checked = c.salvaged_tokens + c.wasted_tokens
-            out["verify/salvaged_frac"] = c.salvaged_tokens / checked if checked else 1.0
+            # Share of the tokens in flight at swaps that survived (abort: 0; keep: not checked).
+            out["verify/salvaged_frac"] = (
+                c.salvaged_tokens / c.inflight_tokens if c.inflight_tokens else 1.0
+            )
             for gap, proposed in sorted(c.gap_proposed.items()):
                 out[f"verify/acceptance_gap{gap}"] = c.gap_accepted.get(gap, 0) / proposed
         self._c = _Counters()
