@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.lossless_check import exact_sequence_logprobs  # noqa: E402
+from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
 from benchmarks.rollout import demo_model  # noqa: E402
 from common.config import INFLIGHT_MODES, LearnerConfig, SamplingConfig, load_config  # noqa: E402
 from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
-from common.model import ModelArgs, Transformer, load_pretrained  # noqa: E402
+from common.model import Transformer, load_pretrained  # noqa: E402
 from common.protocol import Completion, TrajectoryGroup  # noqa: E402
 from common.sampling import token_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
@@ -160,24 +160,7 @@ def run_mode(mode, versions, task, tokenizer, problems, args) -> dict[str, float
 def exactness_pvalues(samples: int) -> dict[str, float]:
     """verify_on_swap and keep against the new policy's exact distribution (tiny vocabulary)."""
 
-    def tiny(seed):
-        torch.manual_seed(seed)
-        m = Transformer(
-            ModelArgs(
-                vocab_size=6,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=3,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-            )
-        )
-        with torch.no_grad():
-            m.lm_head.weight.mul_(6.0)
-            m.model.embed_tokens.weight.mul_(3.0)
-        return m.eval()
-
-    old, new = tiny(1), tiny(2)
+    old, new = peaky_model(6, 1, 6.0), peaky_model(6, 2, 6.0)
     prompt, no_eos = [1, 4, 5, 4], 99
     exact = exact_sequence_logprobs(new, prompt, 3, 1.0, 1.0, no_eos)
     keys = sorted(exact)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.lossless_check import sequence_pvalue  # noqa: E402
+from actors.lossless_check import peaky_model, sequence_pvalue  # noqa: E402
 from common.config import SpecConfig, load_config  # noqa: E402
 from common.model import ModelArgs, Transformer, load_pretrained  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
@@ -156,22 +156,9 @@ def measure(
 
 def lossless_check(quick: bool) -> tuple[bool, dict[str, float]]:
     """Every method's sampled sequences against the exact plain distribution (chi-square)."""
-    torch.manual_seed(1)
-    args = ModelArgs(
-        vocab_size=6,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = Transformer(args)
-    with torch.no_grad():  # peaky distributions, far from their own early exit
-        model.lm_head.weight.mul_(8.0)
-        model.model.embed_tokens.weight.mul_(4.0)
-    model.eval()
+    model = peaky_model(vocab=6, seed=1, scale=8.0, layers=4)
     pvalues = {}
-    for name, spec in methods_for(args.num_hidden_layers).items():
+    for name, spec in methods_for(model.args.num_hidden_layers).items():
         for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
             engine = TorchEngine(model, 2, 0, temperature, top_p, seed=7, spec=spec)
             p = sequence_pvalue(engine, [1, 4, 5, 4], 3, 2000 if quick else 6000)

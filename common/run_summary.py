@@ -56,6 +56,12 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
                 "spec_mean_accepted_len": _mean(lengths),
             }
         )
+    salvaged = [
+        r["verify/salvaged_frac"] for r in steps if r.get("verify/salvaged_frac") is not None
+    ]
+    if salvaged:
+        summary["verify_salvaged_frac"] = _mean(salvaged)
+        summary["verify_steps_with_swaps"] = len(salvaged)
     return summary
 
 

@@ -13,7 +13,7 @@ import torch
 
 from actors.drafting import EarlyExitDrafter, NgramDrafter
 from actors.engines.rollout_engine import Rollout
-from actors.inflight import verify_rows
+from actors.inflight import Verification, verify_rows
 from actors.speculative import rejection_sample
 from common.config import INFLIGHT_MODES, SpecConfig
 from common.model import KVCache, Transformer
@@ -419,25 +419,38 @@ class TorchEngine:
             cache = self._fresh_cache(prompts, tokens, max_len)
             return active, cache, last, pos
 
-        verified = verify_rows(
-            self.model,
-            version,
-            {**self._kept, old_version: old_model},
-            prompts,
-            [rows.tokens[r] for r in originals],
-            [rows.versions[r] for r in originals],
-            self.temperature,
-            self.top_p,
-            max_len,
-            self.generator,
-            bonus=True,
-            pad_id=self.pad_id,
+        verified = self._verify(
+            rows, originals, {**self._kept, old_version: old_model}, max_len, bonus=True
         )
         self._spare = old_model
         return self._apply_verification(rows, originals, verified, lengths)
 
+    def _verify(
+        self,
+        rows: _Rows,
+        which: list[int],
+        old_models: Mapping[int, Transformer],
+        max_len: int,
+        bonus: bool,
+    ) -> Verification:
+        """Delayed verification of rows ``which`` against the current weights."""
+        return verify_rows(
+            self.model,
+            self.version,
+            old_models,
+            [rows.prompts[r] for r in which],
+            [rows.tokens[r] for r in which],
+            [rows.versions[r] for r in which],
+            self.temperature,
+            self.top_p,
+            max_len,
+            self.generator,
+            bonus=bonus,
+            pad_id=self.pad_id,
+        )
+
     def _apply_verification(
-        self, rows: _Rows, originals: list[int], verified, lengths: torch.Tensor
+        self, rows: _Rows, originals: list[int], verified: Verification, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, KVCache, torch.Tensor, torch.Tensor]:
         """Replace the rows' tokens with the verified ones; rows that are done leave the batch."""
         self._c.verify_forward_tokens += verified.forward_tokens
@@ -503,20 +516,7 @@ class TorchEngine:
         if due:
             prompts = [rows.prompts[r] for r in due]
             lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-            verified = verify_rows(
-                self.model,
-                self.version,
-                self._kept,
-                prompts,
-                [rows.tokens[r] for r in due],
-                [rows.versions[r] for r in due],
-                self.temperature,
-                self.top_p,
-                max_len,
-                self.generator,
-                bonus=False,
-                pad_id=self.pad_id,
-            )
+            verified = self._verify(rows, due, self._kept, max_len, bonus=False)
             back, back_cache, back_last, back_pos = self._apply_verification(
                 rows, due, verified, lengths
             )

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs
+from actors.lossless_check import exact_sequence_logprobs, peaky_model
 from common.config import SpecConfig
 from common.goodness_of_fit import chi_square_pvalue
-from common.model import ModelArgs, Transformer
+from common.model import Transformer
 from common.sampling import token_logprobs
 
 NO_EOS = 99  # outside the vocabulary: every row runs to the budget, so all are in flight at a swap
@@ -19,21 +19,7 @@ PROMPT = [1, 4, 5, 4]
 
 
 def model(seed: int, vocab: int = 6, scale: float = 6.0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(
-        ModelArgs(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
-    with torch.no_grad():
-        m.lm_head.weight.mul_(scale)
-        m.model.embed_tokens.weight.mul_(scale / 2)
-    return m.eval()
+    return peaky_model(vocab, seed, scale)
 
 
 def swap_after(steps: int, version: int, new: Transformer):

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, sequence_pvalue
+from actors.lossless_check import exact_sequence_logprobs, peaky_model, sequence_pvalue
 from common.config import SpecConfig
 from common.goodness_of_fit import chi_square_pvalue
-from common.model import ModelArgs, Transformer
 
 EOS = 2
 METHODS = [
@@ -19,26 +18,6 @@ METHODS = [
     SpecConfig(method="early_exit", k=2, exit_layer=2),
     SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1),
 ]
-
-
-def peaky_model(vocab: int, seed: int, scale: float) -> Transformer:
-    """A random model whose next-token distributions are far from uniform (and far from its own
-    early exit), so a wrong acceptance rule would show in the statistics."""
-    torch.manual_seed(seed)
-    model = Transformer(
-        ModelArgs(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-        model.model.embed_tokens.weight.mul_(scale / 2)
-    return model.eval()
 
 
 @pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
