@@ -104,6 +104,7 @@ def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLCon
         seed=seed,
         version=version,
         inflight=cfg.actor.inflight,
+        verify_topk=cfg.engine.vllm_verify_topk,
         speculative_config=cfg.engine.vllm_speculative,
         max_model_len=min(cfg.engine.vllm_max_model_len, args.max_position_embeddings),
         dtype=cfg.engine.vllm_dtype,

