@@ -18,6 +18,7 @@ from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
 from actors.sender import GroupSender, unique_actor_id
 from common.config import SpecRLConfig
+from common.curve_keys import actor_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import ModelArgs, Transformer, save_pretrained
@@ -215,6 +216,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         resend_timeout_s=cfg.actor.resend_timeout_s,
         heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
         limits=limits,
+        curve=actor_keys(Path(cfg.security.curve_dir)) if cfg.security.curve_dir else None,
     ) as sender:
         while not stop():
             if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:

@@ -29,6 +29,7 @@ from types import TracebackType
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from common.curve_keys import CurveKeys
 from common.protocol import (
     Ack,
     DecodeLimits,
@@ -86,6 +87,7 @@ class GroupSender:
         *,
         limits: DecodeLimits | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         """``limits``: if given, ``submit`` also runs the receiver's full validation, so a group
         the learner would reject (e.g. out-of-vocab ids) fails in ``submit`` instead of being
@@ -107,6 +109,7 @@ class GroupSender:
         self._resend_timeout_s = resend_timeout_s
         self._heartbeat_interval_s = heartbeat_interval_s
         self._limits = limits
+        self._curve = curve  # CurveZMQ client keys, with the learner's public key
         self._max_frame_bytes = limits.max_frame_bytes if limits else DEFAULT_MAX_FRAME_BYTES
         self._context = context or shared_context()
 
@@ -141,7 +144,15 @@ class GroupSender:
         if self._thread is not None:
             raise RuntimeError("GroupSender already started")
         # Built here, before the thread starts (a full memory barrier), then used only by it.
-        sock = connect_dealer(self.address, self._identity, context=self._context)
+        curve = self._curve
+        sock = connect_dealer(
+            self.address,
+            self._identity,
+            context=self._context,
+            curve_secret_key=curve.secret if curve else None,
+            curve_public_key=curve.public if curve else None,
+            curve_server_key=curve.server_public if curve else None,
+        )
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         doorbell_rx = self._context.socket(zmq.PAIR)
         doorbell_rx.bind(self._doorbell_addr)

@@ -17,6 +17,7 @@ commands:
   init-model   build and warm-start the tiny built-in model of a task (done by `run` when needed)
   learner      run the learner process only (same as specrl-learner)
   actor        run one actor process only (same as specrl-actor)
+  keys DIR     write CurveZMQ key pairs for security.curve_dir=DIR
 
 {OVERRIDES_HELP}
 examples:
@@ -59,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model written to {out}")
         for key, value in summary.items():
             print(f"  {key:<24} {value:.4g}")
+        return 0
+    if command == "keys":
+        if len(rest) != 1:
+            print("usage: specrl keys DIR", file=sys.stderr)
+            return 2
+        from common.curve_keys import write_keys
+
+        for path in write_keys(Path(rest[0])):
+            print(path)
         return 0
     if command in ("learner", "actor"):
         # exec, not import: `common` stays below `actors` and `learner` in the layering.

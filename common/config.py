@@ -373,6 +373,14 @@ class EngineConfig:
 
 
 @dataclass
+class SecurityConfig:
+    curve_dir: str = ""
+    """CurveZMQ on the trajectory socket: a directory written by ``specrl keys DIR`` (the learner
+    reads ``learner.key_secret``; actors read ``actor.key_secret`` and ``learner.key``). Empty:
+    plain TCP, so keep the port firewalled to the actor machines."""
+
+
+@dataclass
 class SpecRLConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -381,6 +389,7 @@ class SpecRLConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from common.config import LearnerConfig, SamplingConfig, SpecConfig, SpecRLConfig
+from common.curve_keys import learner_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import Transformer, load_pretrained
@@ -214,7 +215,10 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, ledger)
     buffer.carry(state.pending)
     limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
-    receiver = GroupReceiver(cfg.learner.resolved_bind(), limits, queue_max=cfg.learner.queue_max)
+    curve = learner_keys(Path(cfg.security.curve_dir)) if cfg.security.curve_dir else None
+    receiver = GroupReceiver(
+        cfg.learner.resolved_bind(), limits, queue_max=cfg.learner.queue_max, curve=curve
+    )
     trainer = TrainerState(step=state.step, version=state.version)
     last: dict[str, float] = {}
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from common.curve_keys import CurveKeys
 from common.protocol import (
     PROTOCOL_ERROR_REASONS,
     Ack,
@@ -98,7 +99,10 @@ class GroupReceiver:
         *,
         hwm: int = DEFAULT_HWM,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """``curve``: the learner's CurveZMQ key pair; peers without its public key get nothing
+        through."""
         if queue_max < 1:
             raise ValueError(f"queue_max must be >= 1, got {queue_max}")
         if actor_timeout_s <= 0:
@@ -108,6 +112,7 @@ class GroupReceiver:
         self._actor_timeout_s = actor_timeout_s
         self._queue_max = queue_max
         self._hwm = hwm
+        self._curve = curve
         self._context = context or shared_context()
 
         # _cond guards everything below; notified when the queue gains or loses a group.
@@ -142,6 +147,8 @@ class GroupReceiver:
             max_frame_bytes=self._limits.max_frame_bytes,
             hwm=self._hwm,
             context=self._context,
+            curve_secret_key=self._curve.secret if self._curve else None,
+            curve_public_key=self._curve.public if self._curve else None,
         )
         self._bound_address = bound_endpoint(sock)
         self._thread = threading.Thread(

@@ -7,10 +7,14 @@ import time
 
 import pytest
 import redis
+import zmq
 
+from actors.sender import GroupSender
+from common.cli import main as cli_main
 from common.weights import WeightStore
 from learner.checkpoint import latest_checkpoint
 from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
+from tests.unit.learner.test_train_step import make_groups
 
 pytestmark = pytest.mark.integration
 
@@ -169,3 +173,35 @@ def test_pipeline_in_each_inflight_mode(tmp_path, redis_server, model_dir, mode)
         assert all(
             0 <= r["verify/salvaged_frac"] <= 1 for r in swapped if "verify/salvaged_frac" in r
         )
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_curve_encrypted_pipeline_and_a_keyless_sender_gets_nothing_through(
+    tmp_path, redis_server, model_dir
+):
+    keys = tmp_path / "keys"
+    assert cli_main(["keys", str(keys)]) == 0
+    pipeline = Pipeline.make(
+        tmp_path / "run", redis_server.url, model_dir, ["run.steps=4", f"security.curve_dir={keys}"]
+    )
+    (tmp_path / "run").mkdir()
+    address = next(o for o in pipeline.overrides if o.startswith("learner.address=")).split("=", 1)[
+        1
+    ]
+    try:
+        learner = pipeline.start_learner()
+        # A sender without the learner's key: its frames never reach the learner.
+        intruder = GroupSender(address, "intruder", resend_timeout_s=60.0).start()
+        group = make_groups(45)[0]
+        group.actor_id = ""
+        intruder.submit(group, timeout_s=5.0)
+        pipeline.start_actor(0)
+        assert wait_exit(learner, 240, pipeline) == 0, pipeline.log_tail("learner")
+        assert intruder.unacked() == 1 and intruder.acked_total == 0
+        intruder.close(timeout_s=0.0)
+    finally:
+        pipeline.stop_all()
+    steps = pipeline.steps()
+    assert [r["learner/version"] for r in steps] == [1, 2, 3, 4]
+    ledger = read_ledger(tmp_path / "run")
+    assert all(actor != "intruder" for actor, _ in ledger.consumed)
