@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,8 @@ class Pipeline:
     def make(cls, run_dir: Path, redis_url: str, model_dir: Path, extra: list[str]) -> Pipeline:
         port = find_free_port()
         overrides = [
-            f"run.name=it-{run_dir.name}",
+            # Unique per pipeline: tests share one Redis, and versions of a run name only grow.
+            f"run.name=it-{run_dir.name}-{uuid.uuid4().hex[:8]}",
             f"run.dir={run_dir}",
             f"redis.url={redis_url}",
             f"learner.address=tcp://127.0.0.1:{port}",
@@ -69,6 +71,10 @@ class Pipeline:
             *extra,
         ]
         return cls(run_dir, overrides)
+
+    @property
+    def run_name(self) -> str:
+        return next(o for o in self.overrides if o.startswith("run.name=")).split("=", 1)[1]
 
     def start_learner(self, extra: list[str] | None = None) -> subprocess.Popen:
         self.learner = spawn(

@@ -68,7 +68,7 @@ def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
     # Versions advance: one publish per step, starting from version 0 at start-up.
     versions = [r["learner/version"] for r in steps]
     assert versions == list(range(1, STEPS + 1))
-    store = WeightStore(redis.Redis.from_url(redis_server.url), f"it-{tmp_path.name}")
+    store = WeightStore(redis.Redis.from_url(redis_server.url), pipeline.run_name)
     assert store.latest_version() == STEPS
 
     # Both actors contributed and were seen alive.
