@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
+from actors.loop import make_groups  # noqa: E402
 from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
 from benchmarks.rollout import demo_model  # noqa: E402
 from common.config import INFLIGHT_MODES, LearnerConfig, SamplingConfig, load_config  # noqa: E402
 from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
-from common.protocol import Completion, TrajectoryGroup  # noqa: E402
 from common.sampling import token_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
@@ -46,30 +46,6 @@ from learner.loss import ppo_clip_loss  # noqa: E402
 
 GROUP = 8
 PROMPTS_PER_BATCH = 2
-
-
-def groups_from(problems, prompts, rollouts, task, tokenizer) -> list[TrajectoryGroup]:
-    out = []
-    for problem, prompt, completions in zip(problems, prompts, rollouts, strict=True):
-        scored = []
-        for r in completions:
-            text = r.token_ids[:-1] if r.finished else r.token_ids
-            scored.append(
-                Completion(
-                    token_ids=r.token_ids,
-                    behaviour_logprobs=r.behaviour_logprobs,
-                    token_versions=r.token_versions,
-                    reward=task.reward(problem, tokenizer.decode(text.tolist())),
-                    finished=r.finished,
-                )
-            )
-        version = min(int(c.token_versions.min()) for c in scored)
-        out.append(
-            TrajectoryGroup(
-                "bench", 0, problem.prompt_id, torch.tensor(prompt).int().numpy(), version, scored
-            )
-        )
-    return out
 
 
 def consecutive_versions(model, task, tokenizer, n_versions, rng) -> list[dict[str, torch.Tensor]]:
@@ -86,7 +62,7 @@ def consecutive_versions(model, task, tokenizer, n_versions, rng) -> list[dict[s
         prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
         rollouts = engine.generate(prompts, GROUP, task.max_new_tokens)
         batch = collate(
-            groups_from(problems, prompts, rollouts, task, tokenizer),
+            make_groups(problems, prompts, rollouts, task, tokenizer),
             v,
             tokenizer.pad_id,
             torch.device("cpu"),
@@ -124,7 +100,7 @@ def run_mode(mode, versions, task, tokenizer, problems, args) -> dict[str, float
         # What the learner (now at v+1) sees on these trajectories.
         learner_view.load_state_dict(versions[v + 1])
         batch = collate(
-            groups_from(chunk, prompts, rollouts, task, tokenizer),
+            make_groups(chunk, prompts, rollouts, task, tokenizer),
             v + 1,
             tokenizer.pad_id,
             torch.device("cpu"),
