@@ -40,6 +40,8 @@ class ActorStats:
     weight_fetch_s: float = 0.0
     reward_sum: float = 0.0
     completions: int = 0
+    wait_s: float = 0.0
+    """Time spent idle waiting for a new version (synchronous mode only)."""
 
 
 def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_stop) -> int | None:
@@ -114,10 +116,15 @@ def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLCon
 
 
 def fetch_update(
-    store: WeightStore, watcher: VersionWatcher, current: int, stats: ActorStats
+    store: WeightStore,
+    watcher: VersionWatcher,
+    current: int,
+    stats: ActorStats,
+    timeout_s: float = 0.0,
 ) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """The newest published version if there is one newer than ``current`` (non-blocking)."""
-    version = watcher.poll(timeout_s=0.0)
+    """The newest published version if there is one newer than ``current`` (waiting at most
+    ``timeout_s`` for one to be announced)."""
+    version = watcher.poll(timeout_s=timeout_s)
     if version is None or version <= current:
         return None
     started = time.perf_counter()
@@ -227,6 +234,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                 engine.load_weights(*update)
             # Phase 2: generate G completions for each prompt of the batch; weights that arrive
             # meanwhile reach the rollouts in flight (actor.inflight says how).
+            batch_version = engine.version
             problems = task.sample(rng, cfg.actor.prompts_per_batch)
             prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
             rollouts = engine.generate(
@@ -254,6 +262,14 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                 stats.groups_sent += 1
                 stats.reward_sum += sum(c.reward for c in group.completions)
                 stats.completions += len(group.completions)
+            # Synchronous mode: idle until the learner has trained on this batch's version.
+            if cfg.actor.wait_for_new_version:
+                wait_started = time.perf_counter()
+                while engine.version <= batch_version and not stop():
+                    update = fetch_update(store, watcher, engine.version, stats, timeout_s=0.5)
+                    if update is not None:
+                        engine.load_weights(*update)
+                stats.wait_s += time.perf_counter() - wait_started
             # Phase 4: report.
             stats.batches += 1
             stats.tokens += int(engine_stats["actor/tokens"])
@@ -263,6 +279,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                     **engine_stats,
                     **sender.stats(),
                     "actor/weight_fetch_s": stats.weight_fetch_s,
+                    "actor/wait_s": stats.wait_s,
                     "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
                 },
             )

@@ -26,6 +26,12 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_port(name: str, port: int) -> None:
+    _require(
+        -1 <= port <= 65535, f"{name} must be a port, 0 (any free one) or -1 (off), got {port}"
+    )
+
+
 @dataclass
 class RunConfig:
     name: str = "specrl"
@@ -243,6 +249,16 @@ class ActorConfig:
     they arrive: stale tokens become exact samples of the new policy), ``verify_on_finish`` (the
     same, once per sequence when it ends), ``abort`` (restart them), ``keep`` (keep stale tokens,
     tagged with their version, for the learner's importance weights to correct)."""
+    wait_for_new_version: bool = False
+    """Synchronous mode: after each batch, wait until a version newer than the one the batch
+    started on is published (with ``learner.max_staleness=0`` and ``learner.groups_per_step =
+    num_actors * prompts_per_batch`` this is classic on-policy RL; for benchmarks)."""
+    spool: bool = True
+    """Keep every unacked group on disk (``{run_dir}/spool/``) until the learner acks it, so an
+    actor killed outright and restarted under the same name resends what it had not delivered."""
+    metrics_port: int = 9401
+    """Prometheus ``/metrics`` port of actor ``index`` 0; actor i serves on ``metrics_port + i``.
+    0: any free port (written to ``{run_dir}/prometheus/``); -1: off."""
 
     def __post_init__(self) -> None:
         _require(self.num_actors >= 1, f"actor.num_actors must be >= 1, got {self.num_actors}")
@@ -266,6 +282,7 @@ class ActorConfig:
         for name in ("heartbeat_interval_s", "wait_version_timeout_s"):
             value = getattr(self, name)
             _require(value > 0, f"actor.{name} must be > 0, got {value}")
+        _check_port("actor.metrics_port", self.metrics_port)
 
 
 @dataclass
@@ -305,6 +322,15 @@ class LearnerConfig:
     """Give up when no group arrives for this long."""
     metrics_every: int = 1
     """Write a metrics line every N steps."""
+    wal: bool = True
+    """Append every group to a write-ahead log in the run directory before acking it, so groups
+    acked but not yet trained on survive a learner killed outright (SIGKILL, OOM); the log is
+    trimmed at each checkpoint."""
+    wal_fsync: bool = False
+    """fsync the write-ahead log before each ack: also survives a host crash, at a cost per group."""
+    metrics_port: int = 9400
+    """Prometheus ``/metrics`` port. 0: any free port (written to ``{run_dir}/prometheus/``);
+    -1: off."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"learner.lr must be > 0, got {self.lr}")
@@ -336,6 +362,7 @@ class LearnerConfig:
             self.address.startswith(("tcp://", "ipc://")),
             f"learner.address must be tcp://HOST:PORT or ipc://PATH, got {self.address!r}",
         )
+        _check_port("learner.metrics_port", self.metrics_port)
 
     def resolved_bind(self) -> str:
         return self.bind or self.address
@@ -378,6 +405,9 @@ class SecurityConfig:
     """CurveZMQ on the trajectory socket: a directory written by ``specrl keys DIR`` (the learner
     reads ``learner.key_secret``; actors read ``actor.key_secret`` and ``learner.key``). Empty:
     plain TCP, so keep the port firewalled to the actor machines."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the Prometheus ``/metrics`` servers listen on (loopback unless set, like every
+    other socket; ``0.0.0.0`` to let a scraper on another machine in)."""
 
 
 @dataclass
@@ -405,6 +435,14 @@ class SpecRLConfig:
             self.engine.name != "vllm" or self.actor.inflight != "verify_on_finish",
             "engine=vllm supports actor.inflight=verify_on_swap, keep or abort, got "
             f"{self.actor.inflight!r} (verify_on_finish runs on the torch engine)",
+        )
+        _require(
+            not self.actor.wait_for_new_version
+            or self.learner.groups_per_step == self.actor.num_actors * self.actor.prompts_per_batch,
+            "actor.wait_for_new_version makes each actor send one batch per version, so "
+            "learner.groups_per_step must equal actor.num_actors * actor.prompts_per_batch "
+            f"({self.learner.groups_per_step} != {self.actor.num_actors} * "
+            f"{self.actor.prompts_per_batch})",
         )
         _require(
             self.task.name != "jsonl" or bool(self.model.path),
