@@ -29,6 +29,7 @@ from types import TracebackType
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from actors.spool import Spool
 from common.curve_keys import CurveKeys
 from common.protocol import (
     Ack,
@@ -88,10 +89,11 @@ class GroupSender:
         limits: DecodeLimits | None = None,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        spool: Spool | None = None,
     ) -> None:
         """``limits``: if given, ``submit`` also runs the receiver's full validation, so a group
         the learner would reject (e.g. out-of-vocab ids) fails in ``submit`` instead of being
-        resent forever."""
+        resent forever. ``spool``: every unacked frame is also kept there (actors/spool.py)."""
         identity = actor_id.encode("utf-8")
         if not 1 <= len(identity) <= 255 or identity.startswith(b"\x00"):
             raise ValueError(f"actor_id must be 1..255 UTF-8 bytes, not NUL-led: {actor_id!r}")
@@ -110,6 +112,7 @@ class GroupSender:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._limits = limits
         self._curve = curve  # CurveZMQ client keys, with the learner's public key
+        self._spool = spool
         self._max_frame_bytes = limits.max_frame_bytes if limits else DEFAULT_MAX_FRAME_BYTES
         self._context = context or shared_context()
 
@@ -139,6 +142,17 @@ class GroupSender:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
+
+    def preload(self, frames: dict[int, bytes]) -> None:
+        """Queue frames already encoded under this ``actor_id`` (a dead incarnation's spool),
+        keeping their seqs; before ``start()``. New submits continue after the highest seq."""
+        if self._thread is not None:
+            raise RuntimeError("preload must be called before start()")
+        with self._cond:
+            for seq, frame in sorted(frames.items()):
+                self._outbox[seq] = _Entry(frame)
+            if frames:
+                self._next_seq = max(self._next_seq, max(frames) + 1)
 
     def start(self) -> GroupSender:
         if self._thread is not None:
@@ -237,6 +251,8 @@ class GroupSender:
                 # The learner's MAXMSGSIZE would drop the connection on it, we would reconnect
                 # and resend it, forever: refuse it here instead.
                 raise ProtocolError("oversize", f"{len(frame)} > {self._max_frame_bytes} bytes")
+            if self._spool is not None:
+                self._spool.put(seq, frame)  # on disk before it can be sent (and acked)
             with self._cond:
                 self._outbox[seq] = _Entry(frame)
                 self._next_seq = seq + 1
@@ -437,10 +453,12 @@ class GroupSender:
                 self._count_bad_reply(f"unexpected {type(msg).__name__} for {msg.actor_id!r}")
                 continue
             with self._cond:
-                for seq in msg.seqs:
-                    if self._outbox.pop(seq, None) is not None:
-                        self._acked_total += 1
+                acked = [seq for seq in msg.seqs if self._outbox.pop(seq, None) is not None]
+                self._acked_total += len(acked)
                 self._cond.notify_all()
+            if self._spool is not None:
+                for seq in acked:
+                    self._spool.remove(seq)
 
     def _count_bad_reply(self, what: str) -> None:
         with self._cond:

@@ -31,6 +31,8 @@ class StalenessBuffer:
         self.dropped_stale = 0
         self.rejected = 0
         self.accepted = 0
+        self.step = 0
+        """The optimizer step being assembled (set by the learner loop; goes into the ledger)."""
         self._carried: deque[TrajectoryGroup] = deque()
 
     def record(self, group: TrajectoryGroup, outcome: str, learner_version: int) -> None:
@@ -41,6 +43,7 @@ class StalenessBuffer:
                     "seq": group.seq,
                     "version": group.version,
                     "learner_version": learner_version,
+                    "step": self.step,
                     "outcome": outcome,
                 }
             )
@@ -83,8 +86,10 @@ class StalenessBuffer:
         learner_version: int,
         timeout_s: float,
         should_stop: Callable[[], bool] = lambda: False,
+        on_idle: Callable[[], None] = lambda: None,
     ) -> list[TrajectoryGroup]:
         """Admitted groups until ``n`` are in hand, or fewer if ``should_stop`` turns true.
+        ``on_idle`` runs whenever half a second passes with no group (housekeeping).
 
         Raises TimeoutError when no group at all arrives for ``timeout_s``.
         """
@@ -95,6 +100,7 @@ class StalenessBuffer:
             if group is None:
                 if should_stop():
                     return batch
+                on_idle()
                 if time.monotonic() - last_arrival > timeout_s:
                     raise TimeoutError(
                         f"no trajectory group for {timeout_s:.0f}s (have {len(batch)}/{n}); "

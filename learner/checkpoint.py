@@ -37,6 +37,8 @@ class TrainerState:
     version: int
     dedupe: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    wal_from: int = 0
+    """First write-ahead-log segment not covered by this checkpoint (see learner/wal.py)."""
 
 
 def save_checkpoint(
@@ -61,6 +63,7 @@ def save_checkpoint(
                 "version": state.version,
                 "dedupe": state.dedupe,
                 "metrics": state.metrics,
+                "wal_from": state.wal_from,
                 "optimizer_param_groups": [
                     {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
                 ],
@@ -120,6 +123,7 @@ def load_checkpoint(
         version=int(raw["version"]),
         dedupe=raw.get("dedupe", {}),
         metrics=raw.get("metrics", {}),
+        wal_from=int(raw.get("wal_from", 0)),
     )
     tensors = load_file(str(path / OPTIMIZER_FILE), device=str(device))
     return model, tensors, state, raw.get("optimizer_param_groups", [])

@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
 import torch
 
 from common.config import LearnerConfig, SamplingConfig, SpecConfig, SpecRLConfig
-from common.curve_keys import learner_keys
+from common.curve_keys import authorized_dir, learner_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import Transformer, load_pretrained
@@ -19,7 +20,7 @@ from common.protocol import DecodeLimits, TrajectoryGroup
 from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.warm_start import ensure_model
-from common.weights import store_from_config
+from common.weights import WeightsError, WeightStore, store_from_config
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import (
@@ -33,6 +34,7 @@ from learner.checkpoint import (
 from learner.loss import early_exit_kl, ppo_clip_loss
 from learner.publisher import Publisher
 from learner.receiver import GroupReceiver
+from learner.wal import WalWriter, replay, trim
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class LearnerState:
     """Receiver dedupe state restored from the checkpoint (empty on a fresh start)."""
     pending: list[TrajectoryGroup]
     """Groups acked before the restart but never trained on (from the checkpoint)."""
+    wal_from: int = 0
+    """First write-ahead-log segment the checkpoint does not cover (0: none, or a fresh run)."""
 
 
 def train_step(
@@ -146,6 +150,7 @@ def setup(cfg: SpecRLConfig, checkpoint_root: Path, device: torch.device) -> Lea
         restore_optimizer(model, optimizer, opt_tensors, param_groups)
         pending = load_pending(ckpt, DecodeLimits(vocab_size=model.args.vocab_size))
         step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
+        wal_from = trainer.wal_from
         log.info(
             "resumed from %s (step %d, version %d, %d groups carried over)",
             ckpt,
@@ -158,12 +163,14 @@ def setup(cfg: SpecRLConfig, checkpoint_root: Path, device: torch.device) -> Lea
         model = load_pretrained(model_dir, device=device)
         tokenizer = load_tokenizer(model_dir)
         optimizer = make_optimizer(model, cfg.learner)
-        step, version, dedupe, pending = 0, -1, {}, []
+        step, version, dedupe, pending, wal_from = 0, -1, {}, [], 0
     ref_model = None
     if cfg.learner.kl_coef > 0:
         # The reference is the policy the run started from (the checkpoint's, after a resume).
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    return LearnerState(model, tokenizer, optimizer, ref_model, step, version, dedupe, pending)
+    return LearnerState(
+        model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from
+    )
 
 
 def read_version_mark(path: Path) -> int:
@@ -175,6 +182,73 @@ def write_version_mark(path: Path, version: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(str(version))
     tmp.replace(path)
+
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def with_redis(what: str, action, should_stop, max_backoff_s: float = 5.0):
+    """``action()``, retried with backoff while Redis is unreachable (a Redis restart must not
+    kill the learner); None if a stop comes first."""
+    backoff_s = 0.1
+    while True:
+        try:
+            return action()
+        except _REDIS_DOWN as e:
+            if should_stop():
+                return None
+            log.warning(
+                "learner: %s: Redis unreachable (%s); retrying in %.1f s", what, e, backoff_s
+            )
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, max_backoff_s)
+
+
+class Republisher:
+    """Puts the current version back when Redis has lost it (restarted without persistence, or
+    flushed), so actors that start meanwhile find weights. Checks at most every ``every_s``."""
+
+    def __init__(self, store: WeightStore, publish, every_s: float = 2.0) -> None:
+        self.store = store
+        self.publish = publish
+        self.every_s = every_s
+        self.republished = 0
+        self._next = time.monotonic() + every_s
+
+    def check(self, version: int) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        try:
+            latest = self.store.latest_version()
+            if latest is None or latest < version:
+                log.warning(
+                    "learner: Redis holds version %s, not %d (restarted?); republishing",
+                    latest,
+                    version,
+                )
+                self.publish()
+                self.republished += 1
+        except (*_REDIS_DOWN, WeightsError) as e:
+            log.warning("learner: cannot check or republish weights (%s); will retry", e)
+
+
+def replay_wal(wal_dir: Path, state: LearnerState, cfg: SpecRLConfig) -> list[TrajectoryGroup]:
+    """Groups acked after the checkpoint (or since a fresh start) by a learner that did not stop
+    cleanly; empty for a resume=false run, whose old log is discarded."""
+    if not cfg.learner.resume:
+        trim(wal_dir, 2**62)
+        return []
+    limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
+    replayed = replay(wal_dir, state.wal_from, limits)
+    if replayed:
+        log.info(
+            "learner: %d acked group(s) replayed from the write-ahead log (segments >= %d)",
+            len(replayed),
+            state.wal_from,
+        )
+    return replayed
 
 
 def run(cfg: SpecRLConfig) -> dict[str, float]:
@@ -189,10 +263,12 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     stop = StopFlag("learner")
 
     state = setup(cfg, checkpoint_root, device)
+    wal_dir = run_dir / "wal"
+    replayed = replay_wal(wal_dir, state, cfg)
     store = store_from_config(cfg.redis, cfg.run.name)
     # Versions only grow, across restarts too: continue after the newest of the checkpoint, what
     # Redis holds, and what this run ever published (a private Redis may have lost everything).
-    latest = store.latest_version()
+    latest = with_redis("reading the latest version", store.latest_version, stop)
     state.version = (
         max(state.version, latest if latest is not None else -1, read_version_mark(version_mark))
         + 1
@@ -200,10 +276,13 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     publisher = Publisher(store, state.model, state.tokenizer)
 
     def publish() -> None:
-        publisher.publish(state.version)
+        with_redis(
+            f"publishing version {state.version}", lambda: publisher.publish(state.version), stop
+        )
         write_version_mark(version_mark, state.version)
 
     publish()
+    republisher = Republisher(store, publish)
     log.info(
         "learner: published version %d; waiting for actors at %s",
         state.version,
@@ -212,19 +291,37 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
     ledger = MetricsWriter(run_dir / "ledger" / "learner.jsonl") if cfg.run.ledger else None
+    if ledger is not None:
+        # Outcomes a killed learner logged after its last checkpoint are void: the model lost
+        # those steps and the groups come back from the write-ahead log.
+        ledger.write({"event": "start", "resumed_step": state.step})
     buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, ledger)
-    buffer.carry(state.pending)
+    buffer.carry([*state.pending, *replayed])
     limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
-    curve = learner_keys(Path(cfg.security.curve_dir)) if cfg.security.curve_dir else None
+    curve = None
+    authorized = None
+    if cfg.security.curve_dir:
+        curve = learner_keys(Path(cfg.security.curve_dir))
+        authorized = Path(
+            cfg.security.authorized_keys or authorized_dir(Path(cfg.security.curve_dir))
+        )
     receiver = GroupReceiver(
-        cfg.learner.resolved_bind(), limits, queue_max=cfg.learner.queue_max, curve=curve
+        cfg.learner.resolved_bind(),
+        limits,
+        queue_max=cfg.learner.queue_max,
+        curve=curve,
+        authorized_keys=authorized,
+        wal=WalWriter(wal_dir, fsync=cfg.learner.wal_fsync) if cfg.learner.wal else None,
     )
     trainer = TrainerState(step=state.step, version=state.version)
     last: dict[str, float] = {}
 
     def checkpoint(pending: list[TrajectoryGroup]) -> None:
         trainer.step, trainer.version = state.step, state.version
-        trainer.dedupe = receiver.dedupe_state()
+        # One cut: every acked group is in the checkpoint's pending list, already trained, or
+        # in a log segment from wal_from on.
+        trainer.dedupe, queued, wal_from = receiver.checkpoint_cut()
+        trainer.wal_from = wal_from if wal_from is not None else 0
         trainer.metrics = {k: v for k, v in last.items() if isinstance(v, int | float)}
         path = save_checkpoint(
             checkpoint_root,
@@ -232,11 +329,16 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
             state.tokenizer,
             state.optimizer,
             trainer,
-            pending=[*buffer.pending(), *pending],
+            pending=[*buffer.pending(), *queued, *pending],
         )
+        if wal_from is not None:
+            trim(wal_dir, wal_from)
+        if ledger is not None:
+            ledger.write({"event": "checkpoint", "step": state.step})
         log.info("learner: checkpoint %s", path)
 
     receiver.load_dedupe_state(state.dedupe)
+    receiver.mark_seen(replayed)
     receiver.start()
     wall_start = time.perf_counter()
     unfinished: list[TrajectoryGroup] = []
@@ -244,12 +346,15 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         while state.step < cfg.run.steps and not stop():
             # Phase 1: collect fresh groups (stale ones are dropped and counted).
             t0 = time.perf_counter()
+            buffer.step = state.step + 1
+            republisher.check(state.version)
             groups = buffer.collect(
                 receiver.get,
                 cfg.learner.groups_per_step,
                 state.version,
                 cfg.learner.group_timeout_s,
                 should_stop=stop,
+                on_idle=lambda: republisher.check(state.version),
             )
             if len(groups) < cfg.learner.groups_per_step:
                 unfinished = groups  # a stop came first: keep them for the next run
@@ -284,6 +389,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 **_actor_metrics(receiver),
                 **receiver.stats(),
                 "learner/dropped_stale": buffer.dropped_stale,
+                "learner/republished": republisher.republished,
                 "learner/rejected_groups": buffer.rejected,
                 "learner/wait_s": t1 - t0,
                 "learner/train_s": t2 - t1,
@@ -304,7 +410,12 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
             buffer.record(group, "pending_at_exit", state.version)
         checkpoint(leftover)
         metrics.write(
-            {"event": "learner_exit", "learner/step": state.step, "learner/version": state.version}
+            {
+                "event": "learner_exit",
+                "learner/step": state.step,
+                "learner/version": state.version,
+                **receiver.stats(),
+            }
         )
         metrics.close()
         if ledger is not None:

@@ -6,9 +6,16 @@ Identity: every actor's DEALER identity is its ``actor_id`` (UTF-8). A group or 
 so tying the two stops one peer from filling (or acking away) another actor's seqs; with CURVE
 the identity can later be bound to the authenticated key.
 
-Acks are sent on receipt: a new group is queued, then acked; a duplicate is only acked again.
-The ack therefore promises "in this learner's memory", not "trained on" or "durable"; moving to
-ack-once-durable only changes ``_accept_group``.
+Acks are sent on receipt: a new group is written to the write-ahead log (``wal``, see
+learner/wal.py), queued, then acked; a duplicate is only acked again. With the log the ack
+promises "in this learner's log" (durable against a learner killed outright; against a host
+crash too with fsync); without it, only "in this learner's memory".
+
+Authentication: with ``curve`` the link is CurveZMQ; with ``authorized_keys`` too, a ZAP handler
+admits only clients whose public key is a ``*.key`` certificate in that directory (re-read when
+the directory changes, so revoking a key is deleting its file). Every refused handshake (a key
+not listed, a client without the learner's public key, a client without CURVE) is counted as
+``receiver/unauthenticated`` and logged.
 
 Backpressure: when ``queue_max`` groups wait for ``get()``, the I/O thread stops reading the
 socket altogether. Unread frames stay in zmq's bounded pipes (HWM), actors get no acks, their
@@ -22,10 +29,14 @@ import logging
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from common.curve_keys import CurveKeys
 from common.protocol import (
@@ -39,8 +50,17 @@ from common.protocol import (
     encode,
 )
 from common.transport import DEFAULT_HWM, bind_router, bound_endpoint, shared_context
+from learner.wal import WalWriter
 
 log = logging.getLogger(__name__)
+
+# Handshakes a CURVE server refuses: ZAP said no (key not listed), the CURVE exchange failed (the
+# client does not know the learner's public key), or the client speaks another mechanism.
+_REFUSED_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key not authorized",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (wrong learner key or no CURVE)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+}
 
 # Receiver-level rejections on top of the codec's PROTOCOL_ERROR_REASONS.
 RECEIVER_REJECT_REASONS: tuple[str, ...] = (
@@ -100,9 +120,17 @@ class GroupReceiver:
         hwm: int = DEFAULT_HWM,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        authorized_keys: Path | None = None,
+        wal: WalWriter | None = None,
     ) -> None:
         """``curve``: the learner's CurveZMQ key pair; peers without its public key get nothing
-        through."""
+        through. ``authorized_keys``: a directory of actor public-key certificates; with it only
+        those actors get through. ``wal``: the write-ahead log every new group goes to before
+        its ack."""
+        if authorized_keys is not None and curve is None:
+            raise ValueError("authorized_keys needs curve (the allow-list is of CURVE keys)")
+        if authorized_keys is not None and not Path(authorized_keys).is_dir():
+            raise FileNotFoundError(f"authorized_keys directory {authorized_keys} does not exist")
         if queue_max < 1:
             raise ValueError(f"queue_max must be >= 1, got {queue_max}")
         if actor_timeout_s <= 0:
@@ -113,7 +141,12 @@ class GroupReceiver:
         self._queue_max = queue_max
         self._hwm = hwm
         self._curve = curve
-        self._context = context or shared_context()
+        self._allow_list = _AllowList(Path(authorized_keys)) if authorized_keys else None
+        self._wal = wal
+        # ZAP handlers are per context: a receiver with an allow-list gets a context of its own.
+        self._own_context = self._allow_list is not None and context is None
+        self._context = zmq.Context() if self._own_context else (context or shared_context())
+        self._authenticator: ThreadAuthenticator | None = None
 
         # _cond guards everything below; notified when the queue gains or loses a group.
         self._cond = threading.Condition()
@@ -124,6 +157,7 @@ class GroupReceiver:
         self._duplicates = 0
         self._acks_sent = 0
         self._heartbeats = 0
+        self._unauthenticated = 0
         self._bad_by_reason: dict[str, int] = dict.fromkeys(
             PROTOCOL_ERROR_REASONS + RECEIVER_REJECT_REASONS, 0
         )
@@ -141,6 +175,14 @@ class GroupReceiver:
     def start(self) -> GroupReceiver:
         if self._thread is not None:
             raise RuntimeError("GroupReceiver already started")
+        if self._allow_list is not None:
+            self._authenticator = ThreadAuthenticator(
+                self._context, log=logging.getLogger(f"{__name__}.zap")
+            )
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback(
+                domain="*", credentials_provider=self._allow_list
+            )
         # Bound here so a bind error raises in the caller and bound_address is ready on return.
         sock = bind_router(
             self._bind_address,
@@ -151,8 +193,17 @@ class GroupReceiver:
             curve_public_key=self._curve.public if self._curve else None,
         )
         self._bound_address = bound_endpoint(sock)
+        monitor = (
+            sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            )
+            if self._curve is not None
+            else None
+        )
         self._thread = threading.Thread(
-            target=self._run, args=(sock,), name="group-receiver", daemon=True
+            target=self._run, args=(sock, monitor), name="group-receiver", daemon=True
         )
         self._thread.start()
         return self
@@ -162,6 +213,12 @@ class GroupReceiver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+        if self._own_context:
+            self._context.term()
+            self._own_context = False
         with self._cond:
             self._closed = True
             left = len(self._queue)
@@ -228,6 +285,12 @@ class GroupReceiver:
             return self._received
 
     @property
+    def unauthenticated(self) -> int:
+        """Handshakes refused (CURVE only): unlisted keys, wrong learner key, no CURVE."""
+        with self._cond:
+            return self._unauthenticated
+
+    @property
     def duplicates(self) -> int:
         with self._cond:
             return self._duplicates
@@ -258,6 +321,7 @@ class GroupReceiver:
                 "receiver/bad_frames": float(sum(self._bad_by_reason.values())),
                 "receiver/acks_sent": float(self._acks_sent),
                 "receiver/heartbeats": float(self._heartbeats),
+                "receiver/unauthenticated": float(self._unauthenticated),
                 "receiver/queue_size": float(len(self._queue)),
             }
             out.update(
@@ -270,7 +334,7 @@ class GroupReceiver:
 
     def dedupe_state(self) -> dict[str, Any]:
         """Seqs seen per actor, JSON/msgpack-serialisable, for the learner checkpoint."""
-        with self._cond:
+        with self._cond:  # re-entrant use from checkpoint_cut: _cond's lock is an RLock
             return {
                 "format": _DEDUPE_FORMAT,
                 "actors": {
@@ -278,6 +342,18 @@ class GroupReceiver:
                     for actor_id, w in self._dedupe.items()
                 },
             }
+
+    def checkpoint_cut(self) -> tuple[dict[str, Any], list[TrajectoryGroup], int | None]:
+        """One consistent cut for a checkpoint: ``(dedupe state, groups queued but not yet
+        consumed, first log segment after the cut)``.
+
+        Taken under the receiver's lock, so every group acked so far is either in the returned
+        queue copy (or already consumed by the caller) or, if acked later, in a log segment from
+        the returned number on. The segment is None without a log.
+        """
+        with self._cond:
+            wal_from = self._wal.cut() if self._wal is not None else None
+            return self.dedupe_state(), list(self._queue), wal_from
 
     def load_dedupe_state(self, state: dict[str, Any]) -> None:
         """Replace the seen-seqs record with one from ``dedupe_state()`` (checkpoint restore).
@@ -314,11 +390,20 @@ class GroupReceiver:
         with self._cond:
             self._dedupe = windows
 
+    def mark_seen(self, groups: list[TrajectoryGroup]) -> None:
+        """Record groups replayed from the write-ahead log as seen (before ``start()``), so the
+        actors' resends of them are acked as duplicates."""
+        if self._thread is not None:
+            raise RuntimeError("mark_seen must be called before start()")
+        with self._cond:
+            for group in groups:
+                self._dedupe.setdefault(group.actor_id, _DedupeWindow()).add(group.seq)
+
     # ------------------------------------------------------------------ I/O thread
 
-    def _run(self, sock: zmq.Socket) -> None:
+    def _run(self, sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
         try:
-            self._loop(sock)
+            self._loop(sock, monitor)
         except BaseException as e:
             # Thread boundary: hand the failure to the consumer (get() raises it).
             log.exception("receiver I/O thread failed")
@@ -326,16 +411,32 @@ class GroupReceiver:
                 self._error = e
                 self._cond.notify_all()
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            if self._wal is not None:
+                self._wal.close()
             sock.close()
 
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         while not self._stop.is_set():
             with self._cond:
-                if len(self._queue) >= self._queue_max:
-                    # Backpressure: read nothing (so ack nothing) until get() frees space.
+                full = len(self._queue) >= self._queue_max
+            if full:
+                # Backpressure: read nothing (so ack nothing) until get() frees space.
+                if monitor is not None:
+                    self._drain_monitor(monitor)
+                with self._cond:
                     self._cond.wait(_POLL_S)
-                    continue
-            if not sock.poll(int(_POLL_S * 1000), zmq.POLLIN):
+                continue
+            ready = dict(poller.poll(int(_POLL_S * 1000)))
+            if monitor is not None and monitor in ready:
+                self._drain_monitor(monitor)
+            if sock not in ready:
                 continue
             for _ in range(_MAX_BATCH):
                 try:
@@ -366,7 +467,7 @@ class GroupReceiver:
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(msg)
             return False
-        return self._accept_group(sock, identity, msg)
+        return self._accept_group(sock, identity, msg, parts[1])
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
@@ -376,7 +477,9 @@ class GroupReceiver:
             info.stats = beat.stats
             info.heartbeats += 1
 
-    def _accept_group(self, sock: zmq.Socket, identity: bytes, group: TrajectoryGroup) -> bool:
+    def _accept_group(
+        self, sock: zmq.Socket, identity: bytes, group: TrajectoryGroup, frame: bytes
+    ) -> bool:
         with self._cond:
             info = self._touch(group.actor_id)
             # A group's version is the oldest of its tokens; a heartbeat's is authoritative.
@@ -385,6 +488,10 @@ class GroupReceiver:
             window = self._dedupe.setdefault(group.actor_id, _DedupeWindow())
             is_new = window.add(group.seq)
             if is_new:
+                if self._wal is not None:
+                    # Logged before acked; a write error fails the I/O thread, so nothing
+                    # unlogged is ever acked.
+                    self._wal.append(frame)
                 self._queue.append(group)
                 self._received += 1
                 info.groups += 1
@@ -408,23 +515,78 @@ class GroupReceiver:
         info.last_seen = time.monotonic()
         return info
 
-    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = _REFUSED_EVENTS.get(event["event"])
+            if reason is None:
+                continue
+            with self._cond:
+                self._unauthenticated += 1
+            self._log_limited(
+                "unauthenticated",
+                "refused a connection to %s: %s",
+                event.get("endpoint", b"?"),
+                reason,
+            )
+
+    def _log_limited(self, kind: str, fmt: str, *args: object) -> None:
+        """Log a warning at most once per ``_BAD_LOG_EVERY_S`` per kind, with a count of the
+        suppressed ones (a flood must not flood the log)."""
         now = time.monotonic()
         with self._cond:
-            self._bad_by_reason[reason] = self._bad_by_reason.get(reason, 0) + 1
-            last = self._bad_logged_at.get(reason)
+            last = self._bad_logged_at.get(kind)
             if last is not None and now - last < _BAD_LOG_EVERY_S:
-                self._bad_suppressed[reason] = self._bad_suppressed.get(reason, 0) + 1
+                self._bad_suppressed[kind] = self._bad_suppressed.get(kind, 0) + 1
                 return
-            self._bad_logged_at[reason] = now
-            suppressed = self._bad_suppressed.pop(reason, 0)
+            self._bad_logged_at[kind] = now
+            suppressed = self._bad_suppressed.pop(kind, 0)
+        if suppressed:
+            fmt += f"; {suppressed} more like it in the last {_BAD_LOG_EVERY_S:.0f} s"
+        log.warning(fmt, *args)
+
+    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+        with self._cond:
+            self._bad_by_reason[reason] = self._bad_by_reason.get(reason, 0) + 1
         peer = identity.decode("utf-8", errors="backslashreplace")
-        log.warning(
-            "bad frame from %r: %s (%s)%s",
-            peer,
-            reason,
-            detail[:200],
-            f"; {suppressed} more like it in the last {_BAD_LOG_EVERY_S:.0f} s"
-            if suppressed
-            else "",
-        )
+        self._log_limited(reason, "bad frame from %r: %s (%s)", peer, reason, detail[:200])
+
+
+class _AllowList:
+    """ZAP credentials provider: the CURVE public keys of the ``*.key`` certificates in a
+    directory, re-read whenever the directory changes (adding or deleting a file)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._stamp: int | None = None
+        self._keys: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._logged_at: dict[bytes, float] = {}  # refused key -> last warning
+
+    def _reload(self) -> None:
+        stamp = self.directory.stat().st_mtime_ns
+        if stamp != self._stamp:
+            self._keys = set(zmq.auth.load_certificates(str(self.directory)))
+            self._stamp = stamp
+            log.info("CURVE allow-list: %d key(s) from %s", len(self._keys), self.directory)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's Authenticator calls this with the client's z85 public key."""
+        with self._lock:
+            try:
+                self._reload()
+            except OSError as e:  # directory gone: admit nobody rather than everybody
+                log.error("CURVE allow-list %s unreadable (%s); refusing", self.directory, e)
+                self._keys = set()
+                self._stamp = None
+            allowed = key in self._keys
+            now = time.monotonic()
+            quiet = now - self._logged_at.get(key, -_BAD_LOG_EVERY_S) < _BAD_LOG_EVERY_S
+            if not allowed and not quiet:
+                self._logged_at[key] = now
+        if not allowed and not quiet:
+            log.warning("refused CURVE client key %s: not in %s", key.decode(), self.directory)
+        return allowed

@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import load_config
+from common.ledger import Ledger, read_ledger  # noqa: F401  (re-exported for the tests)
 from common.redis_server import find_free_port
 from common.warm_start import warm_start
 
@@ -107,42 +107,3 @@ class Pipeline:
 
     def steps(self) -> list[dict]:
         return [r for r in self.metrics() if "learner/reward_mean" in r]
-
-
-@dataclass
-class Ledger:
-    submitted: Counter
-    consumed: Counter
-    """Trained, dropped as stale or rejected: each must happen at most once per group."""
-    outcomes: dict
-    unacked_at_exit: set
-    pending_at_exit: set
-    """Acked by a learner that stopped before training them (carried in its checkpoint)."""
-    trained: list[dict]
-
-
-def read_ledger(run_dir: Path) -> Ledger:
-    submitted: Counter = Counter()
-    unacked: set = set()
-    for path in sorted((run_dir / "ledger").glob("actor-*.jsonl")):
-        for row in map(json.loads, path.read_text().splitlines()):
-            if row["event"] == "submitted":
-                submitted[(row["actor_id"], row["seq"])] += 1
-            elif row["event"] == "exit":
-                unacked.update((row["actor_id"], s) for s in row["unacked"])
-    consumed: Counter = Counter()
-    outcomes: dict = {}
-    pending: set = set()
-    trained = []
-    learner_ledger = run_dir / "ledger" / "learner.jsonl"
-    for row in map(json.loads, learner_ledger.read_text().splitlines()):
-        key = (row["actor_id"], row["seq"])
-        if row["outcome"] == "pending_at_exit":
-            pending.add(key)
-            continue
-        consumed[key] += 1
-        outcomes[key] = row["outcome"]
-        if row["outcome"] == "trained":
-            trained.append(row)
-    # A group carried over and consumed by the next learner run is no longer pending.
-    return Ledger(submitted, consumed, outcomes, unacked, pending - set(consumed), trained)

@@ -1,0 +1,136 @@
+"""The learner's write-ahead log of acked groups: what makes "acked" survive a SIGKILL.
+
+The receiver appends every new group's wire frame here, and flushes it to the OS, before it acks
+the group; so a group an actor has forgotten (acked) is always either in the newest checkpoint's
+pending list or in a log segment written after that checkpoint.
+
+Layout: ``{dir}/{n:08d}.wal``, each a sequence of records ``[u32 little-endian length][frame]``.
+A checkpoint *cuts* the log: the receiver starts segment ``n + 1`` and the checkpoint records
+``wal_from = n + 1`` together with every group acked before the cut and not yet trained on.
+Resuming replays the segments ``>= wal_from`` (acked after the checkpoint) and carries them; the
+segments before it are deleted once the checkpoint is on disk.
+
+A record cut short by a kill mid-write was never acked (the ack follows the write), so readers
+drop a torn tail; a corrupt record elsewhere is an error, never skipped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import IO
+
+from common.protocol import DecodeLimits, ProtocolError, TrajectoryGroup, decode
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+SUFFIX = ".wal"
+
+
+class WalError(RuntimeError):
+    """A log segment is unreadable somewhere other than its tail."""
+
+
+def segments(directory: Path) -> list[tuple[int, Path]]:
+    """``(number, path)`` of every segment, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        if path.suffix == SUFFIX and path.stem.isdigit():
+            found.append((int(path.stem), path))
+    return sorted(found)
+
+
+class WalWriter:
+    """Appends frames to the current segment; ``cut()`` starts the next one. Not thread-safe:
+    the receiver calls it under its own lock."""
+
+    def __init__(self, directory: Path, fsync: bool = False) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.fsync = fsync
+        existing = segments(directory)
+        # Never append to an old segment: its tail may be torn.
+        self._number = existing[-1][0] + 1 if existing else 0
+        self._file: IO[bytes] = self._open(self._number)
+        self._closed = False
+        self.records = 0
+        self.bytes = 0
+
+    def _open(self, number: int) -> IO[bytes]:
+        return (self.directory / f"{number:08d}{SUFFIX}").open("ab")
+
+    @property
+    def segment(self) -> int:
+        return self._number
+
+    def append(self, frame: bytes) -> None:
+        """Write one frame and hand it to the OS (and to the disk with ``fsync``)."""
+        self._file.write(_LEN.pack(len(frame)))
+        self._file.write(frame)
+        self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
+        self.records += 1
+        self.bytes += _LEN.size + len(frame)
+
+    def cut(self) -> int:
+        """Close the current segment and start the next; returns the new segment's number (the
+        first segment *not* covered by a checkpoint taken now)."""
+        self._file.close()
+        self._number += 1
+        if not self._closed:
+            self._file = self._open(self._number)
+        return self._number
+
+    def close(self) -> None:
+        self._closed = True
+        self._file.close()
+
+
+def read_segment(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
+    """The groups of one segment, each validated like a frame off the wire."""
+    data = path.read_bytes()
+    groups: list[TrajectoryGroup] = []
+    offset = 0
+    while offset < len(data):
+        if offset + _LEN.size > len(data):
+            break  # torn length prefix: never acked
+        (length,) = _LEN.unpack_from(data, offset)
+        end = offset + _LEN.size + length
+        if end > len(data):
+            break  # torn frame: never acked
+        try:
+            message = decode(data[offset + _LEN.size : end], limits)
+        except ProtocolError as e:
+            raise WalError(f"{path}: record at byte {offset} does not decode: {e}") from e
+        if not isinstance(message, TrajectoryGroup):
+            raise WalError(f"{path}: record at byte {offset} is a {type(message).__name__}")
+        groups.append(message)
+        offset = end
+    if offset < len(data):
+        log.warning("%s: dropped a torn last record (%d bytes)", path, len(data) - offset)
+    return groups
+
+
+def replay(directory: Path, start: int, limits: DecodeLimits) -> list[TrajectoryGroup]:
+    """Every group in segments numbered ``>= start``, in the order they were acked."""
+    groups: list[TrajectoryGroup] = []
+    for number, path in segments(directory):
+        if number >= start:
+            groups.extend(read_segment(path, limits))
+    return groups
+
+
+def trim(directory: Path, start: int) -> int:
+    """Delete the segments below ``start`` (covered by a checkpoint on disk); returns how many."""
+    removed = 0
+    for number, path in segments(directory):
+        if number < start:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
