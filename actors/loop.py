@@ -17,6 +17,7 @@ import torch
 from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
 from actors.sender import GroupSender, unique_actor_id
+from actors.spool import Spool, orphans
 from common.config import SpecRLConfig
 from common.curve_keys import actor_keys
 from common.entrypoint import StopFlag
@@ -42,6 +43,19 @@ class ActorStats:
     completions: int = 0
     wait_s: float = 0.0
     """Time spent idle waiting for a new version (synchronous mode only)."""
+
+
+def _with_redis(what: str, action, should_stop, max_backoff_s: float = 5.0):
+    """``action()``, retried while Redis is unreachable; None if a stop comes first."""
+    backoff_s = 0.1
+    while not should_stop():
+        try:
+            return action()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("actor: %s: Redis unreachable (%s); retrying in %.1f s", what, e, backoff_s)
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, max_backoff_s)
+    return None
 
 
 def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_stop) -> int | None:
@@ -189,6 +203,59 @@ def submit_until_stopped(sender: GroupSender, group: TrajectoryGroup, should_sto
     return False
 
 
+class Recovery:
+    """Sends what dead incarnations of this actor left in their spools, under their own
+    actor_ids and seqs, beside the live sender; each finished spool is deleted."""
+
+    def __init__(self, cfg: SpecRLConfig, name: str, actor_id: str, limits: DecodeLimits) -> None:
+        self.senders: list[tuple[GroupSender, Spool]] = []
+        self.recovered = 0
+        for old_id, spool in orphans(spool_root(cfg), name, exclude=actor_id):
+            frames = spool.frames()
+            sender = GroupSender(
+                cfg.learner.address,
+                old_id,
+                outbox_max=max(len(frames), 1),
+                resend_timeout_s=cfg.actor.resend_timeout_s,
+                heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
+                limits=limits,
+                curve=curve_from_config(cfg),
+                spool=spool,
+            )
+            sender.preload(frames)
+            sender.start()
+            self.senders.append((sender, spool))
+            self.recovered += len(frames)
+            log.info(
+                "actor: resending %d unacked group(s) of dead incarnation %s", len(frames), old_id
+            )
+
+    def poll(self) -> None:
+        """Close the senders whose groups are all acked."""
+        for sender, spool in list(self.senders):
+            if sender.unacked() == 0:
+                sender.close(timeout_s=0.0)
+                spool.release(delete=True)
+                self.senders.remove((sender, spool))
+
+    def close(self) -> None:
+        """At exit: whatever is still unacked stays spooled for the next incarnation."""
+        for sender, spool in self.senders:
+            sender.close(timeout_s=2.0)
+            spool.release(delete=sender.unacked() == 0)
+        self.senders = []
+
+
+def spool_root(cfg: SpecRLConfig) -> Path:
+    return cfg.run.resolved_dir() / "spool"
+
+
+def curve_from_config(cfg: SpecRLConfig):
+    if not cfg.security.curve_dir:
+        return None
+    return actor_keys(Path(cfg.security.curve_dir), cfg.security.actor_key)
+
+
 def run(cfg: SpecRLConfig) -> ActorStats:
     torch.set_num_threads(cfg.run.torch_threads)
     seed = cfg.run.seed * 1_000 + cfg.actor.index
@@ -202,7 +269,12 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s
         )
         return stats
-    engine, tokenizer, model_args = build_engine(store, first, cfg, seed)
+    built = _with_redis(
+        "loading the first version", lambda: build_engine(store, first, cfg, seed), stop
+    )
+    if built is None:
+        return stats
+    engine, tokenizer, model_args = built
     task = task_from_config(cfg.task)
     rng = random.Random(seed)
     name = cfg.actor.actor_id or f"{socket.gethostname()}-{cfg.actor.index}"
@@ -216,6 +288,9 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         else None
     )
 
+    spool = Spool(spool_root(cfg) / name / actor_id) if cfg.actor.spool else None
+    recovery = Recovery(cfg, name, actor_id, limits) if cfg.actor.spool else None
+
     with GroupSender(
         cfg.learner.address,
         actor_id,
@@ -223,9 +298,12 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         resend_timeout_s=cfg.actor.resend_timeout_s,
         heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
         limits=limits,
-        curve=actor_keys(Path(cfg.security.curve_dir)) if cfg.security.curve_dir else None,
+        curve=curve_from_config(cfg),
+        spool=spool,
     ) as sender:
         while not stop():
+            if recovery is not None:
+                recovery.poll()
             if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
                 break
             # Phase 1: pick up the newest weights.
@@ -284,9 +362,15 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                 },
             )
         sender.flush(timeout_s=5.0)
+        unacked = sender.unacked_seqs()
         if ledger is not None:
-            ledger.write({"actor_id": actor_id, "event": "exit", "unacked": sender.unacked_seqs()})
+            # With a spool these are not lost: the next incarnation of this actor resends them.
+            ledger.write({"actor_id": actor_id, "event": "exit", "unacked": unacked})
             ledger.close()
+    if recovery is not None:
+        recovery.close()
+    if spool is not None:
+        spool.release(delete=not unacked)
     watcher.close()
     log.info(
         "actor %s: stopped after %d batches, %d groups", actor_id, stats.batches, stats.groups_sent

@@ -405,6 +405,12 @@ class SecurityConfig:
     """CurveZMQ on the trajectory socket: a directory written by ``specrl keys DIR`` (the learner
     reads ``learner.key_secret``; actors read ``actor.key_secret`` and ``learner.key``). Empty:
     plain TCP, so keep the port firewalled to the actor machines."""
+    actor_key: str = "actor"
+    """Actors: the key pair in ``curve_dir`` this actor presents (``{actor_key}.key_secret``;
+    ``specrl keys DIR --actor NAME`` makes more)."""
+    authorized_keys: str = ""
+    """Learner: directory of the actor public keys let in (a ZAP allow-list, re-read when it
+    changes). Empty: ``{curve_dir}/authorized``."""
     metrics_host: str = "127.0.0.1"
     """Interface the Prometheus ``/metrics`` servers listen on (loopback unless set, like every
     other socket; ``0.0.0.0`` to let a scraper on another machine in)."""
