@@ -24,6 +24,7 @@ from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import ModelArgs, Transformer, save_pretrained
 from common.policy_meta import model_args_from_meta, tokenizer_from_meta
+from common.prometheus import ActorExporter
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import Tokenizer, encode_prompt
@@ -279,6 +280,13 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     rng = random.Random(seed)
     name = cfg.actor.actor_id or f"{socket.gethostname()}-{cfg.actor.index}"
     actor_id = unique_actor_id(name)
+    exporter = ActorExporter.start(cfg, cfg.run.resolved_dir(), actor_id)
+
+    def fetch(timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        update = fetch_update(store, watcher, engine.version, stats, timeout_s=timeout_s)
+        if update is not None:
+            exporter.observe_weight_fetch(stats.weight_fetch_s)
+        return update
     # The model's vocabulary (it may be padded past the tokenizer's), as the learner validates.
     limits = DecodeLimits(vocab_size=model_args.vocab_size)
     log.info("actor %s: version %d, learner %s", actor_id, engine.version, cfg.learner.address)
@@ -307,7 +315,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
                 break
             # Phase 1: pick up the newest weights.
-            update = fetch_update(store, watcher, engine.version, stats)
+            update = fetch()
             if update is not None:
                 engine.load_weights(*update)
             # Phase 2: generate G completions for each prompt of the batch; weights that arrive
@@ -319,7 +327,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                 prompts,
                 cfg.actor.group_size,
                 task.max_new_tokens,
-                weight_source=lambda: fetch_update(store, watcher, engine.version, stats),
+                weight_source=fetch,
             )
             # Phase 3: score and send one group per prompt (blocks when the outbox is full).
             groups = make_groups(problems, prompts, rollouts, task, tokenizer)
@@ -344,22 +352,24 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             if cfg.actor.wait_for_new_version:
                 wait_started = time.perf_counter()
                 while engine.version <= batch_version and not stop():
-                    update = fetch_update(store, watcher, engine.version, stats, timeout_s=0.5)
+                    update = fetch(timeout_s=0.5)
                     if update is not None:
                         engine.load_weights(*update)
                 stats.wait_s += time.perf_counter() - wait_started
             # Phase 4: report.
             stats.batches += 1
             stats.tokens += int(engine_stats["actor/tokens"])
-            sender.set_status(
-                engine.version,
-                {
-                    **engine_stats,
-                    **sender.stats(),
-                    "actor/weight_fetch_s": stats.weight_fetch_s,
-                    "actor/wait_s": stats.wait_s,
-                    "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
-                },
+            status = {
+                **engine_stats,
+                **sender.stats(),
+                "actor/weight_fetch_s": stats.weight_fetch_s,
+                "actor/wait_s": stats.wait_s,
+                "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
+            }
+            sender.set_status(engine.version, status)
+            exporter.update(
+                {**status, "actor/batches": stats.batches, "actor/groups_sent": stats.groups_sent},
+                version=engine.version,
             )
         sender.flush(timeout_s=5.0)
         unacked = sender.unacked_seqs()
@@ -372,6 +382,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     if spool is not None:
         spool.release(delete=not unacked)
     watcher.close()
+    exporter.close()
     log.info(
         "actor %s: stopped after %d batches, %d groups", actor_id, stats.batches, stats.groups_sent
     )

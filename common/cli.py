@@ -1,4 +1,5 @@
-"""``specrl``: subcommands ``run`` (embedded default), ``init-model``, ``learner``, ``actor``."""
+"""``specrl``: subcommands ``run`` (embedded default), ``init-model``, ``learner``, ``actor``,
+``keys``, ``report``."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ commands:
   init-model   build and warm-start the tiny built-in model of a task (done by `run` when needed)
   learner      run the learner process only (same as specrl-learner)
   actor        run one actor process only (same as specrl-actor)
-  keys DIR     write CurveZMQ key pairs for security.curve_dir=DIR
+  keys DIR [--actor NAME ...]
+               write CurveZMQ key pairs for security.curve_dir=DIR (learner + one per actor
+               name, default "actor"), each actor's public key authorized in DIR/authorized/
+  report DIR   write report.png and report.md of a run directory from its metrics.jsonl
 
 {OVERRIDES_HELP}
 examples:
   specrl run
   specrl run actor.num_actors=3 task=addition run.steps=200
+  specrl report runs/run-20250101-120000
   specrl-actor learner.address=tcp://10.0.0.5:5555 redis.url=redis://:PASSWORD@10.0.0.5:6379/0
 """
 
@@ -62,12 +67,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key:<24} {value:.4g}")
         return 0
     if command == "keys":
-        if len(rest) != 1:
-            print("usage: specrl keys DIR", file=sys.stderr)
-            return 2
-        from common.curve_keys import write_keys
+        import argparse
 
-        for path in write_keys(Path(rest[0])):
+        from common.curve_keys import ACTOR, write_keys
+
+        parser = argparse.ArgumentParser(prog="specrl keys", description="CurveZMQ key pairs.")
+        parser.add_argument("dir", type=Path)
+        parser.add_argument(
+            "--actor",
+            action="append",
+            metavar="NAME",
+            help="an actor key pair to create and authorize (repeatable; default: actor)",
+        )
+        args = parser.parse_args(rest)
+        try:
+            written = write_keys(args.dir, tuple(args.actor or [ACTOR]))
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"specrl keys: {e}", file=sys.stderr)
+            return 2
+        for path in written:
+            print(path)
+        if not written:
+            print(f"specrl keys: every requested key already exists in {args.dir}")
+        return 0
+    if command == "report":
+        if len(rest) != 1 or rest[0] in ("-h", "--help"):
+            print("usage: specrl report RUN_DIR", file=sys.stderr)
+            return 0 if rest and rest[0] in ("-h", "--help") else 2
+        from common.report import ReportError, write_report
+
+        try:
+            paths = write_report(Path(rest[0]))
+        except ReportError as e:
+            print(f"specrl report: {e}", file=sys.stderr)
+            return 1
+        for path in paths:
             print(path)
         return 0
     if command in ("learner", "actor"):

@@ -2,7 +2,8 @@
 
 Phases: make sure the model exists (warm start with a progress bar) → start Redis (unless
 ``redis.url`` is given) → spawn the learner, then the actors → show live progress from the
-learner's metrics file → stop everything → write the summary, and the reward curve.
+learner's metrics file → stop everything → write the summary and the report (``report.png``,
+``report.md``).
 Ctrl-C/SIGTERM stops the children cleanly (SIGTERM, then SIGKILL after a grace period); each child
 also gets the kernel's parent-death signal, so not even a SIGKILL of the launcher leaves orphans.
 """
@@ -27,7 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from common.config import SpecRLConfig, to_yaml
 from common.metrics import read_metrics
 from common.redis_server import RedisServer, child_preexec
-from common.run_summary import plot_reward_curve, summarize
+from common.report import write_report
+from common.run_summary import summarize
 from common.warm_start import default_model_dir, ensure_model
 
 log = logging.getLogger(__name__)
@@ -137,8 +139,9 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
     summary = summarize(rows, wall_s=time.monotonic() - started)
     summary["outcome"] = outcome
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if plot_reward_curve(rows, run_dir / "reward_curve.png"):
-        summary["reward_curve"] = str(run_dir / "reward_curve.png")
+    if summary["steps"]:
+        png, md = write_report(run_dir, rows, summary)
+        summary["report"] = f"{md} ({png.name})"
     _print_summary(console, summary, run_dir)
     return summary
 

@@ -1,17 +1,45 @@
-"""End-of-run figures from the learner's metrics JSONL: the summary and the reward curve."""
+"""End-of-run figures from the learner's metrics JSONL (``summary.json``; ``common.report`` draws them)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def step_rows(rows: list[dict]) -> list[dict]:
+    """The records of optimizer steps (not events such as ``learner_exit``)."""
+    return [r for r in rows if "learner/step" in r and "learner/reward_mean" in r]
+
+
+def learner_wall_s(steps: list[dict]) -> float:
+    """Learner wall-clock over all its processes: ``learner/wall_s`` restarts at a resume."""
+    total, previous = 0.0, 0.0
+    for r in steps:
+        wall = r.get("learner/wall_s")
+        if wall is None:
+            continue
+        if wall < previous:
+            total += previous
+        previous = wall
+    return total + previous
+
+
+def staleness_counts(steps: list[dict]) -> list[int]:
+    """Trained groups per staleness 0, 1, …, summed over the steps that record
+    ``learner/staleness_hist``; empty when none do."""
+    counts: list[int] = []
+    for r in steps:
+        hist = r.get("learner/staleness_hist") or []
+        counts.extend([0] * (len(hist) - len(counts)))
+        for staleness, n in enumerate(hist):
+            counts[staleness] += int(n)
+    return counts
+
+
 def summarize(rows: list[dict], wall_s: float) -> dict:
-    """Reward of the first and last 10% of steps, throughput and staleness figures."""
-    steps = [r for r in rows if "learner/step" in r and "learner/reward_mean" in r]
+    """Reward of the first and last 10% of steps, throughput, staleness and learner busy figures."""
+    steps = step_rows(rows)
     summary: dict = {"wall_s": round(wall_s, 1), "steps": len(steps)}
     if not steps:
         return summary
@@ -19,11 +47,13 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
     first = [r["learner/reward_mean"] for r in steps[:tenth]]
     last = [r["learner/reward_mean"] for r in steps[-tenth:]]
     final = steps[-1]
+    learner_wall = max(learner_wall_s(steps), 1e-9)
     summary.update(
         {
             "reward_first_10pct": _mean(first),
             "reward_last_10pct": _mean(last),
             "reward_gain": _mean(last) - _mean(first),
+            "first_version": steps[0]["learner/version"],
             "final_version": final["learner/version"],
             "groups_trained": sum(r.get("learner/groups", 0) for r in steps),
             "groups_dropped_stale": final.get("learner/dropped_stale", 0),
@@ -32,12 +62,19 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
             "staleness_mean": _mean([r.get("learner/staleness_mean", 0.0) for r in steps]),
             "staleness_max": max(r.get("learner/staleness_max", 0) for r in steps),
             "actor_tokens_per_s": _mean([r.get("actor/tokens_per_s", 0.0) for r in steps]),
-            "trained_tokens_per_s": sum(r.get("learner/tokens", 0) for r in steps)
-            / max(final.get("learner/wall_s", 0.0), 1e-9),
-            "learner_wait_frac": sum(r.get("learner/wait_s", 0.0) for r in steps)
-            / max(final.get("learner/wall_s", 0.0), 1e-9),
+            "trained_tokens_per_s": sum(r.get("learner/tokens", 0) for r in steps) / learner_wall,
+            "learner_wait_frac": sum(r.get("learner/wait_s", 0.0) for r in steps) / learner_wall,
+            "learner_busy_frac": sum(
+                r.get("learner/train_s", 0.0) + r.get("learner/publish_s", 0.0) for r in steps
+            )
+            / learner_wall,
         }
     )
+    counts = staleness_counts(steps)
+    if counts:
+        # Exact per-group figures when the learner records them (the per-step mean is a mean of means).
+        summary["staleness_hist"] = counts
+        summary["staleness_mean"] = sum(s * n for s, n in enumerate(counts)) / max(sum(counts), 1)
     accepted = [
         r["spec/acceptance_rate"] for r in steps if r.get("spec/acceptance_rate") is not None
     ]
@@ -63,32 +100,3 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
         summary["verify_salvaged_frac"] = _mean(salvaged)
         summary["verify_steps_with_swaps"] = len(salvaged)
     return summary
-
-
-def plot_reward_curve(rows: list[dict], path: Path) -> bool:
-    """Reward per step (and a moving average); False when there is nothing to plot."""
-    steps = [r for r in rows if "learner/step" in r and "learner/reward_mean" in r]
-    if not steps:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [r["learner/step"] for r in steps]
-    y = [r["learner/reward_mean"] for r in steps]
-    window = max(1, len(y) // 10)
-    smooth = [_mean(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, y, alpha=0.35, label="batch mean reward")
-    ax.plot(x, smooth, linewidth=2, label=f"moving average ({window} steps)")
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title("specrl: reward during RL")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

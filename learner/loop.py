@@ -16,6 +16,7 @@ from common.curve_keys import authorized_dir, learner_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
 from common.model import Transformer, load_pretrained
+from common.prometheus import LearnerExporter
 from common.protocol import DecodeLimits, TrajectoryGroup
 from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -290,6 +291,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     )
 
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    exporter = LearnerExporter.start(cfg, run_dir)
     ledger = MetricsWriter(run_dir / "ledger" / "learner.jsonl") if cfg.run.ledger else None
     if ledger is not None:
         # Outcomes a killed learner logged after its last checkpoint are void: the model lost
@@ -396,6 +398,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 "learner/publish_s": t3 - t2,
                 "learner/wall_s": t3 - wall_start,
             }
+            exporter.update(last, batch.staleness)
             if state.step % cfg.learner.metrics_every == 0 or state.step == cfg.run.steps:
                 metrics.write(last)
             # Phase 5: checkpoint.
@@ -403,6 +406,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 checkpoint([])
     finally:
         receiver.close()
+        exporter.close()
         # Acked but not trained on: carried in the checkpoint so a resumed learner trains them
         # (acked means the actor has forgotten them; this is the only copy).
         leftover = [*unfinished, *receiver.drain()]
@@ -438,6 +442,7 @@ def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
         "learner/reward_max": float(batch.rewards.max()),
         "learner/staleness_mean": float(batch.staleness.float().mean()),
         "learner/staleness_max": int(batch.staleness.max()),
+        "learner/staleness_hist": torch.bincount(batch.staleness.clamp(min=0)).tolist(),
         "learner/groups": len(groups),
         "learner/tokens": batch.num_tokens,
         "learner/completion_len_mean": float(lengths.mean()),

@@ -68,6 +68,8 @@ class Pipeline:
             f"model.path={model_dir}",
             "run.ledger=true",
             "actor.heartbeat_interval_s=0.5",
+            "learner.metrics_port=0",
+            "actor.metrics_port=0",
             *extra,
         ]
         return cls(run_dir, overrides)

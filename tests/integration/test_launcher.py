@@ -89,7 +89,8 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "completed" and summary["steps"] == 12
     assert summary["final_version"] == 12
-    assert (tmp_path / "reward_curve.png").stat().st_size > 10_000
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    assert "report.png" in (tmp_path / "report.md").read_text()
     assert "reward_last_10pct" in out and "summary" in out
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("learner/step") == 12 for r in rows)
