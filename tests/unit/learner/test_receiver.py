@@ -363,3 +363,38 @@ def test_curve_keys_encrypt_the_link() -> None:
     finally:
         dealer.close(linger=0)
         router.close(linger=0)
+
+
+def test_frames_left_on_a_handed_over_connection_are_dropped_not_counted_bad() -> None:
+    """A reconnecting actor takes its identity over (ROUTER_HANDOVER); frames still buffered on
+    its old connection arrive under a NUL-led id: dropped apart, the actor resends them."""
+    receiver = start_receiver(queue_max=1)
+    old = connect_dealer(receiver.bound_address, b"actor-x")
+    new = None
+    try:
+        old.send(encode(make_group(0, actor_id="actor-x", seq=0)))
+        wait_until(lambda: receiver.qsize() == 1)  # full: the receiver stops reading
+        for seq in (1, 2):
+            old.send(encode(make_group(seq, actor_id="actor-x", seq=seq)))
+        new = connect_dealer(receiver.bound_address, b"actor-x")
+        time.sleep(0.5)
+        new.send(encode(make_group(3, actor_id="actor-x", seq=3)), zmq.NOBLOCK)
+        got = drain(receiver, 1)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            group = receiver.get(timeout_s=0.05)
+            if group is not None:
+                got.append(group)
+        seqs = sorted(g.seq for g in got)
+        stats = receiver.stats()
+        assert stats["receiver/bad_frames"] == 0
+        assert seqs[0] == 0 and 3 in seqs
+        # Frames 1 and 2 are accepted, discarded with the old pipe by libzmq, or dropped as
+        # handover leftovers (which of the three depends on timing), but never counted bad;
+        # the actor's resend delivers them.
+        assert len(seqs) + stats["receiver/handover_dropped"] <= 4
+    finally:
+        old.close(linger=0)
+        if new is not None:
+            new.close(linger=0)
+        receiver.close()
