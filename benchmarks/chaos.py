@@ -1,0 +1,467 @@
+"""Chaos run: the real pipeline under the faults a cluster inflicts, with an exactly-once ledger.
+
+    python benchmarks/chaos.py [--quick] [--json PATH]
+
+Starts a private Redis, a learner and two actors as OS processes (CurveZMQ on, with an allow-list
+of the actors' keys; ``run.ledger=true``), lets training run, and injects in turn:
+
+1. ``actor_sigkill``: an actor is SIGKILLed while the learner is frozen (so its outbox and spool
+   hold unacked groups) and restarted under the same name;
+2. ``learner_sigkill``: the learner is SIGKILLed (no clean exit, no final checkpoint) and
+   restarted; it resumes from its checkpoint plus the write-ahead log;
+3. ``redis_restart``: Redis is stopped and started again empty (no persistence); the learner
+   republishes, actors keep their weights meanwhile;
+4. ``bad_frame_flood``: an authenticated peer sends every kind of invalid frame (garbage,
+   truncated, oversized, wrong version, wrong type, NaN, out-of-vocab, forged identity, an ack);
+5. ``unauthenticated_sender``: senders with an unlisted key, with the wrong learner key and
+   without CURVE try to push groups;
+6. ``learner_unreachable``: the learner is frozen (SIGSTOP) for a minute (15 s with --quick).
+
+Then it stops everything cleanly and reads the ledger (common/ledger.py): every ``(actor_id,
+seq)`` an actor produced must be consumed exactly once (trained, or dropped as stale), or be
+accounted for as still unacked in a stopped actor's spool or carried in the learner's final
+checkpoint. Also checked: the learner counted exactly the bad frames sent, refused the
+unauthenticated senders, never crashed on its own, and versions never went backwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actors.sender import GroupSender  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.curve_keys import CurveKeys, actor_keys, learner_keys, write_keys  # noqa: E402
+from common.ledger import read_ledger  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
+from common.protocol import Ack, Completion, TrajectoryGroup, encode  # noqa: E402
+from common.redis_server import RedisServer, child_preexec, find_free_port  # noqa: E402
+from common.transport import connect_dealer  # noqa: E402
+from common.warm_start import ensure_model  # noqa: E402
+
+FLOOD_ID = "flooder"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Cluster:
+    """The processes of one run, with restarts and a count of unplanned exits."""
+
+    def __init__(self, run_dir: Path, overrides: list[str]) -> None:
+        self.run_dir = run_dir
+        self.overrides = overrides
+        self.learner: subprocess.Popen | None = None
+        self.actors: dict[int, subprocess.Popen] = {}
+        self.learner_crashes_unplanned = 0
+        self.actor_crashes_unplanned = 0
+
+    def _spawn(self, module: str, extra: list[str], name: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        with (self.run_dir / f"{name}.log").open("ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", module, *self.overrides, *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                preexec_fn=child_preexec(),
+            )
+
+    def start_learner(self) -> None:
+        self.learner = self._spawn("learner.main", [], "learner")
+
+    def start_actor(self, index: int) -> None:
+        self.actors[index] = self._spawn("actors.main", [f"actor.index={index}"], f"actor-{index}")
+
+    def check(self) -> None:
+        """Restart anything that died on its own (and count it: the run must have none)."""
+        if self.learner is not None and self.learner.poll() is not None:
+            self.learner_crashes_unplanned += 1
+            log(f"UNPLANNED: learner exited with {self.learner.returncode}; restarting")
+            self.start_learner()
+        for index, proc in list(self.actors.items()):
+            if proc.poll() is not None:
+                self.actor_crashes_unplanned += 1
+                log(f"UNPLANNED: actor {index} exited with {proc.returncode}; restarting")
+                self.start_actor(index)
+
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM actors first (they flush and record what is unacked), then the learner."""
+        codes: dict[str, int | None] = {}
+        for index, proc in self.actors.items():
+            codes[f"actor-{index}"] = _terminate(proc)
+        if self.learner is not None:
+            codes["learner"] = _terminate(self.learner)
+        return codes
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float = 60.0) -> int | None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
+def steps(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "learner/step" in r]
+
+
+def wait_steps(cluster: Cluster, n_more: int, timeout_s: float) -> None:
+    """Wait until the learner has logged ``n_more`` more step records (restarting crashes)."""
+    target = len(steps(cluster.run_dir)) + n_more
+    deadline = time.monotonic() + timeout_s
+    while len(steps(cluster.run_dir)) < target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no progress to {target} step records in {timeout_s:.0f} s")
+        cluster.check()
+        time.sleep(0.25)
+
+
+def sleep_checking(cluster: Cluster, seconds: float, learner_frozen: bool = False) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for index, proc in cluster.actors.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"actor {index} died (exit {proc.returncode})")
+        if not learner_frozen:
+            cluster.check()
+        time.sleep(0.25)
+
+
+# ---------------------------------------------------------------------------------- bad frames
+
+
+def _group(vocab: int, **changes) -> TrajectoryGroup:
+    completion = Completion(
+        token_ids=np.array([1, 2, 3], dtype=np.int32),
+        behaviour_logprobs=np.array([-0.1, -0.2, -0.3], dtype=np.float32),
+        token_versions=np.zeros(3, dtype=np.int32),
+        reward=1.0,
+        finished=True,
+    )
+    group = TrajectoryGroup(
+        actor_id=FLOOD_ID,
+        seq=0,
+        prompt_id="chaos",
+        prompt_ids=np.array([1, 2], dtype=np.int32),
+        version=0,
+        completions=[completion],
+        stats={},
+    )
+    for key, value in changes.items():
+        setattr(group, key, value)
+    return group
+
+
+def _mutated(vocab: int, mutate) -> bytes:
+    """A valid group's wire map with one field broken (``encode`` would refuse to make it)."""
+    wire = msgpack.unpackb(encode(_group(vocab)), raw=False)
+    mutate(wire)
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def bad_frames(vocab: int) -> list[tuple[str, list[bytes]]]:
+    """(kind, frames) of every sort of invalid input; each frame must be rejected once."""
+    valid = encode(_group(vocab))
+    nan = np.array([-0.1, math.nan, -0.3], dtype=np.float32).tobytes()
+    rng = np.random.default_rng(0)
+
+    def set_completion(key, value):
+        return lambda w: w["completions"][0].__setitem__(key, value)
+
+    return [
+        ("garbage", [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in (1, 17, 4096)]),
+        ("truncated", [valid[: len(valid) // 2], valid[:-1]]),
+        (
+            "oversized",
+            [_mutated(vocab, lambda w: w.__setitem__("completions", w["completions"] * 1500))],
+        ),
+        ("wrong_version", [_mutated(vocab, lambda w: w.__setitem__("v", 99))]),
+        (
+            "wrong_type",
+            [_mutated(vocab, lambda w: w.__setitem__("type", "weights")), msgpack.packb([1, 2])],
+        ),
+        ("nan", [_mutated(vocab, set_completion("behaviour_logprobs", nan))]),
+        (
+            "out_of_vocab",
+            [
+                _mutated(
+                    vocab,
+                    set_completion("token_ids", np.array([1, vocab + 7, 3], np.int32).tobytes()),
+                )
+            ],
+        ),
+        ("length_mismatch", [_mutated(vocab, set_completion("token_versions", b"\x00" * 4))]),
+        ("forged_identity", [encode(_group(vocab, actor_id="someone-else"))]),
+        ("ack_to_learner", [encode(Ack(actor_id=FLOOD_ID, seqs=[0]))]),
+        ("multipart", [b""]),  # sent as two frames: a bad envelope
+    ]
+
+
+def flood(address: str, keys: CurveKeys, vocab: int, repeat: int) -> dict[str, int]:
+    """Send every bad frame ``repeat`` times from an authenticated peer; returns counts sent."""
+    dealer = connect_dealer(
+        address,
+        FLOOD_ID.encode(),
+        curve_secret_key=keys.secret,
+        curve_public_key=keys.public,
+        curve_server_key=keys.server_public,
+    )
+    sent: dict[str, int] = {}
+    try:
+        for kind, frames in bad_frames(vocab):
+            for _ in range(repeat):
+                for frame in frames:
+                    parts = [b"part-1", b"part-2"] if kind == "multipart" else [frame]
+                    _send(dealer, parts)
+                    sent[kind] = sent.get(kind, 0) + 1
+        # Nothing must come back: rejected frames are never acked.
+        if dealer.poll(1000):
+            raise AssertionError(f"the learner answered a bad frame: {dealer.recv()!r:.100}")
+    finally:
+        dealer.close(linger=0)
+    return sent
+
+
+def _send(dealer: zmq.Socket, parts: list[bytes]) -> None:
+    deadline = time.monotonic() + 60.0
+    while True:  # IMMEDIATE: wait for the CURVE handshake instead of dropping the frame
+        try:
+            dealer.send_multipart(parts, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                raise TimeoutError("learner did not accept the flooder's connection") from None
+            time.sleep(0.01)
+
+
+def unauthenticated(address: str, keys_dir: Path, vocab: int, cluster: Cluster) -> dict:
+    """Senders the learner must refuse: an unlisted key, a wrong learner key, no CURVE."""
+    learner_public = learner_keys(keys_dir).public
+    intruders = {
+        "unlisted_key": CurveKeys(*zmq.curve_keypair(), learner_public),
+        "wrong_learner_key": CurveKeys(*zmq.curve_keypair(), zmq.curve_keypair()[0]),
+        "no_curve": None,
+    }
+    senders = []
+    for name, keys in intruders.items():
+        sender = GroupSender(address, f"intruder-{name}", curve=keys).start()
+        group = _group(vocab, actor_id="")
+        sender.submit(group)
+        senders.append(sender)
+    sleep_checking(cluster, 8.0)
+    result = {
+        "attempted": len(senders),
+        "acked": sum(s.acked_total for s in senders),
+    }
+    for sender in senders:
+        sender.close(timeout_s=0.0)
+    return result
+
+
+# ------------------------------------------------------------------------------------- run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter outage and run (< 3 min)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    args = parser.parse_args()
+    outage_s = 15.0 if args.quick else 60.0
+    steps_between = 2 if args.quick else 6
+    started = time.monotonic()
+
+    base = load_config([])
+    model_dir = ensure_model(base)
+    work = Path(tempfile.mkdtemp(prefix="specrl-chaos-"))
+    run_dir = work / "run"
+    run_dir.mkdir()
+    keys_dir = work / "keys"
+    write_keys(keys_dir, ("actor", FLOOD_ID))
+    redis_server = RedisServer(password="chaos-" + os.urandom(4).hex())
+    redis_server.start()
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    overrides = [
+        f"run.name=chaos-{os.getpid()}",
+        f"run.dir={run_dir}",
+        "run.steps=100000",  # stopped by us, not by the budget
+        "run.ledger=true",
+        f"redis.url={redis_server.url}",
+        f"model.path={model_dir}",
+        f"learner.address={address}",
+        "learner.checkpoint_every=5",
+        "learner.metrics_port=-1",
+        "actor.metrics_port=-1",
+        "actor.heartbeat_interval_s=0.5",
+        "actor.resend_timeout_s=5",
+        f"security.curve_dir={keys_dir}",
+    ]
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    cluster = Cluster(run_dir, overrides)
+    faults: dict[str, int] = {}
+    figures: dict = {}
+
+    def fault(kind: str) -> None:
+        faults[kind] = faults.get(kind, 0) + 1
+        log(f"fault: {kind}")
+
+    try:
+        cluster.start_learner()
+        cluster.start_actor(0)
+        cluster.start_actor(1)
+        log(f"pipeline up (run dir {run_dir}); warming up")
+        wait_steps(cluster, 3, 300)
+
+        # 1. An actor killed with unacked groups in its spool, restarted under the same name.
+        fault("actor_sigkill")
+        assert cluster.learner is not None
+        cluster.learner.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while not any((run_dir / "spool").glob("*-0/*/*.frame")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("actor 0 spooled nothing while the learner was frozen")
+            time.sleep(0.1)
+        time.sleep(1.0)
+        cluster.actors[0].kill()
+        cluster.actors[0].wait()
+        cluster.learner.send_signal(signal.SIGCONT)
+        cluster.start_actor(0)
+        wait_steps(cluster, steps_between, 300)
+
+        # 2. The learner killed outright and restarted.
+        fault("learner_sigkill")
+        cluster.learner.kill()
+        cluster.learner.wait()
+        sleep_checking(cluster, 3.0, learner_frozen=True)
+        cluster.start_learner()
+        wait_steps(cluster, steps_between, 300)
+
+        # 3. Redis restarted empty.
+        fault("redis_restart")
+        redis_server.stop()
+        sleep_checking(cluster, 3.0)
+        redis_server.start()
+        wait_steps(cluster, steps_between, 300)
+
+        # 4. A flood of bad frames from an authenticated (buggy or hostile) peer.
+        fault("bad_frame_flood")
+        sent = flood(address, actor_keys(keys_dir, FLOOD_ID), vocab_size, repeat=20)
+        figures["bad_frames_by_kind"] = sent
+        wait_steps(cluster, 1, 300)
+
+        # 5. Senders without an authorized key.
+        fault("unauthenticated_sender")
+        figures["unauthenticated"] = unauthenticated(address, keys_dir, vocab_size, cluster)
+
+        # 6. The learner unreachable (frozen) for a minute.
+        fault("learner_unreachable")
+        cluster.learner.send_signal(signal.SIGSTOP)
+        sleep_checking(cluster, outage_s, learner_frozen=True)
+        cluster.learner.send_signal(signal.SIGCONT)
+        wait_steps(cluster, steps_between, 300)
+        log("faults done; stopping cleanly")
+    finally:
+        exit_codes = cluster.stop()
+        redis_server.close()
+
+    ledger = read_ledger(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    exits = [r for r in records if r.get("event") == "learner_exit"]
+    final = exits[-1] if exits else {}
+    versions = [r["learner/version"] for r in records if "learner/step" in r and "event" not in r]
+    produced = ledger.produced
+    result = {
+        "quick": args.quick,
+        "faults_injected": faults,
+        "fault_kinds": len(faults),
+        "groups_produced": len(produced),
+        "groups_consumed": len(ledger.consumed),
+        "groups_trained": sum(o == "trained" for o in ledger.outcomes.values()),
+        "groups_dropped_stale": sum(o == "stale" for o in ledger.outcomes.values()),
+        "groups_lost": len(ledger.lost()),
+        "groups_duplicated": len(ledger.duplicated()),
+        "groups_unknown": len(ledger.unknown()),
+        "groups_unacked_at_exit_spooled": len(ledger.unacked_at_exit - set(ledger.consumed)),
+        "groups_pending_in_checkpoint": len(ledger.pending_at_exit),
+        "outcomes_voided_by_learner_restart": ledger.voided,
+        "bad_frames_sent": sum(figures.get("bad_frames_by_kind", {}).values()),
+        "bad_frames_rejected": int(final.get("receiver/bad_frames", -1)),
+        "bad_frames_by_reason": {
+            k.removeprefix("receiver/bad_frames/"): int(v)
+            for k, v in final.items()
+            if k.startswith("receiver/bad_frames/") and v
+        },
+        "unauthenticated_attempted": figures.get("unauthenticated", {}).get("attempted", 0),
+        "unauthenticated_acked": figures.get("unauthenticated", {}).get("acked", 0),
+        "unauthenticated_refused": int(final.get("receiver/unauthenticated", 0)),
+        "learner_crashes_unplanned": cluster.learner_crashes_unplanned,
+        "actor_crashes_unplanned": cluster.actor_crashes_unplanned,
+        "learner_starts": ledger.learner_starts,
+        "versions_monotonic": versions == sorted(versions) and len(set(versions)) == len(versions),
+        "final_version": versions[-1] if versions else None,
+        "steps": len(versions),
+        "exit_codes": exit_codes,
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
+        "command": "python benchmarks/chaos.py" + (" --quick" if args.quick else ""),
+    }
+    checks = {
+        "at least 5 fault kinds": result["fault_kinds"] >= 5,
+        "groups_lost == 0": result["groups_lost"] == 0,
+        "groups_duplicated == 0": result["groups_duplicated"] == 0,
+        "groups_unknown == 0": result["groups_unknown"] == 0,
+        "bad_frames_rejected == bad_frames_sent": result["bad_frames_rejected"]
+        == result["bad_frames_sent"],
+        "unauthenticated refused, none acked": result["unauthenticated_refused"]
+        >= result["unauthenticated_attempted"]
+        and result["unauthenticated_acked"] == 0,
+        "learner_crashes_unplanned == 0": result["learner_crashes_unplanned"] == 0,
+        "actor_crashes_unplanned == 0": result["actor_crashes_unplanned"] == 0,
+        "versions never go backwards": result["versions_monotonic"],
+        "clean exits": all(code == 0 for code in exit_codes.values()),
+    }
+    result["checks"] = checks
+    result["passed"] = all(checks.values())
+    width = max(map(len, result)) + 2
+    for key, value in result.items():
+        if key not in ("checks", "machine", "exit_codes", "bad_frames_by_reason"):
+            print(f"  {key:<{width}} {value}")
+    for name, ok in checks.items():
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.keep or not result["passed"]:
+        print(f"run directory kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
