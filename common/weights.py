@@ -9,8 +9,16 @@ Write order is the whole consistency story:
 
 So a reader that follows ``latest`` (or any manifest) only ever sees complete versions, and
 ``latest`` never goes backwards even with two writers. Retention deletes a whole version (manifest
-and chunks) in one transaction, and readers read all chunks in one transaction, so a version
-pruned mid-fetch reads as *expired* (``WeightsError``), never as a torn mix.
+and chunks) in one transaction.
+
+Reading streams the chunks (a few GETs in flight, so Redis never holds a whole model in one
+client's output buffer) straight into one preallocated buffer, and checks every chunk against the
+manifest's sha256 as it lands. Every byte is therefore verified, and a read can never assemble a
+torn mix: a chunk from anything but this version fails its checksum, and a chunk that vanished
+mid-read means the version was pruned (manifest gone too: ``WeightsError``) or lost
+(``WeightsCorrupt``). The manifest's own ``chunks_sha256`` (sha256 over the chunk digests) ties
+the chunk list together, so one hash per byte suffices on both sides. Tensors come back as
+zero-copy views into that buffer (one storage for the whole state dict).
 """
 
 from __future__ import annotations
@@ -18,11 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import redis
+import redis.connection
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
@@ -38,7 +50,43 @@ from common.protocol import (
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = 1
+# 2: one sha256 per chunk plus ``chunks_sha256`` over the chunk digests (1 also hashed the whole
+# blob, which doubled the hashing for no extra guarantee).
+MANIFEST_FORMAT = 2
+
+# Chunk GETs in flight while fetching: Redis builds the next reply while we receive this one.
+_FETCH_WINDOW = 2
+# Chunk GETs per round trip on the fallback (plain redis-py) path.
+_FALLBACK_BATCH = 8
+# Longest RESP status line we accept (``$<length>``, ``-ERR ...``) before calling it garbage.
+_MAX_RESP_LINE = 64 * 1024
+
+# safetensors dtype names -> torch dtypes (as in ``safetensors.torch``; None where this torch lacks
+# the dtype). A name missing here falls back to ``safetensors.torch.load`` (a copy).
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "C64": torch.complex64,
+        "U64": getattr(torch, "uint64", None),
+        "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+    }.items()
+    if dtype is not None
+}
 
 # KEYS[1]=latest KEYS[2]=versions zset KEYS[3]=manifest KEYS[4..]=chunks
 # ARGV[1]=version ARGV[2]=manifest json ARGV[3]=channel
@@ -74,7 +122,7 @@ def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes:
     """safetensors bytes of ``state_dict`` as contiguous CPU tensors.
 
     Tensors that share storage (tied embedding / LM head) are cloned, because safetensors refuses
-    shared storage; the reader gets independent copies, which ``load_state_dict`` handles.
+    shared storage; the reader gets separate tensors, which ``load_state_dict`` handles.
     """
     seen_storages: set[int] = set()
     tensors: dict[str, torch.Tensor] = {}
@@ -135,6 +183,12 @@ class WeightStore:
         view = memoryview(data)
         chunks = [view[i : i + self.chunk_bytes] for i in range(0, len(data), self.chunk_bytes)]
         chunk_keys = [weights_chunk_key(self.run_id, version, i) for i in range(len(chunks))]
+        # Hash on a helper thread (hashlib releases the GIL) while the chunks go out; the
+        # digests are only needed by the manifest, which is written last.
+        with ThreadPoolExecutor(1, thread_name_prefix="weights-sha256") as hasher:
+            digests = hasher.map(_sha256, chunks)
+            self._write_chunks(chunk_keys, chunks)
+            chunk_sha256 = [d.hex() for d in digests]
         manifest = {
             "format": MANIFEST_FORMAT,
             "run_id": self.run_id,
@@ -144,14 +198,12 @@ class WeightStore:
                 for name, t in state_dict.items()
             },
             "num_chunks": len(chunks),
-            "chunk_sha256": [hashlib.sha256(c).hexdigest() for c in chunks],
-            "sha256": hashlib.sha256(data).hexdigest(),
+            "chunk_sha256": chunk_sha256,
+            "chunks_sha256": _digest_of_digests(chunk_sha256),
             "total_bytes": len(data),
             "meta": dict(meta or {}),
             "created_at": time.time(),
         }
-
-        self._write_chunks(chunk_keys, chunks)
         self._commit(version, json.dumps(manifest), chunk_keys)
         self._prune()
 
@@ -228,7 +280,11 @@ class WeightStore:
         return manifest
 
     def fetch(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        """``(version, state_dict)`` of ``version`` (None: the latest), verified end to end."""
+        """``(version, state_dict)`` of ``version`` (None: the latest), verified end to end.
+
+        The tensors are views into one buffer holding the version's bytes (no copy after the
+        socket read); ``load_state_dict`` copies them into a model as usual.
+        """
         if version is None:
             version = self.latest_version()
             if version is None:
@@ -236,52 +292,316 @@ class WeightStore:
         manifest = self.manifest(version)
         if manifest is None:
             raise WeightsError(f"weights version {version} of run {self.run_id!r} not found")
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise WeightsError(
+                f"weights version {version} of run {self.run_id!r} has manifest format "
+                f"{manifest.get('format')!r}; this reader reads format {MANIFEST_FORMAT}"
+            )
         try:
             num_chunks = int(manifest["num_chunks"])
-            chunk_sha256: list[str] = list(manifest["chunk_sha256"])
-            total_sha256 = str(manifest["sha256"])
+            chunk_sha256 = [str(h) for h in manifest["chunk_sha256"]]
+            chunks_sha256 = str(manifest["chunks_sha256"])
             total_bytes = int(manifest["total_bytes"])
             expected: dict[str, dict[str, Any]] = dict(manifest["tensors"])
+            listed = _digest_of_digests(chunk_sha256)
         except (KeyError, TypeError, ValueError) as e:
             raise WeightsCorrupt(f"manifest of version {version} is malformed: {e!r}") from e
-        if len(chunk_sha256) != num_chunks:
+        if len(chunk_sha256) != num_chunks or total_bytes < 0:
             raise WeightsCorrupt(
                 f"version {version}: manifest lists {len(chunk_sha256)} checksums for "
-                f"{num_chunks} chunks"
+                f"{num_chunks} chunks ({total_bytes} bytes)"
             )
-
-        # One transaction: retention deletes a version atomically, so we see all chunks or none.
-        pipe = self.client.pipeline(transaction=True)
-        for i in range(num_chunks):
-            pipe.get(weights_chunk_key(self.run_id, version, i))
-        chunks: list[bytes | None] = pipe.execute()
-
-        for i, (chunk, want) in enumerate(zip(chunks, chunk_sha256, strict=True)):
-            if chunk is None:
-                if self.manifest(version) is None:
-                    raise WeightsError(f"weights version {version} expired while fetching")
-                raise WeightsCorrupt(f"version {version}: chunk {i}/{num_chunks} is missing")
-            got = hashlib.sha256(chunk).hexdigest()
-            if got != want:
-                raise WeightsCorrupt(
-                    f"version {version}: chunk {i} sha256 {got[:12]}… != manifest {want[:12]}…"
-                )
-        data = b"".join(chunks)  # type: ignore[arg-type]  # None ruled out above
-        if len(data) != total_bytes or hashlib.sha256(data).hexdigest() != total_sha256:
+        if listed != chunks_sha256:
             raise WeightsCorrupt(
-                f"version {version}: {len(data)} bytes do not match the manifest total "
-                f"({total_bytes} bytes, sha256 {total_sha256[:12]}…)"
+                f"version {version}: the chunk checksums hash to {listed[:12]}…, manifest "
+                f"chunks_sha256 says {chunks_sha256[:12]}…"
             )
-        try:
-            state_dict = safetensors.torch.load(data)
-        except SafetensorError as e:
-            raise WeightsCorrupt(f"version {version}: safetensors cannot parse: {e}") from e
+
+        buf = torch.empty(total_bytes, dtype=torch.uint8)
+        self._read_verified(version, chunk_sha256, buf)
+        state_dict = _tensors_from_safetensors(version, buf)
         _check_against_manifest(version, state_dict, expected)
-        return version, state_dict
+        return version, {name: state_dict[name] for name in expected}
+
+    def _read_verified(self, version: int, chunk_sha256: list[str], buf: torch.Tensor) -> None:
+        """Fill ``buf`` with the chunks of ``version``, each checked against its sha256."""
+        out = memoryview(buf.numpy())
+        num_chunks = len(chunk_sha256)
+        keys = [weights_chunk_key(self.run_id, version, i) for i in range(num_chunks)]
+        filled = 0
+        # Hash each chunk on a helper thread (hashlib releases the GIL) while the next arrives.
+        with ThreadPoolExecutor(1, thread_name_prefix="weights-sha256") as hasher:
+            digests: list[Future[bytes]] = []
+            chunks = self._stream_chunks(version, keys, out)
+            try:
+                for i, view in enumerate(chunks):
+                    if view is None:
+                        if self.manifest(version) is None:
+                            raise WeightsError(f"weights version {version} expired while fetching")
+                        raise WeightsCorrupt(
+                            f"version {version}: chunk {i}/{num_chunks} is missing"
+                        )
+                    digests.append(hasher.submit(_sha256, view))
+                    filled += len(view)
+            finally:
+                chunks.close()  # releases the connection at once, also on an error
+            for i, (digest, want) in enumerate(zip(digests, chunk_sha256, strict=True)):
+                got = digest.result().hex()
+                if got != want:
+                    raise WeightsCorrupt(
+                        f"version {version}: chunk {i} sha256 {got[:12]}… != manifest {want[:12]}…"
+                    )
+        if filled != len(out):
+            raise WeightsCorrupt(
+                f"version {version}: {filled} bytes do not match the manifest total "
+                f"({len(out)} bytes)"
+            )
+
+    def _stream_chunks(
+        self, version: int, keys: list[str], out: memoryview
+    ) -> Iterator[memoryview | None]:
+        """Each chunk's bytes placed in ``out`` one after the other, as a view of where it
+        landed; None for a missing chunk (and nothing after it)."""
+        conn = self._raw_connection()
+        if conn is None:
+            yield from self._pipelined_chunks(version, keys, out)
+            return
+        try:
+            yield from _stream_gets(conn, keys, out, lambda: _overflow(version, len(out)))
+        finally:
+            conn.disconnect()
+
+    def _raw_connection(self) -> redis.connection.AbstractConnection | None:
+        """A fresh connection of the client's kind whose socket we may read directly, or None
+        where that is not a plain socket (client-side caching, sentinel, cluster...)."""
+        pool = self.client.connection_pool
+        kwargs = getattr(pool, "connection_kwargs", None)
+        if (
+            getattr(pool, "connection_class", None) not in _RAW_CONNECTION_CLASSES
+            or kwargs is None
+            or getattr(pool, "cache", None) is not None
+        ):
+            return None
+        conn = pool.connection_class(**kwargs)
+        conn.connect()  # connect, AUTH, SELECT: all replies read before we touch the socket
+        if not isinstance(getattr(conn, "_sock", None), socket.socket):
+            conn.disconnect()
+            return None
+        return conn
+
+    def _pipelined_chunks(
+        self, version: int, keys: list[str], out: memoryview
+    ) -> Iterator[memoryview | None]:
+        """The same through redis-py's parser (its own copies; slower, any client kind)."""
+        pos = 0
+        for start in range(0, len(keys), _FALLBACK_BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys[start : start + _FALLBACK_BATCH]:
+                pipe.get(key)
+            for chunk in pipe.execute():
+                if chunk is None:
+                    yield None
+                    return
+                if len(chunk) > len(out) - pos:
+                    raise _overflow(version, len(out))
+                view = out[pos : pos + len(chunk)]
+                view[:] = chunk
+                pos += len(chunk)
+                yield view
 
     def watch(self, last_seen: int | None = None, poll_interval_s: float = 1.0) -> VersionWatcher:
         """A watcher that reports versions newer than ``last_seen`` (None: any version)."""
         return VersionWatcher(self.client, self.run_id, last_seen, poll_interval_s)
+
+
+def _sha256(data: memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _digest_of_digests(chunk_sha256: list[str]) -> str:
+    """sha256 over the concatenated chunk digests: one checksum for the whole version."""
+    return hashlib.sha256(b"".join(bytes.fromhex(h) for h in chunk_sha256)).hexdigest()
+
+
+def _overflow(version: int, total_bytes: int) -> WeightsCorrupt:
+    return WeightsCorrupt(
+        f"version {version}: the chunks hold more than the manifest total ({total_bytes} bytes)"
+    )
+
+
+_RAW_CONNECTION_CLASSES = (
+    redis.connection.Connection,
+    redis.connection.SSLConnection,
+    redis.connection.UnixDomainSocketConnection,
+)
+
+
+class _RespReader:
+    """RESP2/3 replies read off a raw socket: status lines through a small buffer, bulk payloads
+    straight into the caller's memory (the kernel's copy is the only one)."""
+
+    _RECV_BYTES = 4096
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _fill(self) -> None:
+        data = self._sock.recv(self._RECV_BYTES)
+        if not data:
+            raise ConnectionError("Redis closed the connection in the middle of a reply")
+        self._buf += data
+
+    def readline(self) -> bytes:
+        searched = 0
+        while (end := self._buf.find(b"\r\n", searched)) < 0:
+            if len(self._buf) > _MAX_RESP_LINE:
+                raise redis.exceptions.InvalidResponse(f"no line end in {len(self._buf)} bytes")
+            searched = max(0, len(self._buf) - 1)
+            self._fill()
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def read_into(self, out: memoryview) -> None:
+        take = min(len(out), len(self._buf))
+        out[:take] = self._buf[:take]
+        del self._buf[:take]
+        while take < len(out):
+            got = self._sock.recv_into(out[take:])
+            if not got:
+                raise ConnectionError("Redis closed the connection in the middle of a reply")
+            take += got
+
+    def skip_value(self, line: bytes) -> None:
+        """Consume the rest of the RESP2/3 value whose first line is ``line``."""
+        kind, count = line[:1], line[1:]
+        if kind in b"$=!":  # bulk string, verbatim string, blob error ($-1: null)
+            size = int(count)
+            if size >= 0:
+                while len(self._buf) < size + 2:
+                    self._fill()
+                del self._buf[: size + 2]
+        elif kind in b"*>~%|":  # array, push, set (*-1: null); map and attribute: pairs
+            items = int(count) * (2 if kind in b"%|" else 1)
+            for _ in range(max(0, items)):
+                self.skip_value(self.readline())
+
+    def skip_crlf(self) -> None:
+        while len(self._buf) < 2:
+            self._fill()
+        if self._buf[:2] != b"\r\n":
+            raise redis.exceptions.InvalidResponse("bulk reply not followed by CRLF")
+        del self._buf[:2]
+
+
+def _stream_gets(
+    conn: redis.connection.AbstractConnection,
+    keys: list[str],
+    out: memoryview,
+    overflow: Callable[[], Exception],
+) -> Iterator[memoryview | None]:
+    """GET ``keys`` in order on ``conn``'s socket, ``_FETCH_WINDOW`` requests in flight, placing
+    the values one after the other in ``out``; see ``WeightStore._stream_chunks``. The caller
+    disconnects ``conn`` afterwards (replies may be left unread)."""
+    sock: socket.socket = conn._sock  # type: ignore[attr-defined]
+    reader = _RespReader(sock)
+    requests = [b"".join(conn.pack_command("GET", key)) for key in keys]
+    sent = 0
+    pos = 0
+    try:
+        for i in range(len(keys)):
+            ahead = min(len(keys), i + 1 + _FETCH_WINDOW)
+            if ahead > sent:
+                sock.sendall(b"".join(requests[sent:ahead]))
+                sent = ahead
+            line = reader.readline()
+            while line[:1] in b">|":  # RESP3 push message or attribute: not our reply
+                reader.skip_value(line)
+                line = reader.readline()
+            if line[:1] in b"-!":
+                if line[:1] == b"!":  # RESP3 blob error
+                    size = int(line[1:])
+                    message = bytearray(size)
+                    reader.read_into(memoryview(message))
+                    reader.skip_crlf()
+                    line = b"-" + bytes(message)
+                raise redis.ResponseError(line[1:].decode("utf-8", errors="replace"))
+            if line == b"_":  # RESP3 null: no such key
+                yield None
+                return
+            try:
+                if line[:1] != b"$":
+                    raise ValueError(line[:1])
+                size = int(line[1:])
+            except ValueError as e:
+                raise redis.exceptions.InvalidResponse(
+                    f"unexpected reply to GET: {line[:40]!r}"
+                ) from e
+            if size < 0:  # RESP2 null ($-1): no such key
+                yield None
+                return
+            if size > len(out) - pos:
+                raise overflow()
+            view = out[pos : pos + size]
+            reader.read_into(view)
+            reader.skip_crlf()
+            pos += size
+            yield view
+    except TimeoutError as e:  # socket.timeout
+        raise redis.TimeoutError(f"timeout reading weight chunks: {e}") from e
+    except OSError as e:  # includes the ConnectionErrors raised above
+        raise redis.ConnectionError(f"error reading weight chunks: {e}") from e
+
+
+def _tensors_from_safetensors(version: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors over ``buf`` (uint8, safetensors bytes) without copying: views of its storage.
+
+    A tensor whose offset is not aligned to its element size (safetensors does not promise it)
+    is copied; a dtype this module does not know goes through ``safetensors.torch.load``.
+    """
+    raw = buf.numpy()
+    total = len(raw)
+    header_len = int.from_bytes(raw[:8].tobytes(), "little") if total >= 8 else -1
+    if not 0 <= header_len <= total - 8:
+        raise WeightsCorrupt(f"version {version}: not safetensors bytes (header length)")
+    try:
+        header = json.loads(raw[8 : 8 + header_len].tobytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightsCorrupt(f"version {version}: safetensors header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise WeightsCorrupt(f"version {version}: safetensors header is not a JSON object")
+    base = 8 + header_len
+    tensors: dict[str, torch.Tensor] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name = spec["dtype"]
+            shape = [int(d) for d in spec["shape"]]
+            begin, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightsCorrupt(f"version {version}: safetensors entry {name!r}: {e!r}") from e
+        dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            try:
+                return safetensors.torch.load(raw.tobytes())
+            except SafetensorError as e:
+                raise WeightsCorrupt(f"version {version}: safetensors cannot parse: {e}") from e
+        if (
+            any(d < 0 for d in shape)
+            or not 0 <= begin <= end <= total - base
+            or end - begin != math.prod(shape) * dtype.itemsize
+        ):
+            raise WeightsCorrupt(
+                f"version {version}: safetensors entry {name!r} ({dtype_name}, {shape}) does "
+                f"not fit its bytes [{begin}, {end})"
+            )
+        flat = buf[base + begin : base + end]
+        if (base + begin) % dtype.itemsize:
+            flat = flat.clone()
+        tensors[name] = flat.view(dtype).view(shape)
+    return tensors
 
 
 def _check_against_manifest(
