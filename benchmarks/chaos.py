@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import signal
 import subprocess
@@ -295,6 +296,7 @@ def main() -> int:
     outage_s = 15.0 if args.quick else 60.0
     steps_between = 2 if args.quick else 6
     started = time.monotonic()
+    rng = random.Random(0)
 
     base = load_config([])
     model_dir = ensure_model(base)
@@ -355,6 +357,11 @@ def main() -> int:
 
         # 2. The learner killed outright and restarted.
         fault("learner_sigkill")
+        # Off the step boundary (a kill right after a checkpoint would test little): mid-step,
+        # with groups acked since the last checkpoint that only the write-ahead log holds.
+        done = len(steps(run_dir))
+        wait_steps(cluster, (done // 5 + 1) * 5 + 2 - done, 300)  # 2 steps past a checkpoint
+        sleep_checking(cluster, rng.uniform(0.2, 1.0))
         cluster.learner.kill()
         cluster.learner.wait()
         sleep_checking(cluster, 3.0, learner_frozen=True)
