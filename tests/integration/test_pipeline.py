@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 import redis
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from actors.sender import GroupSender
 from common.cli import main as cli_main
@@ -39,6 +41,38 @@ def wait_exit(proc, timeout_s: float, pipeline: Pipeline) -> int:
     pytest.fail(f"learner did not finish in {timeout_s}s:\n{pipeline.log_tail('learner')}")
 
 
+def scrape_while_running(run_dir, roles, timeout_s: float = 180.0) -> dict[str, dict[str, float]]:
+    """Each role's /metrics (port from run_dir/prometheus/), once it shows a trained step."""
+    out: dict[str, dict[str, float]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(roles):
+        assert time.monotonic() < deadline, (
+            f"no /metrics with progress from {set(roles) - set(out)}"
+        )
+        for role in roles:
+            port_file = run_dir / "prometheus" / f"{role}.port"
+            if role in out or not port_file.is_file():
+                continue
+            try:
+                port = int(port_file.read_text())
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            except (OSError, ValueError):
+                continue
+            values = {
+                s.name: s.value
+                for family in text_string_to_metric_families(text.decode())
+                for s in family.samples
+                if not s.labels or "actor_id" in s.labels
+            }
+            if (
+                values.get("specrl_learner_step", 0) >= 2
+                or values.get("specrl_actor_groups_sent_total", 0) >= 1
+            ):
+                out[role] = values
+        time.sleep(0.5)
+    return out
+
+
 def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
     pipeline = Pipeline.make(
         tmp_path,
@@ -55,6 +89,7 @@ def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
         learner = pipeline.start_learner()
         pipeline.start_actor(0)
         pipeline.start_actor(1)
+        scraped = scrape_while_running(tmp_path, ["learner", "actor-0", "actor-1"])
         code = wait_exit(learner, 400, pipeline)
         assert code == 0, pipeline.log_tail("learner")
     finally:
@@ -64,6 +99,11 @@ def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
 
     steps = pipeline.steps()
     assert len(steps) == STEPS
+    # Prometheus: every process served /metrics while it ran.
+    assert scraped["learner"]["specrl_learner_version"] >= 1
+    assert scraped["learner"]["specrl_learner_groups_received_total"] >= 1
+    for actor in ("actor-0", "actor-1"):
+        assert scraped[actor]["specrl_actor_groups_sent_total"] >= 1
 
     # Versions advance: one publish per step, starting from version 0 at start-up.
     versions = [r["learner/version"] for r in steps]
