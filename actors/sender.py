@@ -244,9 +244,10 @@ class GroupSender:
                     self._cond.wait(remaining)
                 seq = self._next_seq
             # Encode outside _cond so the I/O thread keeps handling acks meanwhile.
-            frame = encode(dataclasses.replace(group, actor_id=self.actor_id, seq=seq))
-            if self._limits is not None:
-                decode(frame, self._limits)
+            # With limits: the receiver's own validation, in the same pass as the encoding.
+            frame = encode(
+                dataclasses.replace(group, actor_id=self.actor_id, seq=seq), self._limits
+            )
             if len(frame) > self._max_frame_bytes:
                 # The learner's MAXMSGSIZE would drop the connection on it, we would reconnect
                 # and resend it, forever: refuse it here instead.

@@ -119,8 +119,13 @@ def bind_router(
     curve_secret_key: bytes | None = None,
     curve_public_key: bytes | None = None,
     context: zmq.Context | None = None,
+    sndhwm: int | None = None,
 ) -> zmq.Socket:
     """A ROUTER bound to ``address`` (``tcp://host:*`` picks a free port; see bound_endpoint).
+
+    ``sndhwm`` (default ``hwm``): messages queued towards one peer. A ROUTER *drops* what exceeds
+    it, so the replies of a ROUTER that answers every message (acks) need more room than the
+    requests' ``hwm``, which is what bounds the inbound side.
 
     ROUTER_MANDATORY stays off: a reply to a peer that has gone is dropped, not an error; the
     peer resends whatever it did not see acked. ROUTER_HANDOVER is on so a restarted actor
@@ -139,6 +144,8 @@ def bind_router(
             heartbeat_timeout_s=heartbeat_timeout_s,
             linger_s=linger_s,
         )
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if curve_secret_key is not None:

@@ -68,6 +68,9 @@ RECEIVER_REJECT_REASONS: tuple[str, ...] = (
     "identity_mismatch",  # frame actor_id != connection identity
     "wrong_direction",  # an Ack sent to the learner
 )
+# Acks are ~60-byte frames, at most one per actor per batch; a ROUTER drops replies beyond its
+# send HWM (and each dropped ack costs the actor a resend timeout), so give them room.
+_ACK_HWM = 4096
 _POLL_S = 0.05  # bounds how long close() waits for the I/O thread
 _MAX_BATCH = 256  # frames handled per wake-up before re-checking stop/backpressure
 _BAD_LOG_EVERY_S = 10.0
@@ -189,6 +192,7 @@ class GroupReceiver:
             self._bind_address,
             max_frame_bytes=self._limits.max_frame_bytes,
             hwm=self._hwm,
+            sndhwm=_ACK_HWM,
             context=self._context,
             curve_secret_key=self._curve.secret if self._curve else None,
             curve_public_key=self._curve.public if self._curve else None,
@@ -440,16 +444,38 @@ class GroupReceiver:
                 self._drain_monitor(monitor)
             if sock not in ready:
                 continue
+            acks: dict[bytes, dict[int, None]] = {}
             for _ in range(_MAX_BATCH):
                 try:
                     parts = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if self._handle(sock, parts):
+                if self._handle(parts, acks):
                     break
+            if acks:
+                with self._cond:
+                    self._cond.notify_all()  # once per batch: the consumer wakes to many groups
+            self._send_acks(sock, acks)
 
-    def _handle(self, sock: zmq.Socket, parts: list[bytes]) -> bool:
-        """Process one ROUTER message; True if the queue is now full (stop reading)."""
+    def _send_acks(self, sock: zmq.Socket, acks: dict[bytes, dict[int, None]]) -> None:
+        """One Ack per actor for the whole batch, after the log has the batch (group commit)."""
+        if not acks:
+            return
+        if self._wal is not None:
+            with self._cond:
+                self._wal.flush()  # a write error fails the I/O thread: nothing unlogged is acked
+        for identity, seqs in acks.items():
+            actor_id = identity.decode("utf-8")
+            ordered = list(seqs)
+            for start in range(0, len(ordered), self._limits.max_ack_seqs):
+                chunk = ordered[start : start + self._limits.max_ack_seqs]
+                sock.send_multipart([identity, encode(Ack(actor_id=actor_id, seqs=chunk))])
+        with self._cond:
+            self._acks_sent += sum(len(seqs) for seqs in acks.values())
+
+    def _handle(self, parts: list[bytes], acks: dict[bytes, dict[int, None]]) -> bool:
+        """Process one ROUTER message, adding any ack it earns to ``acks``; True if the queue
+        is now full (stop reading)."""
         identity = parts[0]
         if identity.startswith(b"\x00"):
             # libzmq renames a connection that a reconnecting peer took its identity from
@@ -477,7 +503,7 @@ class GroupReceiver:
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(msg)
             return False
-        return self._accept_group(sock, identity, msg, parts[1])
+        return self._accept_group(identity, msg, parts[1], acks)
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
@@ -488,7 +514,11 @@ class GroupReceiver:
             info.heartbeats += 1
 
     def _accept_group(
-        self, sock: zmq.Socket, identity: bytes, group: TrajectoryGroup, frame: bytes
+        self,
+        identity: bytes,
+        group: TrajectoryGroup,
+        frame: bytes,
+        acks: dict[bytes, dict[int, None]],
     ) -> bool:
         with self._cond:
             info = self._touch(group.actor_id)
@@ -499,20 +529,15 @@ class GroupReceiver:
             is_new = window.add(group.seq)
             if is_new:
                 if self._wal is not None:
-                    # Logged before acked; a write error fails the I/O thread, so nothing
-                    # unlogged is ever acked.
-                    self._wal.append(frame)
+                    self._wal.append(frame)  # flushed in _send_acks, before the ack goes out
                 self._queue.append(group)
                 self._received += 1
                 info.groups += 1
-                self._cond.notify_all()
             else:
                 self._duplicates += 1
             full = len(self._queue) >= self._queue_max
         # Ack on receipt (also re-ack duplicates: the first ack may have been lost).
-        sock.send_multipart([identity, encode(Ack(actor_id=group.actor_id, seqs=[group.seq]))])
-        with self._cond:
-            self._acks_sent += 1
+        acks.setdefault(identity, {})[group.seq] = None  # ordered, each seq once per batch
         return full
 
     def _touch(self, actor_id: str) -> ActorInfo:

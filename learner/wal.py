@@ -69,14 +69,20 @@ class WalWriter:
         return self._number
 
     def append(self, frame: bytes) -> None:
-        """Write one frame and hand it to the OS (and to the disk with ``fsync``)."""
+        """Buffer one frame; it is durable only after ``flush()``."""
         self._file.write(_LEN.pack(len(frame)))
         self._file.write(frame)
+        self.records += 1
+        self.bytes += _LEN.size + len(frame)
+
+    def flush(self) -> None:
+        """Hand everything appended to the OS (and to the disk with ``fsync``): once per batch
+        of frames, before their acks (group commit)."""
+        if self._closed:
+            return
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.fileno())
-        self.records += 1
-        self.bytes += _LEN.size + len(frame)
 
     def cut(self) -> int:
         """Close the current segment and start the next; returns the new segment's number (the

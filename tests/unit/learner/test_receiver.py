@@ -143,11 +143,16 @@ def test_duplicate_from_raw_dealer_is_reacked(receiver: GroupReceiver) -> None:
         frame = encode(make_group(1, actor_id="raw-1", seq=0))
         for _ in range(3):
             dealer.send(frame)
-        acks = [decode(dealer.recv(), LIMITS) for _ in range(3) if dealer.poll(5000)]
-        assert acks == [Ack(actor_id="raw-1", seqs=[0])] * 3
+        # Acks are batched (one per actor per batch, each seq once), so 1 to 3 acks come back.
+        assert dealer.poll(5000)
+        acks = [decode(dealer.recv(), LIMITS)]
+        while dealer.poll(300):
+            acks.append(decode(dealer.recv(), LIMITS))
+        assert 1 <= len(acks) <= 3 and all(a == Ack(actor_id="raw-1", seqs=[0]) for a in acks)
         assert [g.seq for g in drain(receiver, 1)] == [0]
         assert receiver.get(timeout_s=0.05) is None
-        assert receiver.duplicates == 2 and receiver.received == 1 and receiver.acks_sent == 3
+        assert receiver.duplicates == 2 and receiver.received == 1
+        assert receiver.acks_sent == len(acks)
     finally:
         dealer.close(linger=0)
 
