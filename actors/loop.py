@@ -287,6 +287,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         if update is not None:
             exporter.observe_weight_fetch(stats.weight_fetch_s)
         return update
+
     # The model's vocabulary (it may be padded past the tokenizer's), as the learner validates.
     limits = DecodeLimits(vocab_size=model_args.vocab_size)
     log.info("actor %s: version %d, learner %s", actor_id, engine.version, cfg.learner.address)
