@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 import tempfile
@@ -259,6 +260,8 @@ def curve_from_config(cfg: SpecRLConfig):
 
 def run(cfg: SpecRLConfig) -> ActorStats:
     torch.set_num_threads(cfg.run.torch_threads)
+    if cfg.actor.nice:
+        os.nice(cfg.actor.nice)  # on a machine shared with the learner, its steps come first
     seed = cfg.run.seed * 1_000 + cfg.actor.index
     stop = StopFlag("actor")
     store = store_from_config(cfg.redis, cfg.run.name)
@@ -372,7 +375,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                 {**status, "actor/batches": stats.batches, "actor/groups_sent": stats.groups_sent},
                 version=engine.version,
             )
-        sender.flush(timeout_s=5.0)
+        sender.close(timeout_s=5.0)  # waits for the last acks once (leaving the block won't)
         unacked = sender.unacked_seqs()
         if ledger is not None:
             # With a spool these are not lost: the next incarnation of this actor resends them.

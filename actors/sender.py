@@ -184,7 +184,11 @@ class GroupSender:
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Wait up to ``timeout_s`` for outstanding acks, then stop; never raises on unacked."""
+        """Wait up to ``timeout_s`` for outstanding acks, then stop; never raises on unacked.
+        A second call does nothing."""
+        with self._cond:
+            if self._closed:
+                return
         if self._thread is not None and self._error is None:
             self.flush(timeout_s)
         with self._cond:

@@ -256,6 +256,10 @@ class ActorConfig:
     spool: bool = True
     """Keep every unacked group on disk (``{run_dir}/spool/``) until the learner acks it, so an
     actor killed outright and restarted under the same name resends what it had not delivered."""
+    nice: int = 10
+    """Niceness added to the actor process (0-19). Where actors share CPU cores with the
+    learner, the learner is the pipeline's bottleneck and its steps should come first; on
+    dedicated machines it changes nothing."""
     metrics_port: int = 9401
     """Prometheus ``/metrics`` port of actor ``index`` 0; actor i serves on ``metrics_port + i``.
     0: any free port (written to ``{run_dir}/prometheus/``); -1: off."""
@@ -283,6 +287,7 @@ class ActorConfig:
             value = getattr(self, name)
             _require(value > 0, f"actor.{name} must be > 0, got {value}")
         _check_port("actor.metrics_port", self.metrics_port)
+        _require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
 
 
 @dataclass

@@ -452,5 +452,13 @@ def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
 
 def _actor_metrics(receiver: GroupReceiver) -> dict[str, float]:
     live = receiver.live_actors()
-    tokens_per_s = sum(info.stats.get("actor/tokens_per_s", 0.0) for info in live.values())
-    return {"actor/live": len(live), "actor/tokens_per_s": tokens_per_s}
+
+    def total(key: str) -> float:
+        return sum(info.stats.get(key, 0.0) for info in live.values())
+
+    return {
+        "actor/live": len(live),
+        "actor/tokens_per_s": total("actor/tokens_per_s"),
+        # Cumulative seconds the live actors idled waiting for a version (synchronous mode).
+        "actor/wait_s": total("actor/wait_s"),
+    }
