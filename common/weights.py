@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -317,7 +318,7 @@ class WeightStore:
                 f"chunks_sha256 says {chunks_sha256[:12]}…"
             )
 
-        buf = torch.empty(total_bytes, dtype=torch.uint8)
+        buf = _new_buffer(total_bytes)
         self._read_verified(version, chunk_sha256, buf)
         state_dict = _tensors_from_safetensors(version, buf)
         _check_against_manifest(version, state_dict, expected)
@@ -412,6 +413,17 @@ class WeightStore:
     def watch(self, last_seen: int | None = None, poll_interval_s: float = 1.0) -> VersionWatcher:
         """A watcher that reports versions newer than ``last_seen`` (None: any version)."""
         return VersionWatcher(self.client, self.run_id, last_seen, poll_interval_s)
+
+
+def _new_buffer(nbytes: int) -> torch.Tensor:
+    """Writable uint8 memory for one fetch, its pages mapped up front where the OS can
+    (MAP_POPULATE: one pass in the kernel instead of a page fault per 4 KiB as the data lands,
+    about a tenth of a fetch's time)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if nbytes == 0 or not populate:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    return torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
 
 
 def _sha256(data: memoryview) -> bytes:
