@@ -23,7 +23,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from types import TracebackType
 
 import zmq
@@ -120,6 +120,12 @@ class GroupSender:
         # acks free outbox space, and when the I/O thread stops or fails.
         self._cond = threading.Condition()
         self._outbox: OrderedDict[int, _Entry] = OrderedDict()
+        # Seqs due for a send, oldest first. Invariant: an entry's last_sent is None exactly
+        # while its seq is queued here (acked seqs are skipped when they come up).
+        self._unsent: deque[int] = deque()
+        # The outbox is scanned for timed-out entries this often, not on every wake-up.
+        self._scan_interval_s = min(0.25, resend_timeout_s / 4)
+        self._next_scan = 0.0  # I/O thread only
         self._next_seq = 0
         self._acked_total = 0
         self._resent_total = 0
@@ -151,6 +157,7 @@ class GroupSender:
         with self._cond:
             for seq, frame in sorted(frames.items()):
                 self._outbox[seq] = _Entry(frame)
+                self._unsent.append(seq)
             if frames:
                 self._next_seq = max(self._next_seq, max(frames) + 1)
 
@@ -260,6 +267,7 @@ class GroupSender:
                 self._spool.put(seq, frame)  # on disk before it can be sent (and acked)
             with self._cond:
                 self._outbox[seq] = _Entry(frame)
+                self._unsent.append(seq)
                 self._next_seq = seq + 1
             group.actor_id = self.actor_id
             group.seq = seq
@@ -365,7 +373,7 @@ class GroupSender:
             if now >= next_heartbeat and self._send_heartbeat(sock):
                 next_heartbeat = now + self._heartbeat_interval_s
             blocked = not self._send_due(sock, now)
-            wait_s = min(next_heartbeat, self._next_resend_at()) - time.monotonic()
+            wait_s = min(next_heartbeat, self._next_scan) - time.monotonic()
             if blocked or now >= next_heartbeat:
                 wait_s = min(wait_s, _BLOCKED_RETRY_S)
             events = dict(poller.poll(_ms(min(max(wait_s, 0.0), _MAX_POLL_S))))
@@ -377,31 +385,40 @@ class GroupSender:
                 self._on_replies(sock)
 
     def _send_due(self, sock: zmq.Socket, now: float) -> bool:
-        """Send new and timed-out groups in seq order; False if zmq refused one (retry later)."""
-        with self._cond:
-            due = [
-                (seq, entry)
-                for seq, entry in self._outbox.items()
-                if entry.last_sent is None or now - entry.last_sent >= self._resend_timeout_s
-            ]
-        for seq, entry in due:
+        """Send queued groups (new, reconnect or timed out), oldest first; False if zmq refused
+        one (retry later). Timed-out groups are queued by a scan every ``_scan_interval_s``,
+        so a wake-up costs O(groups sent), not O(outbox)."""
+        if now >= self._next_scan:
+            self._next_scan = now + self._scan_interval_s
+            with self._cond:
+                for seq, entry in self._outbox.items():
+                    if (
+                        entry.last_sent is not None
+                        and now - entry.last_sent >= self._resend_timeout_s
+                    ):
+                        entry.last_sent = None
+                        self._unsent.append(seq)
+        while True:
+            with self._cond:
+                if not self._unsent:
+                    return True
+                seq = self._unsent[0]
+                entry = self._outbox.get(seq)
+                if entry is None:  # acked meanwhile
+                    self._unsent.popleft()
+                    continue
             try:
                 sock.send(entry.frame, zmq.NOBLOCK)
             except zmq.Again:
                 return False
             with self._cond:
-                # Only this thread removes entries, but stay correct if an ack raced ahead.
+                self._unsent.popleft()
+                # Only this thread removes queued seqs; stay correct if an ack raced ahead.
                 if seq in self._outbox:
                     if entry.sends:
                         self._resent_total += 1
                     entry.sends += 1
                     entry.last_sent = time.monotonic()
-        return True
-
-    def _next_resend_at(self) -> float:
-        with self._cond:
-            sent = [e.last_sent for e in self._outbox.values() if e.last_sent is not None]
-        return min(sent) + self._resend_timeout_s if sent else float("inf")
 
     def _send_heartbeat(self, sock: zmq.Socket) -> bool:
         with self._cond:
@@ -437,9 +454,10 @@ class GroupSender:
                     self._reconnects += 1
                     # Anything sent before now may have died with the old connection (some of
                     # it may arrive twice now; the learner drops those duplicates).
-                    for entry in self._outbox.values():
-                        if entry.sends:
+                    for seq, entry in self._outbox.items():
+                        if entry.last_sent is not None:
                             entry.last_sent = None
+                            self._unsent.append(seq)
         return connected
 
     def _on_replies(self, sock: zmq.Socket) -> None:

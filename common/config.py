@@ -233,9 +233,11 @@ class ActorConfig:
     Small batches are where speculative decoding pays on a CPU (see README "Rollout speed")."""
     max_batches: int = 0
     """Stop after this many batches (0 = run until stopped)."""
-    outbox_max: int = 8
+    outbox_max: int = 4
     """Groups kept unacked before ``submit`` blocks (backpressure: an actor far ahead of the
-    learner waits instead of generating groups that would arrive too stale to train on)."""
+    learner waits instead of generating groups that would arrive too stale to train on; with 4
+    and ``learner.queue_max=4`` the default run drops almost nothing as stale, see README
+    "Performance")."""
     resend_timeout_s: float = 10.0
     """Resend a group not acked within this time."""
     heartbeat_interval_s: float = 1.0
@@ -320,7 +322,7 @@ class LearnerConfig:
     """Write a checkpoint every N steps (and always at exit)."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory when one exists."""
-    queue_max: int = 16
+    queue_max: int = 4
     """Groups received but not yet trained on; when full the learner stops reading (and acking),
     so actors' outboxes fill and they wait: memory stays bounded and data stays fresh."""
     group_timeout_s: float = 600.0

@@ -63,7 +63,7 @@ def test_transport_quick_writes_its_figures(
     figures = json.loads(out.read_text())
     assert figures["groups_per_s_small"] > 0
     for label in transport.SIZES:
-        for suffix in ("", "_outbox64", "_tuned"):
+        for suffix in ("", "_run_outbox", "_tuned"):
             assert figures[f"groups_per_s_{label}{suffix}"] > 0
             assert figures[f"mb_per_s_{label}{suffix}"] > 0
             assert figures[f"ack_rtt_ms_p50_{label}{suffix}"] > 0
