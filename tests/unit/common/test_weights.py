@@ -283,3 +283,26 @@ def test_announcement_is_on_protocol_channel(store: WeightStore, redis_client: r
 def test_serialize_matches_safetensors() -> None:
     sd = make_state_dict()
     assert safetensors.torch.load(serialize_state_dict(sd)).keys() == sd.keys()
+
+
+def test_fallback_reader_gives_the_same_state_dict(
+    store: WeightStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Client kinds whose socket cannot be read directly go through redis-py's parser."""
+    sd = make_state_dict(3)
+    store.publish(1, sd)
+    monkeypatch.setattr(store, "_raw_connection", lambda: None)
+    _, fetched = store.fetch(1)
+    assert_state_dicts_equal(sd, fetched)
+
+
+def test_manifest_of_another_format_is_refused(
+    store: WeightStore, redis_client: redis.Redis
+) -> None:
+    store.publish(1, make_state_dict())
+    key = weights_manifest_key(RUN, 1)
+    manifest = json.loads(redis_client.get(key))
+    manifest["format"] = 1
+    redis_client.set(key, json.dumps(manifest))
+    with pytest.raises(WeightsError):
+        store.fetch(1)
