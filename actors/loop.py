@@ -29,7 +29,13 @@ from common.prometheus import ActorExporter
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import Tokenizer, encode_prompt
-from common.weights import VersionWatcher, WeightsError, WeightStore, store_from_config
+from common.weights import (
+    VersionWatcher,
+    WeightsError,
+    WeightStore,
+    retry_redis,
+    store_from_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +51,6 @@ class ActorStats:
     completions: int = 0
     wait_s: float = 0.0
     """Time spent idle waiting for a new version (synchronous mode only)."""
-
-
-def _with_redis(what: str, action, should_stop, max_backoff_s: float = 5.0):
-    """``action()``, retried while Redis is unreachable; None if a stop comes first."""
-    backoff_s = 0.1
-    while not should_stop():
-        try:
-            return action()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            log.warning("actor: %s: Redis unreachable (%s); retrying in %.1f s", what, e, backoff_s)
-            time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, max_backoff_s)
-    return None
 
 
 def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_stop) -> int | None:
@@ -273,9 +266,14 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s
         )
         return stats
-    built = _with_redis(
-        "loading the first version", lambda: build_engine(store, first, cfg, seed), stop
-    )
+    built = None
+    if not stop():
+        built = retry_redis(
+            "actor",
+            "loading the first version",
+            lambda: build_engine(store, first, cfg, seed),
+            stop,
+        )
     if built is None:
         return stats
     engine, tokenizer, model_args = built

@@ -742,6 +742,27 @@ class VersionWatcher:
         self.close()
 
 
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+"""What a Redis restart or outage raises in redis-py."""
+
+
+def retry_redis(who: str, what: str, action, should_stop, max_backoff_s: float = 5.0):
+    """``action()``, retried with backoff while Redis is unreachable (a Redis restart must not
+    kill a learner or an actor); None if a stop has come when an attempt fails."""
+    backoff_s = 0.1
+    while True:
+        try:
+            return action()
+        except REDIS_DOWN as e:
+            if should_stop():
+                return None
+            logger.warning(
+                "%s: %s: Redis unreachable (%s); retrying in %.1f s", who, what, e, backoff_s
+            )
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, max_backoff_s)
+
+
 def store_from_config(cfg: RedisConfig, run_id: str) -> WeightStore:
     """The run's weight store on the configured Redis (learner and actors build it the same way)."""
     return WeightStore(

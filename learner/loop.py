@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
 import torch
 
 from common.config import LearnerConfig, SamplingConfig, SpecConfig, SpecRLConfig
@@ -21,7 +20,13 @@ from common.protocol import DecodeLimits, TrajectoryGroup
 from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.warm_start import ensure_model
-from common.weights import WeightsError, WeightStore, store_from_config
+from common.weights import (
+    REDIS_DOWN,
+    WeightsError,
+    WeightStore,
+    retry_redis,
+    store_from_config,
+)
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import (
@@ -185,26 +190,6 @@ def write_version_mark(path: Path, version: int) -> None:
     tmp.replace(path)
 
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-
-
-def with_redis(what: str, action, should_stop, max_backoff_s: float = 5.0):
-    """``action()``, retried with backoff while Redis is unreachable (a Redis restart must not
-    kill the learner); None if a stop comes first."""
-    backoff_s = 0.1
-    while True:
-        try:
-            return action()
-        except _REDIS_DOWN as e:
-            if should_stop():
-                return None
-            log.warning(
-                "learner: %s: Redis unreachable (%s); retrying in %.1f s", what, e, backoff_s
-            )
-            time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, max_backoff_s)
-
-
 class Republisher:
     """Puts the current version back when Redis has lost it (restarted without persistence, or
     flushed), so actors that start meanwhile find weights. Checks at most every ``every_s``."""
@@ -231,7 +216,7 @@ class Republisher:
                 )
                 self.publish()
                 self.republished += 1
-        except (*_REDIS_DOWN, WeightsError) as e:
+        except (*REDIS_DOWN, WeightsError) as e:
             log.warning("learner: cannot check or republish weights (%s); will retry", e)
 
 
@@ -269,7 +254,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     store = store_from_config(cfg.redis, cfg.run.name)
     # Versions only grow, across restarts too: continue after the newest of the checkpoint, what
     # Redis holds, and what this run ever published (a private Redis may have lost everything).
-    latest = with_redis("reading the latest version", store.latest_version, stop)
+    latest = retry_redis("learner", "reading the latest version", store.latest_version, stop)
     state.version = (
         max(state.version, latest if latest is not None else -1, read_version_mark(version_mark))
         + 1
@@ -277,8 +262,11 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     publisher = Publisher(store, state.model, state.tokenizer)
 
     def publish() -> None:
-        with_redis(
-            f"publishing version {state.version}", lambda: publisher.publish(state.version), stop
+        retry_redis(
+            "learner",
+            f"publishing version {state.version}",
+            lambda: publisher.publish(state.version),
+            stop,
         )
         write_version_mark(version_mark, state.version)
 
