@@ -13,6 +13,10 @@ Resend triggers:
   for the timeout.
   The resend timeout stays the backstop for anything the monitor cannot see (a learner that
   received but lost a group, a dropped ack).
+
+A group the learner refuses (an ack's ``refused`` map: wrong group size, too long, reward out of
+range, version ahead) leaves the outbox like an acked one, is counted by reason
+(``sender/refused/{reason}``) and logged: resending it could never succeed.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class GroupSender:
         self._next_scan = 0.0  # I/O thread only
         self._next_seq = 0
         self._acked_total = 0
+        self._refused: dict[str, int] = {}
         self._resent_total = 0
         self._bad_replies = 0
         self._connects = 0
@@ -323,6 +328,8 @@ class GroupSender:
                 # Waiting for a send (new, or due again after a reconnect/timeout).
                 "sender/unsent": float(sum(e.last_sent is None for e in self._outbox.values())),
                 "sender/acked_total": float(self._acked_total),
+                "sender/refused_total": float(sum(self._refused.values())),
+                **{f"sender/refused/{r}": float(n) for r, n in self._refused.items()},
                 "sender/resent_total": float(self._resent_total),
                 "sender/connects": float(self._connects),
                 "sender/reconnects": float(self._reconnects),
@@ -478,9 +485,24 @@ class GroupSender:
             with self._cond:
                 acked = [seq for seq in msg.seqs if self._outbox.pop(seq, None) is not None]
                 self._acked_total += len(acked)
+                refused = {
+                    reason: [seq for seq in seqs if self._outbox.pop(seq, None) is not None]
+                    for reason, seqs in msg.refused.items()
+                }
+                for reason, seqs in refused.items():
+                    self._refused[reason] = self._refused.get(reason, 0) + len(seqs)
                 self._cond.notify_all()
+            for reason, seqs in refused.items():
+                if seqs:
+                    log.error(
+                        "sender %s: the learner refused %d group(s) (%s), seqs %s; dropped",
+                        self.actor_id,
+                        len(seqs),
+                        reason,
+                        seqs[:8],
+                    )
             if self._spool is not None:
-                for seq in acked:
+                for seq in [*acked, *(s for seqs in refused.values() for s in seqs)]:
                     self._spool.remove(seq)
 
     def _count_bad_reply(self, what: str) -> None:

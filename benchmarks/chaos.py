@@ -13,15 +13,20 @@ of the actors' keys; ``run.ledger=true``), lets training run, and injects in tur
    republishes, actors keep their weights meanwhile;
 4. ``bad_frame_flood``: an authenticated peer sends every kind of invalid frame (garbage,
    truncated, oversized, wrong version, wrong type, NaN, out-of-vocab, forged identity, an ack);
-5. ``unauthenticated_sender``: senders with an unlisted key, with the wrong learner key and
+5. ``poisoned_frames``: the same peer sends well-formed groups that no learner may train on
+   (rewards that overflow float32, versions ahead of the learner or beyond int64, groups longer
+   than the model's context or of the wrong size, frames of many tiny objects); refused ones must
+   come back refused, the rest be counted as bad, and the policy stay finite;
+6. ``unauthenticated_sender``: senders with an unlisted key, with the wrong learner key and
    without CURVE try to push groups;
-6. ``learner_unreachable``: the learner is frozen (SIGSTOP) for a minute (15 s with --quick).
+7. ``learner_unreachable``: the learner is frozen (SIGSTOP) for a minute (15 s with --quick).
 
 Then it stops everything cleanly and reads the ledger (common/ledger.py): every ``(actor_id,
 seq)`` an actor produced must be consumed exactly once (trained, or dropped as stale), or be
 accounted for as still unacked in a stopped actor's spool or carried in the learner's final
-checkpoint. Also checked: the learner counted exactly the bad frames sent, refused the
-unauthenticated senders, never crashed on its own, and versions never went backwards.
+checkpoint. Also checked: the learner counted exactly the bad frames sent and the poisoned
+groups refused, refused the unauthenticated senders, never crashed on its own, kept its policy
+finite, and versions never went backwards.
 """
 
 from __future__ import annotations
@@ -42,20 +47,31 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
+import torch
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender  # noqa: E402
+from benchmarks.hostile import poisoned_frames  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.curve_keys import CurveKeys, actor_keys, learner_keys, write_keys  # noqa: E402
 from common.ledger import read_ledger  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
-from common.protocol import Ack, Completion, TrajectoryGroup, encode  # noqa: E402
+from common.model import load_pretrained  # noqa: E402
+from common.protocol import (  # noqa: E402
+    Ack,
+    Completion,
+    DecodeLimits,
+    TrajectoryGroup,
+    decode,
+    encode,
+)
 from common.redis_server import RedisServer, child_preexec, find_free_port  # noqa: E402
 from common.transport import connect_dealer  # noqa: E402
 from common.warm_start import ensure_model  # noqa: E402
+from learner.checkpoint import latest_checkpoint  # noqa: E402
 
 FLOOD_ID = "flooder"
 
@@ -199,7 +215,9 @@ def bad_frames(vocab: int) -> list[tuple[str, list[bytes]]]:
         ("truncated", [valid[: len(valid) // 2], valid[:-1]]),
         (
             "oversized",
-            [_mutated(vocab, lambda w: w.__setitem__("completions", w["completions"] * 1500))],
+            # More completions than the learner's decode bound (twice the group size), in a
+            # frame small enough to reach the decoder (larger ones libzmq drops unread).
+            [_mutated(vocab, lambda w: w.__setitem__("completions", w["completions"] * 100))],
         ),
         ("wrong_version", [_mutated(vocab, lambda w: w.__setitem__("v", 99))]),
         (
@@ -246,6 +264,47 @@ def flood(address: str, keys: CurveKeys, vocab: int, repeat: int) -> dict[str, i
     finally:
         dealer.close(linger=0)
     return sent
+
+
+def poison(
+    address: str, keys: CurveKeys, group_size: int, context: int, run_dir: Path
+) -> dict[str, int]:
+    """Send every poisoned kind (benchmarks/hostile.py) from an authenticated peer; refused ones
+    must come back in an ack's ``refused`` map with their reason, the others get no answer."""
+    latest = max((r["learner/version"] for r in steps(run_dir)), default=0)
+    poisons = poisoned_frames(FLOOD_ID, group_size, context, latest, first_seq=1_000_000)
+    dealer = connect_dealer(
+        address,
+        FLOOD_ID.encode(),
+        curve_secret_key=keys.secret,
+        curve_public_key=keys.public,
+        curve_server_key=keys.server_public,
+    )
+    try:
+        for p in poisons:
+            _send(dealer, [p.frame])
+        want = {p.seq: p.reason for p in poisons if p.verdict == "refused"}
+        got: dict[int, str] = {}
+        deadline = time.monotonic() + 60
+        while len(got) < len(want) and time.monotonic() < deadline:
+            if dealer.poll(200):
+                ack = decode(dealer.recv(), DecodeLimits(vocab_size=1))
+                assert isinstance(ack, Ack) and not ack.seqs, f"a poisoned group was taken: {ack}"
+                got.update({s: r for r, seqs in ack.refused.items() for s in seqs})
+    finally:
+        dealer.close(linger=0)
+    return {
+        "sent": len(poisons),
+        "refused_sent": len(want),
+        "refused_acked": sum(got.get(s) == r for s, r in want.items()),
+        "bad_sent": sum(p.verdict == "bad" for p in poisons),
+    }
+
+
+def policy_finite(run_dir: Path) -> bool:
+    """Every tensor of the newest checkpoint's policy is finite."""
+    model = load_pretrained(latest_checkpoint(run_dir / "checkpoints"))
+    return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values())
 
 
 def _send(dealer: zmq.Socket, parts: list[bytes]) -> None:
@@ -381,11 +440,22 @@ def main() -> int:
         figures["bad_frames_by_kind"] = sent
         wait_steps(cluster, 1, 300)
 
-        # 5. Senders without an authorized key.
+        # 5. Well-formed groups no learner may train on, from the same authenticated peer.
+        fault("poisoned_frames")
+        figures["poisoned"] = poison(
+            address,
+            actor_keys(keys_dir, FLOOD_ID),
+            base.actor.group_size,
+            json.loads((model_dir / "config.json").read_text())["max_position_embeddings"],
+            run_dir,
+        )
+        wait_steps(cluster, 1, 300)
+
+        # 6. Senders without an authorized key.
         fault("unauthenticated_sender")
         figures["unauthenticated"] = unauthenticated(address, keys_dir, vocab_size, cluster)
 
-        # 6. The learner unreachable (frozen) for a minute.
+        # 7. The learner unreachable (frozen) for a minute.
         fault("learner_unreachable")
         cluster.learner.send_signal(signal.SIGSTOP)
         sleep_checking(cluster, outage_s, learner_frozen=True)
@@ -416,13 +486,20 @@ def main() -> int:
         "groups_unacked_at_exit_spooled": len(ledger.unacked_at_exit - set(ledger.consumed)),
         "groups_pending_in_checkpoint": len(ledger.pending_at_exit),
         "outcomes_voided_by_learner_restart": ledger.voided,
-        "bad_frames_sent": sum(figures.get("bad_frames_by_kind", {}).values()),
+        "bad_frames_sent": sum(figures.get("bad_frames_by_kind", {}).values())
+        + figures.get("poisoned", {}).get("bad_sent", 0),
         "bad_frames_rejected": int(final.get("receiver/bad_frames", -1)),
         "bad_frames_by_reason": {
             k.removeprefix("receiver/bad_frames/"): int(v)
             for k, v in final.items()
             if k.startswith("receiver/bad_frames/") and v
         },
+        "poisoned_sent": figures.get("poisoned", {}).get("sent", 0),
+        "poisoned_refused_sent": figures.get("poisoned", {}).get("refused_sent", 0),
+        "poisoned_refused_acked": figures.get("poisoned", {}).get("refused_acked", 0),
+        "groups_refused_by_learner": int(final.get("receiver/refused", -1)),
+        "groups_refused_in_ledger": sum(ledger.refused.values()),
+        "policy_finite": policy_finite(run_dir),
         "unauthenticated_attempted": figures.get("unauthenticated", {}).get("attempted", 0),
         "unauthenticated_acked": figures.get("unauthenticated", {}).get("acked", 0),
         "unauthenticated_refused": int(final.get("receiver/unauthenticated", 0)),
@@ -444,6 +521,14 @@ def main() -> int:
         "groups_unknown == 0": result["groups_unknown"] == 0,
         "bad_frames_rejected == bad_frames_sent": result["bad_frames_rejected"]
         == result["bad_frames_sent"],
+        "poisoned groups refused (acked as refused, counted, in the ledger)": result[
+            "poisoned_refused_acked"
+        ]
+        == result["poisoned_refused_sent"]
+        == result["groups_refused_by_learner"]
+        == result["groups_refused_in_ledger"]
+        > 0,
+        "policy finite": result["policy_finite"],
         "unauthenticated refused, none acked": result["unauthenticated_refused"]
         >= result["unauthenticated_attempted"]
         and result["unauthenticated_acked"] == 0,

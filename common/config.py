@@ -338,9 +338,38 @@ class LearnerConfig:
     metrics_port: int = 9400
     """Prometheus ``/metrics`` port. 0: any free port (written to ``{run_dir}/prometheus/``);
     -1: off."""
+    max_seq_tokens: int = 0
+    """Longest prompt + completion the learner trains on; a group with a longer one is refused
+    (acked as refused, counted). 0: the model's context (``max_position_embeddings``)."""
+    max_abs_reward: float = 1e6
+    """Largest |reward| the learner admits; a group with a larger (or, in float32, non-finite)
+    reward is refused. Bounds the GRPO statistics well inside float32."""
+    max_frame_bytes: int = 64 * 1024 * 1024
+    """Upper bound on one trajectory frame. The learner uses the smaller of this and twice the
+    largest frame a valid group of this run can be (group size x context), so a peer cannot make
+    it read or queue more than that per frame."""
+    recv_buffer_bytes: int = 64 * 1024 * 1024
+    """Bytes of frames queued per actor connection before the learner's socket stops reading it
+    (the receive high-water mark is this over the frame bound, at least 2 frames)."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"learner.lr must be > 0, got {self.lr}")
+        _require(
+            self.max_seq_tokens >= 0,
+            f"learner.max_seq_tokens must be >= 0 (0 = model context), got {self.max_seq_tokens}",
+        )
+        _require(
+            self.max_abs_reward > 0,
+            f"learner.max_abs_reward must be > 0, got {self.max_abs_reward}",
+        )
+        _require(
+            self.max_frame_bytes >= 4096,
+            f"learner.max_frame_bytes must be >= 4096, got {self.max_frame_bytes}",
+        )
+        _require(
+            self.recv_buffer_bytes >= 4096,
+            f"learner.recv_buffer_bytes must be >= 4096, got {self.recv_buffer_bytes}",
+        )
         _require(
             self.groups_per_step >= 1,
             f"learner.groups_per_step must be >= 1, got {self.groups_per_step}",

@@ -3,8 +3,13 @@ consumed, and what went missing or twice.
 
 Actors write ``ledger/actor-{actor_id}.jsonl``: ``submitted`` when a group enters the outbox, and
 at a clean exit the seqs still unacked. The learner writes ``ledger/learner.jsonl``: one outcome
-per group (``trained``, ``stale``, ``rejected``, ``pending_at_exit``), a ``checkpoint`` event after
-each checkpoint is on disk and a ``start`` event when it starts.
+per group (``trained``, ``skipped``, ``stale``, ``rejected``, ``pending_at_exit``, ``refused``), a
+``checkpoint`` event after each checkpoint is on disk and a ``start`` event when it starts.
+
+``refused`` (admission, learner/admission.py) is final when it is written: the group was acked as
+refused, never logged, and no restart brings it back. It is kept apart from the consumed groups:
+a hostile peer's refused groups were never produced by an actor of the run, and are not
+"unknown" consumption.
 
 A learner killed outright resumes from its last checkpoint: the steps after it are lost with the
 model state, and the groups they consumed come back from the write-ahead log. So outcomes logged
@@ -35,6 +40,8 @@ class Ledger:
     pending_at_exit: set[Key] = field(default_factory=set)
     """Acked by a learner that stopped before training them (carried in its checkpoint)."""
     trained: list[dict] = field(default_factory=list)
+    refused: Counter = field(default_factory=Counter)
+    """(actor_id, seq) -> times the learner refused it (admission; never trained)."""
     voided: int = 0
     """Outcomes rolled back by a learner restart (counted once, after the replay)."""
     learner_starts: int = 0
@@ -45,7 +52,13 @@ class Ledger:
 
     def lost(self) -> set[Key]:
         """Produced, never consumed, and not carried over by a clean exit."""
-        return self.produced - set(self.consumed) - self.pending_at_exit - self.unacked_at_exit
+        return (
+            self.produced
+            - set(self.consumed)
+            - set(self.refused)
+            - self.pending_at_exit
+            - self.unacked_at_exit
+        )
 
     def duplicated(self) -> set[Key]:
         return {k for k, n in self.consumed.items() if n > 1}
@@ -77,6 +90,8 @@ def read_ledger(run_dir: Path) -> Ledger:
             ledger.voided += sum(r["outcome"] != "pending_at_exit" for r in since_checkpoint)
             since_checkpoint = []
             ledger.learner_starts += 1
+        elif row.get("outcome") == "refused":
+            ledger.refused[(row["actor_id"], row["seq"])] += 1
         elif "outcome" in row:
             since_checkpoint.append(row)
     committed += since_checkpoint

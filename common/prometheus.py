@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,25 @@ _LEARNER_COUNTERS = {
     "learner/dropped_stale": ("groups_dropped_stale", "Groups dropped beyond max_staleness."),
     "receiver/duplicates": ("groups_duplicated", "Resent groups dropped by (actor_id, seq)."),
     "learner/rejected_groups": ("groups_rejected", "Groups refused by the shape check."),
+    "learner/skipped_steps": (
+        "skipped_steps",
+        "Optimizer steps skipped because the loss or the gradients were not finite.",
+    ),
+    "learner/wal_skipped": (
+        "wal_skipped",
+        "Groups replayed from the write-ahead log or a checkpoint that this learner refused.",
+    ),
     "receiver/unauthenticated": (
         "unauthenticated_refused",
         "Connections refused by CurveZMQ authentication.",
+    ),
+}
+# Learner: cumulative totals by reason (``{prefix}{reason}``) → counter name, help.
+_LEARNER_BY_REASON = {
+    "receiver/bad_frames/": ("bad_frames", "Frames refused by validation, by reason."),
+    "receiver/refused/": (
+        "groups_refused",
+        "Well-formed groups refused by admission (acked as refused, never trained), by reason.",
     ),
 }
 # Learner: latest values → gauge name, help.
@@ -60,6 +76,7 @@ _ACTOR_COUNTERS = {
     "actor/batches": ("batches", "Rollout batches generated."),
     "actor/groups_sent": ("groups_sent", "Trajectory groups submitted to the learner."),
     "sender/acked_total": ("groups_acked", "Groups acked by the learner."),
+    "sender/refused_total": ("groups_refused", "Groups the learner refused (never trained)."),
     "sender/resent_total": ("groups_resent", "Groups sent again after a timeout or reconnect."),
     "sender/reconnects": ("reconnects", "Reconnections to the learner."),
     "sender/bad_replies": ("bad_replies", "Undecodable replies from the learner."),
@@ -94,9 +111,18 @@ class SnapshotCollector(Collector):
     Every sample carries ``base_labels`` (an actor's ``actor_id``) before its own labels.
     """
 
-    def __init__(self, prefix: str, base_labels: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        base_labels: Mapping[str, str] | None = None,
+        refresh: Callable[[], None] | None = None,
+    ) -> None:
+        """``refresh`` runs at every scrape, before the families are read: values held by a
+        live object (the learner's receiver) are exported as they are then, not as of the last
+        optimizer step."""
         self.prefix = prefix
         self.base_labels = dict(base_labels or {})
+        self.refresh = refresh
         self._lock = threading.Lock()
         # name → (kind, help, label names, {label values: value})
         self._families: dict[str, tuple[str, str, tuple[str, ...], dict[tuple, float]]] = {}
@@ -115,6 +141,8 @@ class SnapshotCollector(Collector):
             family[3][tuple(labels.values())] = float(value)
 
     def collect(self) -> Iterator[Metric]:
+        if self.refresh is not None:
+            self.refresh()
         with self._lock:
             families = [(n, k, d, ln, dict(s)) for n, (k, d, ln, s) in self._families.items()]
         for name, kind, doc, label_names, samples in sorted(families):
@@ -219,25 +247,9 @@ class LearnerExporter(_Exporter):
         snap = self._snapshot
         for value in staleness.tolist() if hasattr(staleness, "tolist") else staleness:
             self._staleness.observe(value)
-        for key, (name, doc) in _LEARNER_COUNTERS.items():
-            if _number(metrics.get(key)):
-                snap.set("counter", name, doc, metrics[key])
-        for key, (name, doc) in _LEARNER_GAUGES.items():
-            if _number(metrics.get(key)):
-                snap.set("gauge", name, doc, metrics[key])
-        bad_prefix = "receiver/bad_frames/"
+        self._set_totals(metrics)
         for key, value in metrics.items():
-            if not _number(value):
-                continue
-            if key.startswith(bad_prefix):
-                snap.set(
-                    "counter",
-                    "bad_frames",
-                    "Frames refused by validation, by reason.",
-                    value,
-                    {"reason": key[len(bad_prefix) :]},
-                )
-            elif key.startswith(("spec/", "verify/")):
+            if _number(value) and key.startswith(("spec/", "verify/")):
                 snap.set("gauge", metric_suffix(key), f"Actors' {key}, mean over the step.", value)
 
         self._groups_trained += float(metrics.get("learner/groups") or 0)
@@ -258,6 +270,28 @@ class LearnerExporter(_Exporter):
                 "Share of wall-clock time spent training and publishing.",
                 min(1.0, self._busy_s / wall_s),
             )
+
+    def watch(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``source()`` (the receiver's counters: received, refused, bad frames, queue
+        depth) at every scrape, so a refusal shows on ``/metrics`` when it happens even while
+        no optimizer step is taken."""
+        if self.enabled:
+            self._snapshot.refresh = lambda: self._set_totals(source())
+
+    def _set_totals(self, metrics: Mapping[str, Any]) -> None:
+        snap = self._snapshot
+        for key, (name, doc) in _LEARNER_COUNTERS.items():
+            if _number(metrics.get(key)):
+                snap.set("counter", name, doc, metrics[key])
+        for key, (name, doc) in _LEARNER_GAUGES.items():
+            if _number(metrics.get(key)):
+                snap.set("gauge", name, doc, metrics[key])
+        for key, value in metrics.items():
+            if not _number(value):
+                continue
+            for prefix, (name, doc) in _LEARNER_BY_REASON.items():
+                if key.startswith(prefix):
+                    snap.set("counter", name, doc, value, {"reason": key[len(prefix) :]})
 
 
 class ActorExporter(_Exporter):

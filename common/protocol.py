@@ -58,6 +58,9 @@ PROTOCOL_VERSION: Final[int] = 1
 # above this is not a log-probability and means a producer bug.
 LOGPROB_TOLERANCE: Final[float] = 1e-4
 
+# Sequence numbers and versions are int64 wherever they are computed on (torch, numpy, Redis).
+INT64_MAX: Final[int] = 2**63 - 1
+
 # Wire dtypes are fixed little-endian so actors and learner on different hosts agree.
 _TOKEN_DTYPE: Final = np.dtype("<i4")
 _LOGPROB_DTYPE: Final = np.dtype("<f4")
@@ -77,7 +80,8 @@ MSG_HEARTBEAT: Final[str] = "heartbeat"
 #   length_mismatch token_ids / behaviour_logprobs / token_versions of one completion disagree
 #   out_of_vocab    a token id outside [0, vocab_size)
 #   non_finite      NaN or inf in a log-prob, reward, stat or timestamp
-#   out_of_range    negative seq/version/token version, or a log-prob above LOGPROB_TOLERANCE
+#   out_of_range    a seq/version/token version outside [0, INT64_MAX], or a log-prob above
+#                   LOGPROB_TOLERANCE
 PROTOCOL_ERROR_REASONS: Final[tuple[str, ...]] = (
     "oversize",
     "not_msgpack",
@@ -119,6 +123,14 @@ class DecodeLimits:
     """Most seqs in one Ack."""
     max_stats_entries: int = 256
     """Most entries in one ``stats`` map."""
+
+    @property
+    def max_objects(self) -> int:
+        """Most container elements (array items + map entries) a valid frame can hold: a group
+        (9 keys, its completions of 5 keys each, its stats), an ack (its seqs, refused seqs
+        included) or a heartbeat. The decoder stops as soon as a frame exceeds it, so decoding
+        time and memory are bounded by what a valid frame holds, not by the frame's size."""
+        return 32 + 6 * self.max_completions + self.max_stats_entries + 2 * self.max_ack_seqs
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
@@ -172,10 +184,18 @@ class TrajectoryGroup:
 
 @dataclass
 class Ack:
-    """Learner -> actor: these seqs of ``actor_id`` were received (the actor may drop them)."""
+    """Learner -> actor: these seqs of ``actor_id`` were received (the actor may drop them).
+
+    ``refused`` maps a reason to seqs the learner received, decoded and will never train (a
+    group the learner's admission refuses: wrong size, too long, reward out of range, version
+    ahead of the learner). They are acked so that the actor stops resending them, and reported
+    apart so that the actor counts them; they are not in ``seqs``. Omitted on the wire when
+    empty (the frame is then byte-identical to a protocol-1 ack without the field).
+    """
 
     actor_id: str
     seqs: list[int]
+    refused: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,6 +217,7 @@ _COMPLETION_KEYS: Final = frozenset(
     {"token_ids", "behaviour_logprobs", "token_versions", "reward", "finished"}
 )
 _ACK_KEYS: Final = frozenset({"v", "type", "actor_id", "seqs"})
+_ACK_KEYS_REFUSED: Final = _ACK_KEYS | {"refused"}
 _HEARTBEAT_KEYS: Final = frozenset({"v", "type", "actor_id", "version", "stats", "sent_at"})
 
 
@@ -240,12 +261,17 @@ def _to_wire(msg: Message) -> dict[str, Any]:
             "stats": _stats_to_wire(msg.stats),
         }
     if isinstance(msg, Ack):
-        return {
+        wire = {
             "v": PROTOCOL_VERSION,
             "type": MSG_ACK,
             "actor_id": msg.actor_id,
             "seqs": [int(s) for s in msg.seqs],
         }
+        if msg.refused:
+            wire["refused"] = {
+                reason: [int(s) for s in msg.refused[reason]] for reason in sorted(msg.refused)
+            }
+        return wire
     if isinstance(msg, Heartbeat):
         return {
             "v": PROTOCOL_VERSION,
@@ -280,13 +306,40 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ProtocolError("bad_field", f"msgpack ext type {code} is not part of the protocol")
 
 
+class _ObjectBudget:
+    """Counts container elements as the C unpacker completes each array and map, and stops the
+    decode (``oversize``) once a frame holds more than a valid one can. Hooks run bottom-up, so
+    what is allocated before the stop is bounded by the budget plus one container's elements."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def _spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ProtocolError("oversize", "more arrays/maps entries than a valid frame holds")
+
+    def on_map(self, obj: dict) -> dict:
+        self._spend(len(obj) + 1)
+        return obj
+
+    def on_list(self, obj: list) -> list:
+        self._spend(len(obj) + 1)
+        return obj
+
+
 def _unpack(frame: bytes, limits: DecodeLimits) -> Any:
+    budget = _ObjectBudget(limits.max_objects)
     try:
         return msgpack.unpackb(
             frame,
             raw=False,
             strict_map_key=True,
             use_list=True,
+            object_hook=budget.on_map,
+            list_hook=budget.on_list,
             ext_hook=_reject_ext,
             max_bin_len=limits.max_tokens * _TOKEN_DTYPE.itemsize,
             max_str_len=limits.max_str_len,
@@ -330,8 +383,8 @@ def _get_nonneg_int(obj: dict[str, Any], key: str) -> int:
     # ``type is int`` rejects bool, which Python treats as an int subclass.
     if type(value) is not int:
         raise ProtocolError("bad_field", f"{key} must be int, got {type(value).__name__}")
-    if value < 0:
-        raise ProtocolError("out_of_range", f"{key} must be >= 0, got {value}")
+    if not 0 <= value <= INT64_MAX:
+        raise ProtocolError("out_of_range", f"{key} must be in [0, 2**63-1], got {value}")
     return value
 
 
@@ -468,19 +521,32 @@ def _group_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> TrajectoryGro
     )
 
 
-def _ack_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> Ack:
-    _check_keys(obj, _ACK_KEYS, "ack")
-    seqs = obj["seqs"]
+def _get_seqs(seqs: Any, what: str, limits: DecodeLimits) -> list[int]:
     if type(seqs) is not list:
-        raise ProtocolError("bad_field", "seqs must be an array")
+        raise ProtocolError("bad_field", f"{what} must be an array")
     if len(seqs) > limits.max_ack_seqs:
-        raise ProtocolError("oversize", f"{len(seqs)} > {limits.max_ack_seqs} seqs")
+        raise ProtocolError("oversize", f"{what}: {len(seqs)} > {limits.max_ack_seqs} seqs")
     for seq in seqs:
         if type(seq) is not int:
-            raise ProtocolError("bad_field", "seqs must hold ints")
-        if seq < 0:
-            raise ProtocolError("out_of_range", f"seq {seq} < 0")
-    return Ack(actor_id=_get_str(obj, "actor_id", limits), seqs=seqs)
+            raise ProtocolError("bad_field", f"{what} must hold ints")
+        if not 0 <= seq <= INT64_MAX:
+            raise ProtocolError("out_of_range", f"seq {seq} outside [0, 2**63-1]")
+    return seqs
+
+
+def _ack_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> Ack:
+    _check_keys(obj, _ACK_KEYS_REFUSED if "refused" in obj else _ACK_KEYS, "ack")
+    seqs = _get_seqs(obj["seqs"], "seqs", limits)
+    refused: dict[str, list[int]] = {}
+    if "refused" in obj:
+        value = obj["refused"]
+        if type(value) is not dict or not value:
+            raise ProtocolError("bad_field", "refused must be a non-empty map")
+        for reason, reason_seqs in value.items():
+            if type(reason) is not str:
+                raise ProtocolError("bad_field", "refused keys must be str")
+            refused[reason] = _get_seqs(reason_seqs, f"refused[{reason!r}]", limits)
+    return Ack(actor_id=_get_str(obj, "actor_id", limits), seqs=seqs, refused=refused)
 
 
 def _heartbeat_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> Heartbeat:

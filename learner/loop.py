@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from common.prometheus import LearnerExporter
 from common.protocol import DecodeLimits, TrajectoryGroup
 from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
+from common.transport import DEFAULT_HWM
 from common.warm_start import ensure_model
 from common.weights import (
     REDIS_DOWN,
@@ -27,6 +28,7 @@ from common.weights import (
     retry_redis,
     store_from_config,
 )
+from learner.admission import Admission, wire_limits
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import (
@@ -123,12 +125,27 @@ def train_step(
         )
         loss = loss + aux_coef * exit_kl
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    params = [p for p in model.parameters() if p.grad is not None]
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    optimizer.step()
+    # Defence in depth behind admission: a step whose loss or gradients are not finite would
+    # put NaN into every weight (and every actor). It is skipped and counted, never taken.
+    skipped = not bool(torch.isfinite(loss))
+    grad_norm = torch.full((), float("nan"))
+    if not skipped:
+        loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        skipped = not bool(torch.isfinite(grad_norm))
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+        log.error(
+            "learner: skipped a step with a non-finite loss (%s) or gradient norm (%s)",
+            float(loss.detach()),
+            float(grad_norm),
+        )
+    else:
+        optimizer.step()
     return {
+        "learner/skipped": float(skipped),
         "learner/loss": float(out.loss.detach()),
         "learner/pg_loss": float(out.pg_loss),
         "learner/kl": float(out.kl),
@@ -220,14 +237,61 @@ class Republisher:
             log.warning("learner: cannot check or republish weights (%s); will retry", e)
 
 
-def replay_wal(wal_dir: Path, state: LearnerState, cfg: SpecRLConfig) -> list[TrajectoryGroup]:
+def make_admission(cfg: SpecRLConfig, model: Transformer) -> Admission:
+    """What this run trains on: its group size, the model's context (or a smaller learner
+    budget) and the reward bound."""
+    context = model.args.max_position_embeddings
+    budget = cfg.learner.max_seq_tokens
+    return Admission(
+        group_size=cfg.actor.group_size,
+        max_seq_tokens=min(context, budget) if budget > 0 else context,
+        max_abs_reward=cfg.learner.max_abs_reward,
+    )
+
+
+@dataclass
+class Readmission:
+    """Groups that an earlier learner acked (in its log or checkpoint) put through this
+    learner's decode limits and admission again; the refused are skipped, counted and put in
+    the ledger, never trained and never a reason to stop."""
+
+    limits: DecodeLimits
+    admission: Admission
+    skipped: int = 0
+    refused: list[tuple[str, int, int, str]] = field(default_factory=list)
+
+    def undecodable(self, what: str) -> None:
+        self.skipped += 1
+        log.error("learner: skipped a logged group this learner cannot decode: %s", what)
+
+    def admit(self, groups: list[TrajectoryGroup], latest_version: int) -> list[TrajectoryGroup]:
+        kept = []
+        for group in groups:
+            refusal = self.admission.refusal(group, latest_version)
+            if refusal is None:
+                kept.append(group)
+                continue
+            self.skipped += 1
+            self.refused.append((group.actor_id, group.seq, group.version, refusal.reason))
+            log.error(
+                "learner: skipped logged group %s/%d: %s (%s)",
+                group.actor_id,
+                group.seq,
+                refusal.reason,
+                refusal.detail,
+            )
+        return kept
+
+
+def replay_wal(
+    wal_dir: Path, state: LearnerState, cfg: SpecRLConfig, readmission: Readmission
+) -> list[TrajectoryGroup]:
     """Groups acked after the checkpoint (or since a fresh start) by a learner that did not stop
     cleanly; empty for a resume=false run, whose old log is discarded."""
     if not cfg.learner.resume:
         trim(wal_dir, 2**62)
         return []
-    limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
-    replayed = replay(wal_dir, state.wal_from, limits)
+    replayed = replay(wal_dir, state.wal_from, readmission.limits, readmission.undecodable)
     if replayed:
         log.info(
             "learner: %d acked group(s) replayed from the write-ahead log (segments >= %d)",
@@ -249,8 +313,13 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     stop = StopFlag("learner")
 
     state = setup(cfg, checkpoint_root, device)
+    admission = make_admission(cfg, state.model)
+    limits, frame_bytes = wire_limits(
+        state.model.args.vocab_size, admission, cfg.learner.max_frame_bytes
+    )
+    readmission = Readmission(limits, admission)
     wal_dir = run_dir / "wal"
-    replayed = replay_wal(wal_dir, state, cfg)
+    replayed = replay_wal(wal_dir, state, cfg, readmission)
     store = store_from_config(cfg.redis, cfg.run.name)
     # Versions only grow, across restarts too: continue after the newest of the checkpoint, what
     # Redis holds, and what this run ever published (a private Redis may have lost everything).
@@ -259,6 +328,11 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         max(state.version, latest if latest is not None else -1, read_version_mark(version_mark))
         + 1
     )
+    # Groups an earlier learner acked, admitted again against this one's bounds and version.
+    state.pending = readmission.admit(state.pending, state.version)
+    replayed = readmission.admit(replayed, state.version)
+    # Uploads run on a background thread while the next step trains (Redis outages are retried
+    # there); the version mark is written once a version is in Redis.
     publisher = Publisher(store, state.model, state.tokenizer)
 
     def publish() -> None:
@@ -285,9 +359,9 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         # Outcomes a killed learner logged after its last checkpoint are void: the model lost
         # those steps and the groups come back from the write-ahead log.
         ledger.write({"event": "start", "resumed_step": state.step})
+    record_refused(ledger, readmission.refused, state)
     buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, ledger)
     buffer.carry([*state.pending, *replayed])
-    limits = DecodeLimits(vocab_size=state.model.args.vocab_size)
     curve = None
     authorized = None
     if cfg.security.curve_dir:
@@ -302,7 +376,12 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         curve=curve,
         authorized_keys=authorized,
         wal=WalWriter(wal_dir, fsync=cfg.learner.wal_fsync) if cfg.learner.wal else None,
+        hwm=max(2, min(DEFAULT_HWM, cfg.learner.recv_buffer_bytes // frame_bytes)),
+        admission=admission,
+        latest_version=lambda: state.version,
     )
+    exporter.watch(lambda: {**receiver.stats(), "learner/wal_skipped": readmission.skipped})
+    skipped_steps = 0
     trainer = TrainerState(step=state.step, version=state.version)
     last: dict[str, float] = {}
 
@@ -361,12 +440,15 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 state.ref_model,
                 cfg.spec,
             )
+            skipped = step_metrics["learner/skipped"] > 0
+            skipped_steps += skipped
             for group in groups:
-                buffer.record(group, "trained", state.version)
+                buffer.record(group, "skipped" if skipped else "trained", state.version)
+            record_refused(ledger, receiver.take_refused(), state)
             state.step += 1
             t2 = time.perf_counter()
             # Phase 3: publish the new policy.
-            if state.step % cfg.learner.publish_every == 0:
+            if state.step % cfg.learner.publish_every == 0 and not skipped:
                 state.version += 1
                 publish()
             t3 = time.perf_counter()
@@ -381,6 +463,8 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 "learner/dropped_stale": buffer.dropped_stale,
                 "learner/republished": republisher.republished,
                 "learner/rejected_groups": buffer.rejected,
+                "learner/skipped_steps": skipped_steps,
+                "learner/wal_skipped": readmission.skipped,
                 "learner/wait_s": t1 - t0,
                 "learner/train_s": t2 - t1,
                 "learner/publish_s": t3 - t2,
@@ -400,6 +484,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         leftover = [*unfinished, *receiver.drain()]
         for group in [*buffer.pending(), *leftover]:
             buffer.record(group, "pending_at_exit", state.version)
+        record_refused(ledger, receiver.take_refused(), state)
         checkpoint(leftover)
         metrics.write(
             {
@@ -413,6 +498,27 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         if ledger is not None:
             ledger.close()
     return last
+
+
+def record_refused(
+    ledger: MetricsWriter | None, refused: list[tuple[str, int, int, str]], state: LearnerState
+) -> None:
+    """Refused groups' outcomes: final when they happen (acked as refused, never logged), so a
+    learner restart never voids them."""
+    if ledger is None:
+        return
+    for actor_id, seq, version, reason in refused:
+        ledger.write(
+            {
+                "actor_id": actor_id,
+                "seq": seq,
+                "version": version,
+                "learner_version": state.version,
+                "step": state.step,
+                "outcome": "refused",
+                "reason": reason,
+            }
+        )
 
 
 def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:

@@ -17,6 +17,13 @@ the directory changes, so revoking a key is deleting its file). Every refused ha
 not listed, a client without the learner's public key, a client without CURVE) is counted as
 ``receiver/unauthenticated`` and logged.
 
+Admission: a group that decodes but that this run cannot train on (learner/admission.py: wrong
+group size, too long, reward out of range, version ahead of the learner) is *refused*: acked in
+the ack's ``refused`` map, so the actor drops it instead of resending it forever, counted as
+``receiver/refused/{reason}``, and neither logged nor queued nor recorded as seen (the verdict
+depends only on the group, except ``version_ahead``, which a later learner version may lift). A frame that does not decode is not acked at all (a correct actor never sends one: it
+encodes with the same validation).
+
 Backpressure: when ``queue_max`` groups wait for ``get()``, the I/O thread stops reading the
 socket altogether. Unread frames stay in zmq's bounded pipes (HWM), actors get no acks, their
 outboxes fill and ``submit`` blocks. Memory stays bounded; heartbeats are not read meanwhile.
@@ -29,6 +36,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -50,6 +58,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import DEFAULT_HWM, bind_router, bound_endpoint, shared_context
+from learner.admission import ADMISSION_REFUSAL_REASONS, Admission
 from learner.wal import WalWriter
 
 log = logging.getLogger(__name__)
@@ -75,6 +84,9 @@ _POLL_S = 0.05  # bounds how long close() waits for the I/O thread
 _MAX_BATCH = 256  # frames handled per wake-up before re-checking stop/backpressure
 _BAD_LOG_EVERY_S = 10.0
 _DEDUPE_FORMAT = 1
+# Refused groups kept for the learner's ledger between two of its reads (it reads every step);
+# beyond this a flood is still counted, not listed.
+_REFUSED_LOG_MAX = 65536
 
 
 @dataclasses.dataclass
@@ -110,6 +122,15 @@ class _DedupeWindow:
         return True
 
 
+@dataclasses.dataclass
+class _PendingAck:
+    """What one batch of frames earns one actor: accepted seqs (ordered, each once) and refused
+    seqs by reason."""
+
+    seqs: dict[int, None] = dataclasses.field(default_factory=dict)
+    refused: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
 class GroupReceiver:
     """Receives TrajectoryGroups and heartbeats on a ROUTER; ``get()`` yields each group once."""
 
@@ -125,11 +146,16 @@ class GroupReceiver:
         curve: CurveKeys | None = None,
         authorized_keys: Path | None = None,
         wal: WalWriter | None = None,
+        admission: Admission | None = None,
+        latest_version: Callable[[], int] | None = None,
     ) -> None:
         """``curve``: the learner's CurveZMQ key pair; peers without its public key get nothing
         through. ``authorized_keys``: a directory of actor public-key certificates; with it only
         those actors get through. ``wal``: the write-ahead log every new group goes to before
-        its ack."""
+        its ack. ``admission`` with ``latest_version`` (the learner's newest version, read at
+        each group): groups it refuses are acked as refused and never queued."""
+        if (admission is None) != (latest_version is None):
+            raise ValueError("admission and latest_version go together")
         if authorized_keys is not None and curve is None:
             raise ValueError("authorized_keys needs curve (the allow-list is of CURVE keys)")
         if authorized_keys is not None and not Path(authorized_keys).is_dir():
@@ -146,6 +172,8 @@ class GroupReceiver:
         self._curve = curve
         self._allow_list = _AllowList(Path(authorized_keys)) if authorized_keys else None
         self._wal = wal
+        self._admission = admission
+        self._latest_version = latest_version
         # ZAP handlers are per context: a receiver with an allow-list gets a context of its own.
         self._own_context = self._allow_list is not None and context is None
         self._context = zmq.Context() if self._own_context else (context or shared_context())
@@ -165,6 +193,9 @@ class GroupReceiver:
         self._bad_by_reason: dict[str, int] = dict.fromkeys(
             PROTOCOL_ERROR_REASONS + RECEIVER_REJECT_REASONS, 0
         )
+        self._refused_by_reason: dict[str, int] = dict.fromkeys(ADMISSION_REFUSAL_REASONS, 0)
+        # (actor_id, seq, version, reason) of refused groups not yet taken by the learner loop.
+        self._refused_log: list[tuple[str, int, int, str]] = []
         self._bad_logged_at: dict[str, float] = {}
         self._bad_suppressed: dict[str, int] = {}
         self._error: BaseException | None = None
@@ -314,6 +345,17 @@ class GroupReceiver:
         with self._cond:
             return dict(self._bad_by_reason)
 
+    def refused_by_reason(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self._refused_by_reason)
+
+    def take_refused(self) -> list[tuple[str, int, int, str]]:
+        """``(actor_id, seq, version, reason)`` of the groups refused since the last call (for
+        the learner's ledger)."""
+        with self._cond:
+            taken, self._refused_log = self._refused_log, []
+            return taken
+
     def qsize(self) -> int:
         with self._cond:
             return len(self._queue)
@@ -324,6 +366,7 @@ class GroupReceiver:
                 "receiver/received": float(self._received),
                 "receiver/duplicates": float(self._duplicates),
                 "receiver/bad_frames": float(sum(self._bad_by_reason.values())),
+                "receiver/refused": float(sum(self._refused_by_reason.values())),
                 "receiver/acks_sent": float(self._acks_sent),
                 "receiver/heartbeats": float(self._heartbeats),
                 "receiver/unauthenticated": float(self._unauthenticated),
@@ -332,6 +375,9 @@ class GroupReceiver:
             }
             out.update(
                 {f"receiver/bad_frames/{r}": float(n) for r, n in self._bad_by_reason.items()}
+            )
+            out.update(
+                {f"receiver/refused/{r}": float(n) for r, n in self._refused_by_reason.items()}
             )
         out["receiver/live_actors"] = float(len(self.live_actors()))
         return out
@@ -444,7 +490,7 @@ class GroupReceiver:
                 self._drain_monitor(monitor)
             if sock not in ready:
                 continue
-            acks: dict[bytes, dict[int, None]] = {}
+            acks: dict[bytes, _PendingAck] = {}
             for _ in range(_MAX_BATCH):
                 try:
                     parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -457,23 +503,29 @@ class GroupReceiver:
                     self._cond.notify_all()  # once per batch: the consumer wakes to many groups
             self._send_acks(sock, acks)
 
-    def _send_acks(self, sock: zmq.Socket, acks: dict[bytes, dict[int, None]]) -> None:
+    def _send_acks(self, sock: zmq.Socket, acks: dict[bytes, _PendingAck]) -> None:
         """One Ack per actor for the whole batch, after the log has the batch (group commit)."""
         if not acks:
             return
         if self._wal is not None:
             with self._cond:
                 self._wal.flush()  # a write error fails the I/O thread: nothing unlogged is acked
-        for identity, seqs in acks.items():
+        limit = self._limits.max_ack_seqs
+        for identity, pending in acks.items():
             actor_id = identity.decode("utf-8")
-            ordered = list(seqs)
-            for start in range(0, len(ordered), self._limits.max_ack_seqs):
-                chunk = ordered[start : start + self._limits.max_ack_seqs]
+            ordered = list(pending.seqs)
+            for start in range(0, len(ordered), limit):
+                chunk = ordered[start : start + limit]
                 sock.send_multipart([identity, encode(Ack(actor_id=actor_id, seqs=chunk))])
+            for reason, seqs in pending.refused.items():
+                for start in range(0, len(seqs), limit):
+                    refused = {reason: seqs[start : start + limit]}
+                    ack = Ack(actor_id=actor_id, seqs=[], refused=refused)
+                    sock.send_multipart([identity, encode(ack)])
         with self._cond:
-            self._acks_sent += sum(len(seqs) for seqs in acks.values())
+            self._acks_sent += sum(len(p.seqs) for p in acks.values())
 
-    def _handle(self, parts: list[bytes], acks: dict[bytes, dict[int, None]]) -> bool:
+    def _handle(self, parts: list[bytes], acks: dict[bytes, _PendingAck]) -> bool:
         """Process one ROUTER message, adding any ack it earns to ``acks``; True if the queue
         is now full (stop reading)."""
         identity = parts[0]
@@ -503,7 +555,35 @@ class GroupReceiver:
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(msg)
             return False
+        if self._admission is not None:
+            refusal = self._admission.refusal(msg, self._latest_version())
+            if refusal is not None:
+                self._refuse(identity, msg, refusal.reason, refusal.detail, acks)
+                return False
         return self._accept_group(identity, msg, parts[1], acks)
+
+    def _refuse(
+        self,
+        identity: bytes,
+        group: TrajectoryGroup,
+        reason: str,
+        detail: str,
+        acks: dict[bytes, _PendingAck],
+    ) -> None:
+        with self._cond:
+            self._touch(group.actor_id)
+            self._refused_by_reason[reason] = self._refused_by_reason.get(reason, 0) + 1
+            if len(self._refused_log) < _REFUSED_LOG_MAX:
+                self._refused_log.append((group.actor_id, group.seq, group.version, reason))
+        acks.setdefault(identity, _PendingAck()).refused.setdefault(reason, []).append(group.seq)
+        self._log_limited(
+            f"refused/{reason}",
+            "refused group %s/%d: %s (%s)",
+            group.actor_id,
+            group.seq,
+            reason,
+            detail[:200],
+        )
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
@@ -518,7 +598,7 @@ class GroupReceiver:
         identity: bytes,
         group: TrajectoryGroup,
         frame: bytes,
-        acks: dict[bytes, dict[int, None]],
+        acks: dict[bytes, _PendingAck],
     ) -> bool:
         with self._cond:
             info = self._touch(group.actor_id)
@@ -537,7 +617,7 @@ class GroupReceiver:
                 self._duplicates += 1
             full = len(self._queue) >= self._queue_max
         # Ack on receipt (also re-ack duplicates: the first ack may have been lost).
-        acks.setdefault(identity, {})[group.seq] = None  # ordered, each seq once per batch
+        acks.setdefault(identity, _PendingAck()).seqs[group.seq] = None  # ordered, once each
         return full
 
     def _touch(self, actor_id: str) -> ActorInfo:

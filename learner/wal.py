@@ -11,7 +11,10 @@ Resuming replays the segments ``>= wal_from`` (acked after the checkpoint) and c
 segments before it are deleted once the checkpoint is on disk.
 
 A record cut short by a kill mid-write was never acked (the ack follows the write), so readers
-drop a torn tail; a corrupt record elsewhere is an error, never skipped silently.
+drop a torn tail. A whole record that does not decode (corrupt, or valid under an older
+learner's validation and refused by this one) is an error by default; a learner replaying its
+log passes ``on_refused`` to skip and count it instead, so one such record cannot stop every
+restart of the learner in turn.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -98,8 +102,15 @@ class WalWriter:
         self._file.close()
 
 
-def read_segment(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
-    """The groups of one segment, each validated like a frame off the wire."""
+OnRefused = Callable[[str], None]
+"""Called with a description of each record a replay skips."""
+
+
+def read_segment(
+    path: Path, limits: DecodeLimits, on_refused: OnRefused | None = None
+) -> list[TrajectoryGroup]:
+    """The groups of one segment, each validated like a frame off the wire. A record that does
+    not decode raises WalError, or is passed to ``on_refused`` and skipped when one is given."""
     data = path.read_bytes()
     groups: list[TrajectoryGroup] = []
     offset = 0
@@ -112,23 +123,29 @@ def read_segment(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
             break  # torn frame: never acked
         try:
             message = decode(data[offset + _LEN.size : end], limits)
+            if not isinstance(message, TrajectoryGroup):
+                raise ProtocolError("wrong_type", f"a {type(message).__name__}, not a group")
         except ProtocolError as e:
-            raise WalError(f"{path}: record at byte {offset} does not decode: {e}") from e
-        if not isinstance(message, TrajectoryGroup):
-            raise WalError(f"{path}: record at byte {offset} is a {type(message).__name__}")
-        groups.append(message)
+            what = f"{path}: record at byte {offset} does not decode: {e}"
+            if on_refused is None:
+                raise WalError(what) from e
+            on_refused(what)
+        else:
+            groups.append(message)
         offset = end
     if offset < len(data):
         log.warning("%s: dropped a torn last record (%d bytes)", path, len(data) - offset)
     return groups
 
 
-def replay(directory: Path, start: int, limits: DecodeLimits) -> list[TrajectoryGroup]:
+def replay(
+    directory: Path, start: int, limits: DecodeLimits, on_refused: OnRefused | None = None
+) -> list[TrajectoryGroup]:
     """Every group in segments numbered ``>= start``, in the order they were acked."""
     groups: list[TrajectoryGroup] = []
     for number, path in segments(directory):
         if number >= start:
-            groups.extend(read_segment(path, limits))
+            groups.extend(read_segment(path, limits, on_refused))
     return groups
 
 

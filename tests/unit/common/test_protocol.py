@@ -404,3 +404,27 @@ def test_field_replacements_only_raise_protocol_error(frame: bytes, data: Any, v
         target = target[key]
     target[path[-1]] = value
     _decode_or_protocol_error(pack(wire), LIMITS)
+
+
+@pytest.mark.parametrize("field", ["seq", "version"])
+@pytest.mark.parametrize(("value", "ok"), [(2**63 - 1, True), (2**63, False), (2**64 - 1, False)])
+def test_seqs_and_versions_are_bounded_to_int64(field: str, value: int, ok: bool) -> None:
+    frame = with_field(**{field: value})
+    if ok:
+        assert getattr(decode(frame, LIMITS), field) == value
+    else:
+        with pytest.raises(ProtocolError) as info:
+            decode(frame, LIMITS)
+        assert info.value.reason == "out_of_range"
+
+
+def test_ack_with_refused_seqs_round_trips_and_is_omitted_when_empty() -> None:
+    ack = Ack(actor_id="a", seqs=[1, 2], refused={"too_long": [3], "version_ahead": [4, 5]})
+    assert decode(encode(ack), LIMITS) == ack
+    plain = Ack(actor_id="a", seqs=[1])
+    assert b"refused" not in encode(plain)
+    assert decode(encode(plain), LIMITS) == plain
+    wire = msgpack.unpackb(encode(ack), raw=False)
+    for bad in ({}, {"x": [-1]}, {"x": "3"}, {"x": [2**63]}):
+        with pytest.raises(ProtocolError):
+            decode(pack({**wire, "refused": bad}), LIMITS)

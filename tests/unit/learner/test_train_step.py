@@ -169,3 +169,24 @@ def test_tokens_outside_the_nucleus_leave_the_loss_instead_of_nan():
     assert 0 < metrics["learner/outside_nucleus_frac"] < 1
     assert np.isfinite(metrics["learner/loss"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_step_with_a_non_finite_loss_is_skipped_and_changes_nothing():
+    """Defence in depth behind admission: an inf reward gives NaN advantages; the step is
+    skipped and counted, the weights (and the optimizer state) stay as they were."""
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    model = tiny_model(tokenizer.vocab_size)
+    cfg = LearnerConfig(lr=1e-3)
+    optimizer = make_optimizer(model, cfg)
+    groups = make_groups(tokenizer.vocab_size)
+    groups[0].completions[0].reward = 1e300  # inf in float32
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = collate(groups, 0, tokenizer.pad_id, torch.device("cpu"))
+    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig())
+    assert metrics["learner/skipped"] == 1.0
+    assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    assert not optimizer.state, "a skipped step must not touch the optimizer state"
+    # The next finite batch trains as usual.
+    ok = collate(make_groups(tokenizer.vocab_size), 0, tokenizer.pad_id, torch.device("cpu"))
+    assert train_step(model, optimizer, ok, cfg, SamplingConfig())["learner/skipped"] == 0.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())

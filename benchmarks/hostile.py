@@ -1,0 +1,112 @@
+"""Poisoned but well-formed frames: what a hostile or badly broken actor can send that passes (or
+nearly passes) the wire codec, each with the learner's expected verdict.
+
+Shared by ``benchmarks/chaos.py`` (fault kind ``poisoned_frames``) and the integration tests of
+the learner's admission (``tests/integration/test_hostile_frames.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from common.protocol import Completion, TrajectoryGroup, encode
+
+
+@dataclass(frozen=True)
+class Poison:
+    kind: str
+    frame: bytes
+    verdict: str
+    """``refused``: decodes, acked as refused (``Ack.refused[reason]``), never trained;
+    ``bad``: does not decode, never acked, counted as a bad frame."""
+    reason: str
+    """The refusal reason or the bad-frame reason the learner counts it under."""
+    seq: int
+
+
+def valid_group(
+    actor_id: str,
+    seq: int,
+    group_size: int,
+    *,
+    version: int = 0,
+    prompt_len: int = 4,
+    completion_len: int = 4,
+    reward: float | None = None,
+) -> TrajectoryGroup:
+    """A group the learner trains on: ``group_size`` completions, rewards that differ (so the
+    step has a signal), tokens 1..4 (in every vocabulary the project builds)."""
+    rng = np.random.default_rng(seq)
+    return TrajectoryGroup(
+        actor_id=actor_id,
+        seq=seq,
+        prompt_id=f"hostile-{seq}",
+        prompt_ids=rng.integers(1, 5, prompt_len, dtype=np.int32),
+        version=version,
+        completions=[
+            Completion(
+                token_ids=rng.integers(1, 5, completion_len, dtype=np.int32),
+                behaviour_logprobs=np.full(completion_len, -1.0, dtype=np.float32),
+                token_versions=np.full(completion_len, version, dtype=np.int32),
+                reward=float(i % 2) if reward is None else reward,
+                finished=True,
+            )
+            for i in range(group_size)
+        ],
+        stats={},
+    )
+
+
+def _rewire(group: TrajectoryGroup, **fields) -> bytes:
+    """``group``'s wire map with top-level fields replaced (values ``encode`` would refuse)."""
+    wire = msgpack.unpackb(encode(group), raw=False)
+    wire.update(fields)
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def poisoned_frames(
+    actor_id: str, group_size: int, context: int, latest_version: int, first_seq: int = 0
+) -> list[Poison]:
+    """One frame of every poisoned kind for a learner with this group size, model context and
+    latest version; seqs from ``first_seq`` on, one per frame."""
+    seqs = iter(range(first_seq, first_seq + 100))
+
+    def group(**kw) -> tuple[int, TrajectoryGroup]:
+        seq = next(seqs)
+        return seq, valid_group(actor_id, seq, kw.pop("group_size", group_size), **kw)
+
+    out: list[Poison] = []
+    # A finite float64 that overflows float32: inf in the reward tensor, NaN in every weight.
+    seq, g = group(reward=1e300)
+    out.append(Poison("reward_1e300", encode(g), "refused", "reward_out_of_range", seq))
+    seq, g = group(reward=-1e30)
+    out.append(Poison("reward_huge", encode(g), "refused", "reward_out_of_range", seq))
+    # Versions and seqs beyond int64 (the learner computes staleness in int64).
+    seq, g = group()
+    out.append(Poison("version_2**64-1", _rewire(g, version=2**64 - 1), "bad", "out_of_range", seq))
+    seq, g = group()
+    out.append(Poison("seq_2**64-1", _rewire(g, seq=2**64 - 1), "bad", "out_of_range", seq))
+    # A version from the future: negative staleness.
+    seq, g = group(version=latest_version + 1000)
+    out.append(Poison("version_ahead", encode(g), "refused", "version_ahead", seq))
+    seq, g = group()
+    g.completions[0].token_versions[:] = latest_version + 1000
+    out.append(Poison("token_version_ahead", encode(g), "refused", "version_ahead", seq))
+    # Longer than the model's context: refused; far longer: does not even decode.
+    seq, g = group(prompt_len=context + 1)
+    out.append(Poison("longer_than_context", encode(g), "refused", "too_long", seq))
+    seq, g = group(group_size=1, prompt_len=4 * context, completion_len=4 * context)
+    out.append(Poison("far_longer_than_context", encode(g), "bad", "oversize", seq))
+    # Completions that are not the run's group size.
+    seq, g = group(group_size=group_size - 1)
+    out.append(Poison("group_too_small", encode(g), "refused", "wrong_group_size", seq))
+    seq, g = group(group_size=group_size + 1)
+    out.append(Poison("group_too_large", encode(g), "refused", "wrong_group_size", seq))
+    # Many tiny objects in a small frame: decoding stops at a valid frame's object count.
+    seq = next(seqs)
+    nested = {"v": 1, "type": "group", "completions": [["ab"] * 1000 for _ in range(32)]}
+    out.append(Poison("nested_strings", msgpack.packb(nested), "bad", "oversize", seq))
+    return out

@@ -1,0 +1,200 @@
+"""No single frame may crash the learner or poison the policy: poisoned but well-formed frames
+against a real ``specrl-learner`` process (real Redis, real sockets), then a valid group that must
+still be acked and trained."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.hostile import poisoned_frames, valid_group
+from common.model import load_pretrained
+from common.protocol import Ack, DecodeLimits, decode, encode
+from common.transport import connect_dealer
+from learner.checkpoint import latest_checkpoint
+from learner.wal import _LEN
+from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
+from tests.integration.test_pipeline import wait_exit
+
+pytestmark = pytest.mark.integration
+
+GROUP_SIZE = 8  # actor.group_size's default: what the learner admits
+HOSTILE = "hostile"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return warm_model(tmp_path_factory.mktemp("model"), steps=20)
+
+
+def context_of(model_dir: Path) -> int:
+    return load_pretrained(model_dir).args.max_position_embeddings
+
+
+def learner_address(pipeline: Pipeline) -> str:
+    return next(o for o in pipeline.overrides if o.startswith("learner.address=")).split("=", 1)[1]
+
+
+def scrape(run_dir: Path) -> dict[tuple[str, tuple], float]:
+    port = int((run_dir / "prometheus" / "learner.port").read_text())
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def send(dealer: zmq.Socket, frame: bytes, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:  # IMMEDIATE: wait for the connection instead of dropping the frame
+        try:
+            dealer.send(frame, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the learner did not accept the connection") from None
+            time.sleep(0.05)
+
+
+def replies(dealer: zmq.Socket, until, timeout_s: float) -> list[Ack]:
+    """Acks received until ``until(acks)`` holds or ``timeout_s`` passes."""
+    acks: list[Ack] = []
+    deadline = time.monotonic() + timeout_s
+    while not until(acks) and time.monotonic() < deadline:
+        if dealer.poll(100):
+            message = decode(dealer.recv(), DecodeLimits(vocab_size=1))
+            assert isinstance(message, Ack)
+            acks.append(message)
+    return acks
+
+
+def wait_for_port_file(pipeline: Pipeline, timeout_s: float = 120.0) -> None:
+    path = pipeline.run_dir / "prometheus" / "learner.port"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert pipeline.learner.poll() is None, pipeline.log_tail("learner")
+        assert time.monotonic() < deadline, "the learner never served /metrics"
+        time.sleep(0.2)
+
+
+def assert_policy_finite(run_dir: Path) -> None:
+    model = load_pretrained(latest_checkpoint(run_dir / "checkpoints"))
+    bad = [n for n, p in model.state_dict().items() if not torch.isfinite(p).all()]
+    assert not bad, f"non-finite tensors in the trained policy: {bad[:5]}"
+
+
+def test_poisoned_frames_are_refused_counted_live_and_a_valid_group_still_trains(
+    tmp_path, redis_server, model_dir
+):
+    pipeline = Pipeline.make(
+        tmp_path,
+        redis_server.url,
+        model_dir,
+        ["run.steps=1", "learner.groups_per_step=1", f"actor.group_size={GROUP_SIZE}"],
+    )
+    poisons = poisoned_frames(HOSTILE, GROUP_SIZE, context_of(model_dir), latest_version=0)
+    refused = {p.seq: p.reason for p in poisons if p.verdict == "refused"}
+    try:
+        learner = pipeline.start_learner()
+        wait_for_port_file(pipeline)
+        dealer = connect_dealer(learner_address(pipeline), HOSTILE.encode())
+        try:
+            for poison in poisons:
+                send(dealer, poison.frame)
+
+            def all_refusals(acks: list[Ack]) -> bool:
+                return sum(len(s) for a in acks for s in a.refused.values()) >= len(refused)
+
+            acks = replies(dealer, all_refusals, timeout_s=30)
+            sent_at = time.monotonic()
+            # Every refused group comes back refused, with its reason; nothing is acked as taken.
+            got = {seq: reason for a in acks for reason, seqs in a.refused.items() for seq in seqs}
+            assert got == refused
+            assert not [s for a in acks for s in a.seqs], "a poisoned group was acked as accepted"
+            assert learner.poll() is None, pipeline.log_tail("learner")
+
+            # The counters are on /metrics within a second, with no optimizer step taken.
+            want_refused = Counter(p.reason for p in poisons if p.verdict == "refused")
+            want_bad = Counter(p.reason for p in poisons if p.verdict == "bad")
+            while True:
+                metrics = scrape(pipeline.run_dir)
+                shown_refused = {
+                    r: metrics.get(("specrl_learner_groups_refused_total", (("reason", r),)))
+                    for r in want_refused
+                }
+                shown_bad = {
+                    r: metrics.get(("specrl_learner_bad_frames_total", (("reason", r),)))
+                    for r in want_bad
+                }
+                if shown_refused == want_refused and shown_bad == want_bad:
+                    break
+                assert time.monotonic() - sent_at < 1.0, (shown_refused, shown_bad)
+                time.sleep(0.05)
+            assert metrics.get(("specrl_learner_step", ()), 0) == 0  # no step yet
+
+            # A valid group sent afterwards is acked as accepted and trained.
+            good = valid_group(HOSTILE, 10_000, GROUP_SIZE)
+            send(dealer, encode(good))
+            acks = replies(dealer, lambda acks: any(a.seqs for a in acks), timeout_s=60)
+            assert [s for a in acks for s in a.seqs] == [10_000]
+        finally:
+            dealer.close(linger=0)
+        assert wait_exit(learner, 120, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    [step] = pipeline.steps()
+    assert step["learner/step"] == 1 and step["learner/skipped_steps"] == 0
+    assert step["learner/loss"] is not None  # a NaN would be written as null
+    assert_policy_finite(pipeline.run_dir)
+    ledger = read_ledger(pipeline.run_dir)
+    assert set(ledger.refused) == {(HOSTILE, seq) for seq in refused}
+    assert ledger.outcomes == {(HOSTILE, 10_000): "trained"}
+
+
+def write_wal(directory: Path, records: list[bytes]) -> None:
+    directory.mkdir(parents=True)
+    with (directory / "00000000.wal").open("wb") as f:
+        for record in records:
+            f.write(_LEN.pack(len(record)) + record)
+
+
+def test_a_logged_group_this_learner_refuses_is_skipped_and_counted_not_a_crash_loop(
+    tmp_path, redis_server, model_dir
+):
+    """A write-ahead log written by an earlier learner (laxer checks, or a flipped bit) holds a
+    record that no longer decodes and a group this learner refuses, then a good group: the
+    learner starts, skips and counts the two, trains the good one."""
+    wrong_size = valid_group("actor-a", 0, GROUP_SIZE - 1)
+    good = valid_group("actor-a", 2, GROUP_SIZE)
+    undecodable = msgpack.packb({"v": 1, "type": "group", "seq": 1})
+    write_wal(tmp_path / "wal", [encode(wrong_size), undecodable, encode(good)])
+    pipeline = Pipeline.make(
+        tmp_path,
+        redis_server.url,
+        model_dir,
+        ["run.steps=1", "learner.groups_per_step=1", f"actor.group_size={GROUP_SIZE}"],
+    )
+    learner = pipeline.start_learner()
+    try:
+        assert wait_exit(learner, 120, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    [step] = pipeline.steps()
+    assert step["learner/wal_skipped"] == 2
+    log_text = pipeline.log_tail("learner", 400)
+    assert "skipped logged group actor-a/0: wrong_group_size" in log_text
+    assert "cannot decode" in log_text
+    ledger = read_ledger(pipeline.run_dir)
+    assert set(ledger.refused) == {("actor-a", 0)}
+    assert ledger.outcomes == {("actor-a", 2): "trained"}
+    assert_policy_finite(pipeline.run_dir)
