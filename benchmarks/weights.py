@@ -1,7 +1,31 @@
-"""Weight sync through Redis: publish and fetch throughput, and how long until every reader
-holds a new version, for several model sizes and reader counts side by side in one run.
+"""Weight sync through Redis: the scaling figures of deltas, async publish and one fetch per
+host, then publish and fetch throughput and how long until every reader holds a new version,
+for several model sizes and reader counts side by side in one run.
 
-    python benchmarks/weights.py [--quick] [--json PATH] [--chunk-mb MB]
+    python benchmarks/weights.py [--quick] [--full] [--json PATH] [--chunk-mb MB]
+
+Scaling figures (all in one run, on the same Redis):
+
+  delta_bytes_over_full      mean bytes stored per version as a delta / bytes of a full
+                             version, over 20 versions of the ``small`` model
+                             (configs/model/small.yaml) trained with AdamW at lr 1e-6 (weight
+                             decay 0) on next-token loss over random tokens: fp32 master weights,
+                             published in bf16; the delta is computed on the published bf16
+                             tensors (goal <= 0.1). ``..._demo``: the tiny demo model at the
+                             learner's defaults (fp32, lr 3e-4), reported only.
+  publish_hidden_frac        1 - (step time with async publish - step time without publishing)
+                             / (step time with synchronous publish - without), on the small
+                             model in bf16 with deltas (keyframe every 10); steps of the three
+                             modes interleaved, medians (goal >= 0.9).
+  egress_over_model_bytes_4_actors
+                             Redis INFO total_net_output_bytes while 4 processes on this host
+                             fetch one full version through the host cache, / the version's
+                             bytes (goal <= 1.1); without the cache for comparison.
+  fetch_over_plain_read      a plain redis-py read of the same chunk keys (the faster of a
+                             pipelined and a one-GET-at-a-time loop) takes t_plain; a verified
+                             ``WeightStore.fetch`` (checksums, tensors, finite check) takes
+                             t_fetch; the ratio of throughputs t_plain / t_fetch, medians of
+                             interleaved repeats on the 100mb model (goal >= 0.8).
 
 A private redis-server (common.redis_server.RedisServer, as the tests use) holds the versions;
 the learner side is this process, with a real `common.weights.WeightStore`. Models are random
@@ -26,7 +50,8 @@ after another, the next only once every reader holds the previous one. Per versi
 
 The table shows medians over the N versions. retention=1, so Redis holds at most two versions
 (1 GB x 4 readers needs ~10 GB of RAM in all; every publish still prunes one version, as in a
-steady-state run). `--quick` skips the 1 GB model and publishes fewer versions.
+steady-state run). The 1 GB model runs only with `--full`; `--quick` publishes fewer versions
+and shrinks the scaling figures' runs (a smoke test, not the figures).
 
 Other benchmarks share the cores: run the measured figures under a lock, e.g.
     flock /tmp/specrl-bench.lock python benchmarks/weights.py --json weights.json
@@ -40,6 +65,7 @@ import multiprocessing as mp
 import queue
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,9 +75,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.config import RedisConfig  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from common.config import LearnerConfig, ModelConfig, RedisConfig  # noqa: E402
+from common.model import ModelArgs, Transformer  # noqa: E402
+from common.protocol import weights_chunk_key  # noqa: E402
 from common.redis_server import RedisServer  # noqa: E402
-from common.weights import WeightStore  # noqa: E402
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
+from common.weight_cache import HostCache  # noqa: E402
+from common.weights import WeightStore, weights_digest  # noqa: E402
+from learner.publisher import Publisher  # noqa: E402
 
 MB = 10**6
 GB = 10**9
@@ -64,6 +97,22 @@ MODELS = {
 READERS = (1, 4)
 TARGET_FETCH_GBPS_100MB = 1.0
 TIMEOUT_S = 600.0
+GOALS = {  # figure -> (goal, "<=" or ">=")
+    "delta_bytes_over_full": (0.1, "<="),
+    "publish_hidden_frac": (0.9, ">="),
+    "egress_over_model_bytes_4_actors": (1.1, "<="),
+    "fetch_over_plain_read": (0.8, ">="),
+}
+SMALL_YAML = ROOT / "configs" / "model" / "small.yaml"
+# Used only if configs/model/small.yaml is missing.
+SMALL_FALLBACK = {
+    "hidden_size": 256,
+    "num_layers": 8,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 768,
+}
+LLM_LR = 1e-6
 
 
 def model_shapes(target_bytes: int, d: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -220,13 +269,289 @@ def run_config(
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
 
+# ------------------------------------------------------------------------- scaling figures
+
+
+def built_in_model(fields: dict[str, int], seed: int = 0) -> Transformer:
+    vocab = CharTokenizer(BUILTIN_ALPHABET).vocab_size
+    torch.manual_seed(seed)
+    return Transformer(
+        ModelArgs(
+            vocab_size=vocab,
+            hidden_size=fields["hidden_size"],
+            intermediate_size=fields["intermediate_size"],
+            num_hidden_layers=fields["num_layers"],
+            num_attention_heads=fields["num_heads"],
+            num_key_value_heads=fields["num_kv_heads"],
+        )
+    )
+
+
+def small_fields() -> dict[str, int]:
+    if not SMALL_YAML.is_file():
+        return dict(SMALL_FALLBACK)
+    cfg = OmegaConf.load(SMALL_YAML)
+    return {key: int(cfg[key]) for key in SMALL_FALLBACK}
+
+
+def demo_fields() -> dict[str, int]:
+    m = ModelConfig()
+    return {key: int(getattr(m, key)) for key in SMALL_FALLBACK}
+
+
+def lm_step(model: Transformer, optimizer: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    """One AdamW step of next-token loss on random tokens (batch 8 x 64)."""
+    ids = torch.randint(0, model.args.vocab_size, (8, 64), generator=gen)
+    logits = model(ids)[:, :-1]
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def delta_ratio(
+    client: redis.Redis, run_id: str, model: Transformer, dtype, lr: float, steps: int
+) -> dict[str, float]:
+    """Bytes stored per version over a full version's, publishing after each of ``steps``."""
+    store = WeightStore(client, run_id, retention=steps + 2, keyframe_every=10**6)
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    publisher = Publisher(store, model, tokenizer, dtype=dtype, max_inflight=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(1)
+    publisher.publish(0)
+    full = store.last_publish_bytes
+    stored, deltas = [], 0
+    for version in range(1, steps + 1):
+        lm_step(model, optimizer, gen)
+        publisher.publish(version)
+        stored.append(store.last_publish_bytes)
+        deltas += store.manifest(version)["kind"] == "delta"
+    # A fresh reader walks keyframe + every delta and must hold the learner's weights exactly.
+    _, fetched = WeightStore(client, run_id).fetch(steps)
+    assert weights_digest(fetched) == weights_digest(publisher.snapshot())
+    client.flushdb()
+    return {
+        "ratio": statistics.mean(stored) / full,
+        "full_bytes": full,
+        "delta_versions": deltas,
+        "versions": steps,
+    }
+
+
+def hidden_fraction(
+    client: redis.Redis, model: Transformer, rounds: int, steps_per_block: int
+) -> dict[str, float]:
+    """Learner step time without publishing, with synchronous and with async publishing."""
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LLM_LR, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(2)
+    publishers = {
+        mode: Publisher(
+            WeightStore(client, f"bench-hidden-{mode}", retention=3, keyframe_every=10),
+            model,
+            tokenizer,
+            dtype=torch.bfloat16,
+            max_inflight=inflight,
+        )
+        for mode, inflight in (("sync", 0), ("async", 1))
+    }
+    times: dict[str, list[float]] = {"off": [], "sync": [], "async": []}
+    version = 0
+    for _ in range(rounds):
+        for mode in times:
+            for _ in range(steps_per_block):
+                start = time.perf_counter()
+                lm_step(model, optimizer, gen)
+                if mode != "off":
+                    version += 1
+                    publishers[mode].publish(version)
+                times[mode].append(time.perf_counter() - start)
+            if mode == "async":
+                publishers[mode].flush()  # untimed: the next block starts with nothing in flight
+    upload_s = publishers["sync"].last_publish_s
+    for publisher in publishers.values():
+        publisher.close()
+    client.flushdb()
+    med = {mode: statistics.median(t) for mode, t in times.items()}
+    stall_sync = med["sync"] - med["off"]
+    stall_async = med["async"] - med["off"]
+    return {
+        "hidden_frac": 1.0 - stall_async / stall_sync,
+        "step_s_off": med["off"],
+        "step_s_sync": med["sync"],
+        "step_s_async": med["async"],
+        "publish_s": upload_s,
+    }
+
+
+def cache_fetcher(url: str, run_id: str, root: str, version: int, barrier, results) -> None:
+    """One actor-like process: fetch ``version`` through the host cache (None: no cache)."""
+    torch.set_num_threads(1)
+    cache = HostCache(root) if root else None
+    store = WeightStore(redis.Redis.from_url(url), run_id, host_cache=cache)
+    barrier.wait()
+    got, state_dict = store.fetch(version)
+    results.put((got, weights_digest(state_dict)))
+
+
+def egress_of_fetches(url: str, client: redis.Redis, run_id: str, root: str, n: int) -> int:
+    version = WeightStore(client, run_id).latest_version()
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n + 1), ctx.Queue()
+    procs = [
+        ctx.Process(target=cache_fetcher, args=(url, run_id, root, version, barrier, results))
+        for _ in range(n)
+    ]
+    for proc in procs:
+        proc.start()
+    barrier.wait()  # every process imported torch and connected: count from here
+    before = int(client.info("stats")["total_net_output_bytes"])
+    digests = {results.get(timeout=TIMEOUT_S) for _ in procs}
+    after = int(client.info("stats")["total_net_output_bytes"])
+    for proc in procs:
+        proc.join(timeout=30)
+    assert len(digests) == 1, digests
+    return after - before
+
+
+def egress_figures(url: str, client: redis.Redis, model: Transformer) -> dict[str, float]:
+    """Redis egress per version with 4 fetching processes on one host, over the model bytes."""
+    run_id = "bench-egress"
+    store = WeightStore(client, run_id, retention=3, keyframe_every=10)
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    publisher = Publisher(store, model, tokenizer, dtype=torch.bfloat16, max_inflight=0)
+    publisher.publish(1)
+    model_bytes = sum(t.numel() * t.element_size() for t in publisher.snapshot().values())
+    with tempfile.TemporaryDirectory(prefix="specrl-bench-shm-", dir=shm_root()) as root:
+        shared = egress_of_fetches(url, client, run_id, root, 4)
+        private = egress_of_fetches(url, client, run_id, "", 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LLM_LR, weight_decay=0.0)
+        lm_step(model, optimizer, torch.Generator().manual_seed(3))
+        publisher.publish(2)
+        assert store.manifest(2)["kind"] == "delta"
+        delta = egress_of_fetches(url, client, run_id, root, 4)
+    client.flushdb()
+    return {
+        "shared": shared / model_bytes,
+        "private": private / model_bytes,
+        "delta": delta / model_bytes,
+        "model_bytes": model_bytes,
+    }
+
+
+def shm_root() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+def fetch_vs_plain(
+    client: redis.Redis, state_dict: dict[str, torch.Tensor], chunk_bytes: int, repeats: int
+) -> dict[str, float]:
+    """Verified fetch against a plain read of the same chunk keys, interleaved."""
+    run_id = "bench-plain"
+    store = WeightStore(client, run_id, chunk_bytes=chunk_bytes, retention=1)
+    store.publish(1, state_dict)
+    manifest = store.manifest(1)
+    keys = [weights_chunk_key(run_id, 1, i) for i in range(manifest["num_chunks"])]
+    assert client.exists(keys[0]), keys[0]
+    size = manifest["total_bytes"]
+
+    def plain_pipelined() -> int:
+        got = 0
+        for start in range(0, len(keys), 8):
+            pipe = client.pipeline(transaction=False)
+            for key in keys[start : start + 8]:
+                pipe.get(key)
+            got += sum(len(v) for v in pipe.execute())
+        return got
+
+    def plain_loop() -> int:
+        return sum(len(client.get(key)) for key in keys)
+
+    def verified() -> int:
+        _, sd = WeightStore(client, run_id, chunk_bytes=chunk_bytes).fetch(1)
+        return size if sd else 0
+
+    times: dict[str, list[float]] = {"pipelined": [], "loop": [], "fetch": []}
+    runs = {"pipelined": plain_pipelined, "loop": plain_loop, "fetch": verified}
+    for _ in range(repeats + 1):
+        for name, action in runs.items():
+            start = time.perf_counter()
+            assert action() == size
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t[1:]) for name, t in times.items()}  # first: warm-up
+    plain = min(med["pipelined"], med["loop"])
+    client.flushdb()
+    return {
+        "ratio": plain / med["fetch"],
+        "fetch_gbps": size / med["fetch"] / GB,
+        "plain_pipelined_gbps": size / med["pipelined"] / GB,
+        "plain_loop_gbps": size / med["loop"] / GB,
+        "bytes": size,
+    }
+
+
+def scaling_figures(
+    url: str, client: redis.Redis, quick: bool, chunk_bytes: int, plain_label: str
+) -> dict[str, float]:
+    steps = 5 if quick else 20
+    small = small_fields() if not quick else demo_fields()
+    out: dict[str, float] = {}
+    d = delta_ratio(
+        client, "bench-delta-small", built_in_model(small), torch.bfloat16, LLM_LR, steps
+    )
+    out |= {
+        "delta_bytes_over_full": d["ratio"],
+        "delta_full_bytes_small": d["full_bytes"],
+        "delta_versions_small": d["delta_versions"],
+        "delta_lr": LLM_LR,
+        "delta_steps": steps,
+    }
+    print(f"delta (small, bf16, lr {LLM_LR:g}, {steps} steps): {d}", flush=True)
+    demo = demo_fields()
+    d = delta_ratio(
+        client, "bench-delta-demo", built_in_model(demo), None, LearnerConfig().lr, steps
+    )
+    out |= {
+        "delta_bytes_over_full_demo": d["ratio"],
+        "delta_versions_demo": d["delta_versions"],
+        "delta_lr_demo": LearnerConfig().lr,
+    }
+    print(f"delta (demo defaults, fp32, lr {LearnerConfig().lr:g}): {d}", flush=True)
+    h = hidden_fraction(client, built_in_model(small), 2 if quick else 6, 3 if quick else 5)
+    out |= {"publish_hidden_frac": h["hidden_frac"]} | {
+        f"hidden_{k}": v for k, v in h.items() if k != "hidden_frac"
+    }
+    print(f"publish hidden: {h}", flush=True)
+    e = egress_figures(url, client, built_in_model(small))
+    out |= {
+        "egress_over_model_bytes_4_actors": e["shared"],
+        "egress_over_model_bytes_4_actors_no_cache": e["private"],
+        "egress_over_model_bytes_4_actors_delta": e["delta"],
+        "egress_model_bytes": e["model_bytes"],
+    }
+    print(f"egress per version, 4 processes on one host: {e}", flush=True)
+    f = fetch_vs_plain(client, make_model(plain_label), chunk_bytes, 3 if quick else 7)
+    out |= {"fetch_over_plain_read": f["ratio"]} | {
+        f"plain_{k}": v for k, v in f.items() if k != "ratio"
+    }
+    print(f"verified fetch vs plain read ({plain_label}): {f}", flush=True)
+    for key, (goal, how) in GOALS.items():
+        value = out[key]
+        out[f"{key}_goal"] = goal
+        out[f"{key}_met"] = value <= goal if how == "<=" else value >= goal
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="10 MB and 100 MB only, 3 versions each (< 60 s)"
+        "--quick", action="store_true", help="fewer versions and shorter scaling runs (smoke test)"
     )
+    parser.add_argument("--full", action="store_true", help="also the 1 GB model in the table")
     parser.add_argument("--json", type=Path, help="write flat figures here")
     parser.add_argument(
         "--chunk-mb",
@@ -238,13 +563,14 @@ def main() -> int:
     opts = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    labels = ["10mb", "100mb"] if opts.quick else list(MODELS)
+    labels = list(MODELS) if opts.full else ["10mb", "100mb"]
     chunk_bytes = int(opts.chunk_mb * 2**20)
 
     flat: dict[str, float] = {}
     table: list[tuple[str, int, int, dict[str, float]]] = []
     with RedisServer(password="specrl-bench") as server:
         client = redis.Redis.from_url(server.url)
+        scaling = scaling_figures(server.url, client, opts.quick, chunk_bytes, "100mb")
         readers = Readers(max(READERS), server.url)
         try:
             for label in labels:
@@ -283,19 +609,26 @@ def main() -> int:
 
     fetch_100mb = flat["fetch_gbps_per_reader_100mb_r1"]
     summary = {
+        **{k: scaling[k] for k in GOALS},
         "fetch_gbps_100mb": fetch_100mb,
         "target_fetch_gbps_100mb": TARGET_FETCH_GBPS_100MB,
         "target_met": fetch_100mb >= TARGET_FETCH_GBPS_100MB,
         "chunk_bytes": chunk_bytes,
         "quick": opts.quick,
         "seconds": round(time.perf_counter() - started, 1),
+        **scaling,
         **flat,
     }
     print(
         f"\nfetch_gbps_100mb = {fetch_100mb:.2f} GB/s (target >= {TARGET_FETCH_GBPS_100MB}), "
         f"chunks of {chunk_bytes / 2**20:g} MiB, {summary['seconds']} s"
     )
+    for key, (goal, how) in GOALS.items():
+        print(
+            f"{key} = {scaling[key]:.4g} (goal {how} {goal}): {'met' if scaling[key + '_met'] else 'NOT met'}"
+        )
     if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(summary, indent=2))
     return 0
 

@@ -156,12 +156,22 @@ class RedisConfig:
     """Weight versions kept in Redis; older ones are deleted."""
     poll_interval_s: float = 1.0
     """Actors poll ``latest`` this often in case a pub/sub notice was missed."""
+    keyframe_every: int = 10
+    """A full weights version every N versions; the others are stored as sparse deltas against
+    the previous version (when a delta is under half the full size). 1: every version full."""
+    host_cache_dir: str = "/dev/shm"
+    """Where actors on one host share fetched versions (one Redis fetch per host per version);
+    empty: off (every actor fetches from Redis)."""
 
     def __post_init__(self) -> None:
         _require(
             self.chunk_bytes >= 1024, f"redis.chunk_bytes must be >= 1024, got {self.chunk_bytes}"
         )
         _require(self.retention >= 1, f"redis.retention must be >= 1, got {self.retention}")
+        _require(
+            self.keyframe_every >= 1,
+            f"redis.keyframe_every must be >= 1, got {self.keyframe_every}",
+        )
         _require(
             self.poll_interval_s > 0,
             f"redis.poll_interval_s must be > 0, got {self.poll_interval_s}",
@@ -318,6 +328,13 @@ class LearnerConfig:
     """Weight of the k3 KL penalty to the initial (reference) policy; 0 keeps no reference copy."""
     publish_every: int = 1
     """Publish a new weights version every N optimizer steps."""
+    publish_dtype: str = ""
+    """dtype of published weights (``bfloat16``, ``float16``, ``float32``); empty: the training
+    dtype (the parameters'). Recorded in the manifest."""
+    publish_max_inflight: int = 1
+    """Versions snapshotted but not yet uploaded; the upload runs on a background thread while the
+    next step trains, and the learner waits only when this many are in flight. 0: publish
+    synchronously on the learner's thread."""
     checkpoint_every: int = 50
     """Write a checkpoint every N steps (and always at exit)."""
     resume: bool = True
@@ -393,6 +410,15 @@ class LearnerConfig:
         _require(
             self.group_timeout_s > 0,
             f"learner.group_timeout_s must be > 0, got {self.group_timeout_s}",
+        )
+        _require(
+            self.publish_dtype in ("", "bfloat16", "float16", "float32"),
+            f"learner.publish_dtype must be '', bfloat16, float16 or float32, got "
+            f"{self.publish_dtype!r}",
+        )
+        _require(
+            self.publish_max_inflight >= 0,
+            f"learner.publish_max_inflight must be >= 0, got {self.publish_max_inflight}",
         )
         _require(
             self.address.startswith(("tcp://", "ipc://")),

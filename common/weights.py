@@ -19,19 +19,38 @@ mid-read means the version was pruned (manifest gone too: ``WeightsError``) or l
 (``WeightsCorrupt``). The manifest's own ``chunks_sha256`` (sha256 over the chunk digests) ties
 the chunk list together, so one hash per byte suffices on both sides. Tensors come back as
 zero-copy views into that buffer (one storage for the whole state dict).
+
+Deltas (``keyframe_every > 1``): a version is either a *full* version (a keyframe) or a sparse
+*delta* against the version before it. Per tensor a delta stores nothing (bit-identical), the
+changed elements (flat int32/int64 indices and their new values) or, where that is not smaller,
+the whole tensor. Bits are compared, not values, so the result is bit-exact. The manifest of every
+version carries ``weights_sha256``, a digest of the full resulting weights (per-tensor sha256 of
+the raw bytes, hashed with names, dtypes and shapes): a reader that applied deltas checks it, so a
+wrong, tampered or missing delta is refused, never loaded. A reader holding the delta's base
+applies it; any other walks back to the chain's keyframe (retention keeps every version from the
+keyframe of the oldest retained version on). Every reader refuses non-finite floating tensors
+(after decoding, and after applying a delta), and ``publish`` refuses to write them.
+
+Each ``WeightStore`` remembers the last version it published (the base of the next delta) and the
+last it fetched (so the next fetch can be a delta); a process uses one store per run.
+With a ``HostCache`` the processes of one host share each fetched version (full bytes in
+``/dev/shm``), so Redis sends a version once per host (``common/weight_cache.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import mmap
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -48,12 +67,20 @@ from common.protocol import (
     weights_manifest_key,
     weights_versions_key,
 )
+from common.weight_cache import HostCache
 
 logger = logging.getLogger(__name__)
 
 # 2: one sha256 per chunk plus ``chunks_sha256`` over the chunk digests (1 also hashed the whole
 # blob, which doubled the hashing for no extra guarantee).
-MANIFEST_FORMAT = 2
+# 3: ``kind`` full/delta, ``base``/``base_sha256``/``keyframe`` for deltas and their per-tensor
+# ``encoding``, ``weights_sha256`` of the full resulting weights, ``dtype`` of the published floats.
+MANIFEST_FORMAT = 3
+# Tensor names inside a delta's safetensors blob: the changed elements' flat indices and values,
+# or the whole new tensor.
+_IDX, _VAL, _DENSE = "idx/", "val/", "dense/"
+# A delta larger than this fraction of the full weights is written as a full version instead.
+_MAX_DELTA_FRACTION = 0.5
 
 # Chunk GETs in flight while fetching: Redis builds the next reply while we receive this one.
 _FETCH_WINDOW = 2
@@ -115,6 +142,140 @@ class WeightsCorrupt(WeightsError):
     """Stored bytes disagree with their manifest: checksum, shape, dtype or a missing chunk."""
 
 
+class WeightsNonFinite(WeightsError):
+    """A version holds NaN or infinity: never published, and refused by every reader."""
+
+
+@dataclass
+class _Held:
+    """A full version this store published or fetched: the base of the next delta."""
+
+    version: int
+    digest: str
+    state: dict[str, torch.Tensor]
+    keyframe: int
+
+
+def weights_digest(state_dict: Mapping[str, torch.Tensor], threads: int = 0) -> str:
+    """sha256 over (name, dtype, shape, sha256 of the raw bytes) of every tensor, names sorted.
+
+    Independent of how the tensors were obtained (a full fetch, deltas, the learner's snapshot);
+    the per-tensor hashes run on ``threads`` threads (0: up to 4, one per core; hashlib releases
+    the GIL).
+    """
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    names = sorted(state_dict)
+    tensors = [state_dict[n].detach().to("cpu").contiguous() for n in names]
+
+    def digest(t: torch.Tensor) -> bytes:
+        return hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
+
+    if threads == 1:
+        digests = [digest(t) for t in tensors]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            digests = list(pool.map(digest, tensors))
+    outer = hashlib.sha256()
+    for name, t, d in zip(names, tensors, digests, strict=True):
+        outer.update(json.dumps([name, _dtype_name(t.dtype), list(t.shape)]).encode() + d)
+    return outer.hexdigest()
+
+
+def check_finite(version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``WeightsNonFinite`` naming the first floating tensor with a NaN or an infinity."""
+    for name, t in state_dict.items():
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        # One pass without a temporary: a NaN or an infinity makes the sum non-finite. A finite
+        # tensor whose sum overflows (never seen in weights) takes the exact check below.
+        # 16-bit floats accumulate in float32, whose range their sums cannot leave.
+        widen = t.element_size() < 4 and not t.is_complex()
+        total = t.sum(dtype=torch.float32) if widen else t.sum()
+        if bool(torch.isfinite(total)):
+            continue
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise WeightsNonFinite(
+                f"version {version}: tensor {name} has {bad} non-finite value(s) (NaN/inf)"
+            )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat as same-width integers: compares bits (NaN, -0.0) rather than values."""
+    flat = t.reshape(-1)
+    by_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if t.dtype == torch.bool or t.element_size() not in by_size:
+        return flat.view(torch.uint8) if t.dtype == torch.bool else flat
+    return flat.view(by_size[t.element_size()])
+
+
+def encode_delta(
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a delta blob from ``base`` to ``new`` and each tensor's encoding: "same"
+    (bit-identical), "sparse" (changed flat indices + values) or "dense" (the whole tensor,
+    where that is no larger)."""
+    blob: dict[str, torch.Tensor] = {}
+    encoding: dict[str, str] = {}
+    for name, t in new.items():
+        b = base[name]
+        changed = torch.nonzero(_bits(t) != _bits(b)).reshape(-1)  # [k]
+        k = changed.numel()
+        if k == 0:
+            encoding[name] = "same"
+            continue
+        index_dtype = torch.int32 if t.numel() < 2**31 else torch.int64
+        if k * (index_dtype.itemsize + t.element_size()) < t.numel() * t.element_size():
+            blob[_IDX + name] = changed.to(index_dtype)
+            blob[_VAL + name] = t.reshape(-1)[changed]
+            encoding[name] = "sparse"
+        else:
+            blob[_DENSE + name] = t.contiguous()
+            encoding[name] = "dense"
+    return blob, encoding
+
+
+def apply_delta(
+    version: int,
+    base: Mapping[str, torch.Tensor],
+    blob: Mapping[str, torch.Tensor],
+    encoding: Mapping[str, str],
+) -> dict[str, torch.Tensor]:
+    """The full state of ``version``: ``base`` (left untouched) with ``blob`` applied."""
+    if set(encoding) != set(base):
+        raise WeightsCorrupt(f"version {version}: the delta's tensors differ from its base's")
+    out: dict[str, torch.Tensor] = {}
+    for name, how in encoding.items():
+        b = base[name]
+        if how == "same":
+            out[name] = b
+        elif how == "dense":
+            t = blob.get(_DENSE + name)
+            if t is None or t.shape != b.shape or t.dtype != b.dtype:
+                raise WeightsCorrupt(f"version {version}: delta entry {name} is malformed")
+            out[name] = t
+        elif how == "sparse":
+            idx, val = blob.get(_IDX + name), blob.get(_VAL + name)
+            if (
+                idx is None
+                or val is None
+                or idx.dim() != 1
+                or idx.dtype not in (torch.int32, torch.int64)
+                or val.shape != idx.shape
+                or val.dtype != b.dtype
+            ):
+                raise WeightsCorrupt(f"version {version}: delta entry {name} is malformed")
+            idx = idx.long()
+            if idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < b.numel()):
+                raise WeightsCorrupt(f"version {version}: delta indices of {name} out of range")
+            flat = b.reshape(-1).clone()
+            flat[idx] = val
+            out[name] = flat.view(b.shape)
+        else:
+            raise WeightsCorrupt(f"version {version}: unknown delta encoding {how!r} of {name}")
+    return out
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")  # "float32", "bfloat16", "int64"
 
@@ -147,6 +308,8 @@ class WeightStore:
         chunk_bytes: int = 8 * 2**20,
         retention: int = 3,
         pending_ttl_s: int = 600,
+        keyframe_every: int = 1,
+        host_cache: HostCache | None = None,
     ) -> None:
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("WeightStore needs a redis client with decode_responses=False")
@@ -156,12 +319,20 @@ class WeightStore:
             raise ValueError(f"retention must be >= 1 (the latest is always kept), got {retention}")
         if pending_ttl_s <= 0:
             raise ValueError(f"pending_ttl_s must be > 0, got {pending_ttl_s}")
+        if keyframe_every < 1:
+            raise ValueError(f"keyframe_every must be >= 1 (1: no deltas), got {keyframe_every}")
         self.client = client
         self.run_id = run_id
         self.chunk_bytes = chunk_bytes
         self.retention = retention
         self.pending_ttl_s = pending_ttl_s
+        self.keyframe_every = keyframe_every
+        self.host_cache = host_cache
         self._commit_script = client.register_script(_COMMIT_LUA)
+        self._published: _Held | None = None  # base of the next delta we write
+        self._fetched: _Held | None = None  # what the next delta we read may apply to
+        self.last_publish_bytes = 0
+        """Bytes written for the last published version (a delta's, or the full size)."""
 
     # ------------------------------------------------------------------------------- publish
 
@@ -170,8 +341,16 @@ class WeightStore:
         version: int,
         state_dict: Mapping[str, torch.Tensor],
         meta: Mapping[str, str | int | float] | None = None,
+        snapshot: bool = True,
     ) -> None:
-        """Write ``version`` and make it the latest; raises ``WeightsError`` unless it is newer."""
+        """Write ``version`` and make it the latest; raises ``WeightsError`` unless it is newer,
+        ``WeightsNonFinite`` (writing nothing) if a floating tensor holds NaN or infinity.
+
+        With ``keyframe_every > 1`` the version is written as a delta against the previous one
+        when that is still the latest, and in full every ``keyframe_every`` versions. The store
+        keeps the published tensors as the next delta's base: a copy when ``snapshot`` (False:
+        the caller hands them over and will not modify them).
+        """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightsError(f"version must be a non-negative int, got {version!r}")
         current = self.latest_version()
@@ -180,7 +359,35 @@ class WeightStore:
                 f"refusing to publish version {version} for run {self.run_id!r}: latest is "
                 f"{current} and versions only grow"
             )
-        data = serialize_state_dict(state_dict)
+        state = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+        check_finite(version, state)
+        # One thread: publishing runs beside a training step and should take one core at most.
+        digest = weights_digest(state, threads=1)
+        spec = {
+            name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+            for name, t in state.items()
+        }
+        base = self._published
+        delta = (
+            self.keyframe_every > 1
+            and base is not None
+            and base.version == current
+            and version - base.keyframe < self.keyframe_every
+            and {n: (t.shape, t.dtype) for n, t in base.state.items()}
+            == {n: (t.shape, t.dtype) for n, t in state.items()}
+        )
+        encoding: dict[str, str] = {}
+        data = b""
+        if delta:
+            assert base is not None
+            blob, encoding = encode_delta(base.state, state)
+            data = safetensors.torch.save(blob)
+            # A delta that saves little (every element moved, as with fp32 weights) costs a
+            # digest check on every reader and lengthens the chain Redis keeps: write it full.
+            full_bytes = sum(t.numel() * t.element_size() for t in state.values())
+            delta = len(data) <= _MAX_DELTA_FRACTION * full_bytes
+        if not delta:
+            data = serialize_state_dict(state)
         view = memoryview(data)
         chunks = [view[i : i + self.chunk_bytes] for i in range(0, len(data), self.chunk_bytes)]
         chunk_keys = [weights_chunk_key(self.run_id, version, i) for i in range(len(chunks))]
@@ -190,14 +397,16 @@ class WeightStore:
             digests = hasher.map(_sha256, chunks)
             self._write_chunks(chunk_keys, chunks)
             chunk_sha256 = [d.hex() for d in digests]
-        manifest = {
+        floats = {_dtype_name(t.dtype) for t in state.values() if t.is_floating_point()}
+        manifest: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "run_id": self.run_id,
             "version": version,
-            "tensors": {
-                name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-                for name, t in state_dict.items()
-            },
+            "kind": "delta" if delta else "full",
+            "keyframe": base.keyframe if delta and base is not None else version,
+            "weights_sha256": digest,
+            "dtype": floats.pop() if len(floats) == 1 else ("mixed" if floats else "none"),
+            "tensors": spec,
             "num_chunks": len(chunks),
             "chunk_sha256": chunk_sha256,
             "chunks_sha256": _digest_of_digests(chunk_sha256),
@@ -205,7 +414,16 @@ class WeightStore:
             "meta": dict(meta or {}),
             "created_at": time.time(),
         }
+        if delta and base is not None:
+            manifest |= {"base": base.version, "base_sha256": base.digest, "encoding": encoding}
         self._commit(version, json.dumps(manifest), chunk_keys)
+        self.last_publish_bytes = len(data)
+        kept = state
+        if self.keyframe_every > 1 and snapshot:
+            kept = {name: t.clone() for name, t in state.items()}
+        self._published = (
+            _Held(version, digest, kept, manifest["keyframe"]) if self.keyframe_every > 1 else None
+        )
         self._prune()
 
     def _write_chunks(self, keys: list[str], chunks: list[memoryview]) -> None:
@@ -242,9 +460,17 @@ class WeightStore:
         )
 
     def _prune(self) -> None:
-        """Delete every version but the newest ``retention`` (the new latest is always kept)."""
+        """Delete every version but the newest ``retention`` and the delta chain they need (from
+        the keyframe of the oldest kept version on); the new latest is always kept."""
         versions_key = weights_versions_key(self.run_id)
-        old = self.client.zrange(versions_key, 0, -(self.retention + 1))
+        kept = self.client.zrange(versions_key, -self.retention, -self.retention)
+        if not kept:
+            return
+        oldest_kept = self.manifest(int(kept[0]))
+        keep_from = int(kept[0])
+        if oldest_kept is not None and isinstance(oldest_kept.get("keyframe"), int):
+            keep_from = min(keep_from, oldest_kept["keyframe"])
+        old = self.client.zrangebyscore(versions_key, "-inf", f"({keep_from}")
         for raw in old:
             version = int(raw)
             keys = [weights_manifest_key(self.run_id, version)]
@@ -283,13 +509,38 @@ class WeightStore:
     def fetch(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, state_dict)`` of ``version`` (None: the latest), verified end to end.
 
-        The tensors are views into one buffer holding the version's bytes (no copy after the
-        socket read); ``load_state_dict`` copies them into a model as usual.
+        A full version's tensors are views into one buffer holding its bytes (no copy after the
+        socket read); a delta is applied to the version this store fetched last when it is the
+        delta's base, else to the chain from its keyframe, and the result must match the
+        manifest's ``weights_sha256``. Non-finite floats are refused (``WeightsNonFinite``).
+        With a host cache, one process per host reads from Redis and the others map its copy.
+        ``load_state_dict`` copies the tensors into a model as usual; do not modify them in
+        place (they are the base of the next delta, and a shared mapping).
         """
         if version is None:
             version = self.latest_version()
             if version is None:
                 raise WeightsError(f"no weights published yet for run {self.run_id!r}")
+        manifest = self._checked_manifest(version)
+        digest = manifest["weights_sha256"]
+        held = self._fetched
+        if held is not None and held.version == version and held.digest == digest:
+            return version, held.state
+        cache = self.host_cache
+        state = self._from_host_cache(version, manifest) if cache is not None else None
+        if state is None:
+            lock = cache.lock(self.run_id, version) if cache is not None else None
+            with lock if lock is not None else contextlib.nullcontext():
+                # Another process of this host may have fetched it while we waited.
+                state = self._from_host_cache(version, manifest) if cache is not None else None
+                if state is None:
+                    state, raw = self._build(version, manifest)
+                    if cache is not None:
+                        cache.put(self.run_id, version, digest, raw)
+        self._fetched = _Held(version, digest, state, int(manifest["keyframe"]))
+        return version, state
+
+    def _checked_manifest(self, version: int) -> dict[str, Any]:
         manifest = self.manifest(version)
         if manifest is None:
             raise WeightsError(f"weights version {version} of run {self.run_id!r} not found")
@@ -298,12 +549,89 @@ class WeightStore:
                 f"weights version {version} of run {self.run_id!r} has manifest format "
                 f"{manifest.get('format')!r}; this reader reads format {MANIFEST_FORMAT}"
             )
+        kind = manifest.get("kind")
+        digest = manifest.get("weights_sha256")
+        if kind not in ("full", "delta") or not isinstance(digest, str) or len(digest) != 64:
+            raise WeightsCorrupt(f"manifest of version {version} is malformed (kind/digest)")
+        if not isinstance(manifest.get("keyframe"), int) or not isinstance(
+            manifest.get("tensors"), dict
+        ):
+            raise WeightsCorrupt(f"manifest of version {version} is malformed (keyframe/tensors)")
+        if kind == "delta" and not (
+            isinstance(manifest.get("base"), int)
+            and isinstance(manifest.get("base_sha256"), str)
+            and isinstance(manifest.get("encoding"), dict)
+        ):
+            raise WeightsCorrupt(f"manifest of delta version {version} is malformed (base)")
+        return manifest
+
+    def _from_host_cache(
+        self, version: int, manifest: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor] | None:
+        assert self.host_cache is not None
+        buf = self.host_cache.get(self.run_id, version, manifest["weights_sha256"])
+        if buf is None:
+            return None
+        # Written only after this host's fetcher verified it: check the layout, not the bytes.
+        state = _tensors_from_safetensors(version, buf)
+        _check_against_manifest(version, state, manifest["tensors"])
+        return {name: state[name] for name in manifest["tensors"]}
+
+    def _build(
+        self, version: int, manifest: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | bytes]:
+        """The full state of ``version`` from Redis, and its safetensors bytes (for the host
+        cache): a full read, or the deltas since a version we hold (or since the keyframe)."""
+        chain = [(version, manifest)]
+        held = self._fetched
+        while chain[-1][1]["kind"] == "delta":
+            v, m = chain[-1]
+            if held is not None and held.version == m["base"] and held.digest == m["base_sha256"]:
+                break
+            base = self._checked_manifest(m["base"]) if m["base"] < v else None
+            if base is None or base["weights_sha256"] != m["base_sha256"]:
+                raise WeightsCorrupt(f"version {v}: its base {m['base']} is not the one it names")
+            if self.host_cache is not None:
+                cached = self._from_host_cache(m["base"], base)
+                if cached is not None:  # another process of this host built the base already
+                    held = _Held(m["base"], base["weights_sha256"], cached, base["keyframe"])
+                    break
+            chain.append((m["base"], base))
+        chain.reverse()
+        first_version, first = chain[0]
+        if first["kind"] == "full":
+            buf = self._read_manifest_bytes(first_version, first)
+            state = _tensors_from_safetensors(first_version, buf)
+            _check_against_manifest(first_version, state, first["tensors"])
+            state = {name: state[name] for name in first["tensors"]}
+            check_finite(first_version, state)
+            raw: torch.Tensor | bytes = buf
+            chain = chain[1:]
+        else:
+            assert held is not None
+            state = held.state
+        for v, m in chain:
+            blob = _tensors_from_safetensors(v, self._read_manifest_bytes(v, m))
+            state = apply_delta(v, state, blob, m["encoding"])
+            _check_against_manifest(v, state, m["tensors"])
+            check_finite(v, state)
+            got = weights_digest(state)
+            if got != m["weights_sha256"]:
+                raise WeightsCorrupt(
+                    f"version {v}: weights after applying the delta hash to {got[:12]}…, "
+                    f"manifest weights_sha256 says {m['weights_sha256'][:12]}…"
+                )
+        if manifest["kind"] == "delta":
+            raw = serialize_state_dict(state) if self.host_cache is not None else b""
+        return state, raw
+
+    def _read_manifest_bytes(self, version: int, manifest: Mapping[str, Any]) -> torch.Tensor:
+        """The verified bytes of one stored version (a full version's or a delta's)."""
         try:
             num_chunks = int(manifest["num_chunks"])
             chunk_sha256 = [str(h) for h in manifest["chunk_sha256"]]
             chunks_sha256 = str(manifest["chunks_sha256"])
             total_bytes = int(manifest["total_bytes"])
-            expected: dict[str, dict[str, Any]] = dict(manifest["tensors"])
             listed = _digest_of_digests(chunk_sha256)
         except (KeyError, TypeError, ValueError) as e:
             raise WeightsCorrupt(f"manifest of version {version} is malformed: {e!r}") from e
@@ -317,12 +645,9 @@ class WeightStore:
                 f"version {version}: the chunk checksums hash to {listed[:12]}…, manifest "
                 f"chunks_sha256 says {chunks_sha256[:12]}…"
             )
-
         buf = _new_buffer(total_bytes)
         self._read_verified(version, chunk_sha256, buf)
-        state_dict = _tensors_from_safetensors(version, buf)
-        _check_against_manifest(version, state_dict, expected)
-        return version, {name: state_dict[name] for name in expected}
+        return buf
 
     def _read_verified(self, version: int, chunk_sha256: list[str], buf: torch.Tensor) -> None:
         """Fill ``buf`` with the chunks of ``version``, each checked against its sha256."""
@@ -770,4 +1095,6 @@ def store_from_config(cfg: RedisConfig, run_id: str) -> WeightStore:
         run_id,
         chunk_bytes=cfg.chunk_bytes,
         retention=cfg.retention,
+        keyframe_every=cfg.keyframe_every,
+        host_cache=HostCache(cfg.host_cache_dir) if cfg.host_cache_dir else None,
     )

@@ -40,7 +40,7 @@ from learner.checkpoint import (
     save_checkpoint,
 )
 from learner.loss import early_exit_kl, ppo_clip_loss
-from learner.publisher import Publisher
+from learner.publisher import Publisher, publish_dtype
 from learner.receiver import GroupReceiver
 from learner.wal import WalWriter, replay, trim
 
@@ -211,10 +211,14 @@ class Republisher:
     """Puts the current version back when Redis has lost it (restarted without persistence, or
     flushed), so actors that start meanwhile find weights. Checks at most every ``every_s``."""
 
-    def __init__(self, store: WeightStore, publish, every_s: float = 2.0) -> None:
+    def __init__(
+        self, store: WeightStore, publish, every_s: float = 2.0, busy=lambda: False
+    ) -> None:
         self.store = store
         self.publish = publish
         self.every_s = every_s
+        self.busy = busy
+        """True while a version is still uploading: it is not missing, just not there yet."""
         self.republished = 0
         self._next = time.monotonic() + every_s
 
@@ -225,6 +229,8 @@ class Republisher:
         self._next = now + self.every_s
         try:
             latest = self.store.latest_version()
+            if self.busy():
+                return
             if latest is None or latest < version:
                 log.warning(
                     "learner: Redis holds version %s, not %d (restarted?); republishing",
@@ -333,19 +339,21 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     replayed = readmission.admit(replayed, state.version)
     # Uploads run on a background thread while the next step trains (Redis outages are retried
     # there); the version mark is written once a version is in Redis.
-    publisher = Publisher(store, state.model, state.tokenizer)
+    publisher = Publisher(
+        store,
+        state.model,
+        state.tokenizer,
+        dtype=publish_dtype(state.model, cfg.learner.publish_dtype),
+        max_inflight=cfg.learner.publish_max_inflight,
+        should_stop=stop,
+        on_published=lambda version: write_version_mark(version_mark, version),
+    )
 
     def publish() -> None:
-        retry_redis(
-            "learner",
-            f"publishing version {state.version}",
-            lambda: publisher.publish(state.version),
-            stop,
-        )
-        write_version_mark(version_mark, state.version)
+        publisher.publish(state.version)
 
     publish()
-    republisher = Republisher(store, publish)
+    republisher = Republisher(store, publish, busy=lambda: publisher.inflight > 0)
     log.info(
         "learner: published version %d; waiting for actors at %s",
         state.version,
@@ -468,6 +476,8 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 "learner/wait_s": t1 - t0,
                 "learner/train_s": t2 - t1,
                 "learner/publish_s": t3 - t2,
+                "learner/publish_upload_s": publisher.last_publish_s,
+                "learner/publish_refused": publisher.refused,
                 "learner/wall_s": t3 - wall_start,
             }
             exporter.update(last, batch.staleness)
@@ -479,6 +489,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     finally:
         receiver.close()
         exporter.close()
+        publisher.close()  # the last version reaches Redis before the final checkpoint
         # Acked but not trained on: carried in the checkpoint so a resumed learner trains them
         # (acked means the actor has forgotten them; this is the only copy).
         leftover = [*unfinished, *receiver.drain()]

@@ -1,28 +1,172 @@
-"""Publishes the learner's policy as a new weights version in Redis."""
+"""Publishes the learner's policy as a new weights version in Redis, off the critical path.
+
+``publish(version)`` snapshots the weights (one bulk copy to CPU in the publish dtype, before
+the next optimizer step can change them) and hands the snapshot to a background thread, which
+serializes, hashes and uploads it while the next step trains; versions go out in order. The
+learner waits only when ``max_inflight`` snapshots are already queued or uploading (a bound on
+memory and on how far Redis may lag). ``max_inflight=0`` publishes on the caller's thread.
+
+The work on the thread is torch bulk ops (delta encoding), hashlib and socket writes, which all
+release the GIL, so it overlaps a training step instead of taking turns with it.
+
+A version with a non-finite weight is refused by the store before anything is written: it is
+logged and counted in ``refused``, and never becomes visible to actors. Redis outages are
+retried (``retry_redis``) on the thread; any other failure is raised on the learner's thread at
+its next ``publish``/``flush``.
+"""
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
+
+import torch
 
 from common.model import Transformer
 from common.policy_meta import policy_meta
 from common.tokenizer import Tokenizer
-from common.weights import WeightStore
+from common.weights import WeightsNonFinite, WeightStore, retry_redis
 
 log = logging.getLogger(__name__)
 
 
+def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
+    """The dtype versions are published in: ``name``, or else the training dtype (that of the
+    first floating parameter)."""
+    if name:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"publish dtype must be a floating torch dtype, got {name!r}")
+        return dtype
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
 class Publisher:
-    def __init__(self, store: WeightStore, model: Transformer, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        store: WeightStore,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        dtype: torch.dtype | None = None,
+        max_inflight: int = 1,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_published: Callable[[int], None] | None = None,
+    ) -> None:
+        if max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
         self.store = store
         self.model = model
         self.meta = policy_meta(model.args, tokenizer)
+        self.dtype = dtype or publish_dtype(model)
+        self.max_inflight = max_inflight
+        self.should_stop = should_stop
+        self.on_published = on_published
         self.last_publish_s = 0.0
+        """Duration of the last upload (serialize, hash, write, commit), wherever it ran."""
+        self.last_stall_s = 0.0
+        """How long the last ``publish`` call held up its caller (snapshot + waiting for room)."""
+        self.published_version = -1
+        """The newest version whose upload finished (-1: none yet)."""
+        self.refused = 0
+        """Versions refused for non-finite weights (never published)."""
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
+        self._room = threading.Semaphore(max(1, max_inflight))
+        self._thread: threading.Thread | None = None
+        if max_inflight > 0:
+            self._thread = threading.Thread(
+                target=self._worker, name="weights-publisher", daemon=True
+            )
+            self._thread.start()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A private CPU copy of the weights in the publish dtype (floating tensors only are
+        cast), so the next optimizer step cannot change what is being uploaded."""
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():
+                dtype = self.dtype if t.is_floating_point() else t.dtype
+                out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
+        return out
 
     def publish(self, version: int) -> None:
         started = time.perf_counter()
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        self.store.publish(version, state, meta=self.meta)
+        self._raise_error()
+        if self._thread is None:
+            self._upload(version, self.snapshot())
+            self._raise_error()
+        else:
+            self._room.acquire()  # waits only while max_inflight versions are in flight
+            self._raise_error_releasing()
+            self._queue.put((version, self.snapshot()))
+        self.last_stall_s = time.perf_counter() - started
+
+    @property
+    def inflight(self) -> int:
+        """Versions snapshotted whose upload has not finished."""
+        return self._queue.unfinished_tasks if self._thread is not None else 0
+
+    def flush(self) -> None:
+        """Wait until every queued version is uploaded (or refused)."""
+        if self._thread is not None:
+            self._queue.join()
+        self._raise_error()
+
+    def close(self) -> None:
+        """Upload what is queued, then stop the thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.join()
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_error()
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _raise_error_releasing(self) -> None:
+        if self._error is not None:
+            self._room.release()
+            self._raise_error()
+
+    def _worker(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._upload(*item)
+            finally:
+                self._room.release()
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _upload(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+
+        def upload() -> bool:
+            self.store.publish(version, state, meta=self.meta, snapshot=False)
+            return True
+
+        try:
+            done = retry_redis("learner", f"publishing version {version}", upload, self.should_stop)
+        except WeightsNonFinite as e:
+            self.refused += 1
+            log.error("learner: version %d NOT published: %s", version, e)
+            return
+        except Exception as e:  # noqa: BLE001 - handed to the learner's thread, raised there
+            self._error = e
+            return
+        if done is None:
+            return  # a stop came while Redis was away
+        self.published_version = version
         self.last_publish_s = time.perf_counter() - started
         log.debug("published version %d in %.3fs", version, self.last_publish_s)
+        if self.on_published is not None:
+            self.on_published(version)

@@ -1,0 +1,131 @@
+"""One fetch per host: actors on one machine share each fetched weights version through files in
+shared memory (``/dev/shm``), so Redis sends a version once per host, not once per actor.
+
+A cached version is the safetensors bytes of the *full* weights, in one file named by run,
+version and the manifest's ``weights_sha256``::
+
+    {root}/specrl-weights-{uid}/{run}/v{version:012d}-{digest}.safetensors
+
+Consistency:
+
+- a file appears only by ``rename`` of a finished temp file, after the fetcher verified the
+  bytes (chunk checksums, or the weights digest after applying deltas) and checked they are
+  finite; a reader therefore sees a whole verified version or no file, never a half-written one;
+- the name carries the digest, so two runs or two Redis servers that reuse a run name and a
+  version number cannot serve each other's weights;
+- the actors of one host elect the fetcher with an ``flock`` per version: the first takes it and
+  fetches from Redis, the others block on it and then find the file;
+- each put deletes the run's versions older than the ``keep`` newest (readers that mapped one
+  keep their mapping: an unlinked file lives until its last mapping goes).
+
+Reads are ``mmap`` copy-on-write: no copy until someone writes, and a writer never changes the
+shared file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class HostCache:
+    """Full weight versions shared by the processes of one host (see the module docstring)."""
+
+    def __init__(self, root: str | Path, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root) / f"specrl-weights-{os.getuid()}"
+        self.keep = keep
+
+    def _dir(self, run_id: str) -> Path:
+        # Run ids are free text; keep the name readable and unambiguous (the digest is in it too).
+        name = _SAFE.sub("_", run_id)[:80] + "-" + format(hash_name(run_id), "08x")
+        return self.root / name
+
+    def path(self, run_id: str, version: int, digest: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError(f"weights digest must be 64 hex digits, got {digest!r}")
+        return self._dir(run_id) / f"v{version:012d}-{digest}.safetensors"
+
+    def get(self, run_id: str, version: int, digest: str) -> torch.Tensor | None:
+        """The cached bytes of ``version`` (uint8, copy-on-write mapping), or None."""
+        try:
+            fd = os.open(self.path(run_id, version, digest), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return torch.empty(0, dtype=torch.uint8)
+            memory = mmap.mmap(
+                fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(fd)
+        return torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
+
+    def put(self, run_id: str, version: int, digest: str, data: torch.Tensor | bytes) -> bool:
+        """Publish verified bytes for the host; False (and a warning) if the disk is full."""
+        final = self.path(run_id, version, digest)
+        final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(view)
+            os.replace(tmp, final)  # atomic: readers see the whole file or none
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            logger.warning("host weight cache: cannot write %s (%s); not shared", final, e)
+            return False
+        self._prune(run_id, version)
+        return True
+
+    def _prune(self, run_id: str, newest: int) -> None:
+        for path in self._dir(run_id).glob("v*-*.safetensors"):
+            try:
+                version = int(path.name[1:13])
+            except ValueError:
+                continue
+            if version <= newest - self.keep:
+                path.unlink(missing_ok=True)
+        for lock in self._dir(run_id).glob("v*.lock"):
+            try:
+                version = int(lock.name[1:13])
+            except ValueError:
+                continue
+            if version <= newest - self.keep:
+                lock.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def lock(self, run_id: str, version: int) -> Iterator[None]:
+        """Exclusive per (run, version) among this host's processes: the fetcher holds it while
+        it reads from Redis and writes the file; the others wait on it, then read the file."""
+        directory = self._dir(run_id)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(directory / f"v{version:012d}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+
+def hash_name(text: str) -> int:
+    """A stable 32-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
+    value = 2166136261
+    for byte in text.encode():
+        value = ((value ^ byte) * 16777619) & 0xFFFFFFFF
+    return value

@@ -1,0 +1,122 @@
+"""One fetch per host: real processes share a version through the host cache, Redis sends it
+once, and no process ever reads a half-written cache file."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+from pathlib import Path
+
+import redis
+import torch
+
+from common.redis_server import RedisServer
+from common.weight_cache import HostCache
+from common.weights import WeightStore, weights_digest
+
+RUN = "cache-run"
+CHUNK = 64 * 1024
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(256, 256, generator=g).to(torch.bfloat16) for i in range(8)}
+
+
+def fetcher(url: str, root: str, version: int, barrier, results) -> None:
+    torch.set_num_threads(1)
+    store = WeightStore(
+        redis.Redis.from_url(url), RUN, chunk_bytes=CHUNK, host_cache=HostCache(root)
+    )
+    barrier.wait()
+    got, sd = store.fetch(version)
+    results.put((got, weights_digest(sd)))
+
+
+def egress(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def fetch_in_processes(url: str, root: Path, version: int, n: int) -> list[tuple[int, str]]:
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [
+        ctx.Process(target=fetcher, args=(url, str(root), version, barrier, results))
+        for _ in range(n)
+    ]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return out
+
+
+def test_four_processes_on_one_host_fetch_a_version_once(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    pub = WeightStore(redis_client, RUN, chunk_bytes=CHUNK, keyframe_every=4)
+    v1 = state(1)
+    v2 = {k: t.clone() for k, t in v1.items()}
+    v2["w0"][0, :10] += 1  # a small delta
+    pub.publish(1, v1)
+    full_bytes = pub.last_publish_bytes
+    before = egress(redis_client)
+    got = fetch_in_processes(redis_server.url, tmp_path, 1, 4)
+    sent = egress(redis_client) - before
+    assert got == [(1, weights_digest(v1))] * 4
+    # One copy of the version (plus manifests and lock-step chatter), not four.
+    assert full_bytes < sent < 1.3 * full_bytes, (sent, full_bytes)
+
+    pub.publish(2, v2)
+    assert pub.manifest(2)["kind"] == "delta"
+    got = fetch_in_processes(redis_server.url, tmp_path, 2, 4)
+    assert got == [(2, weights_digest(v2))] * 4  # late joiners: keyframe 1 (cached) + delta
+
+
+def content(version: int) -> bytes:
+    return hashlib.sha256(str(version).encode()).digest() * (4 * 2**20 // 32)
+
+
+def cache_writer(root: str, versions: int) -> None:
+    cache = HostCache(root, keep=versions)
+    for v in range(versions):
+        data = content(v)
+        cache.put(RUN, v, hashlib.sha256(data).hexdigest(), data)
+
+
+def cache_reader(root: str, versions: int, results) -> None:
+    cache = HostCache(root, keep=versions)
+    seen = 0
+    for v in range(versions):
+        want = content(v)
+        digest = hashlib.sha256(want).hexdigest()
+        while (buf := cache.get(RUN, v, digest)) is None:
+            pass  # spin: catch the file as early as it can be seen
+        got = bytes(buf.numpy())
+        assert len(got) == len(want) and got == want, f"version {v}: read a half-written copy"
+        seen += 1
+    results.put(seen)
+
+
+def test_shared_copy_is_never_read_half_written(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    versions = 12
+    readers = [
+        ctx.Process(target=cache_reader, args=(str(tmp_path), versions, results)) for _ in range(2)
+    ]
+    for p in readers:
+        p.start()
+    writer = ctx.Process(target=cache_writer, args=(str(tmp_path), versions))
+    writer.start()
+    writer.join(timeout=120)
+    assert writer.exitcode == 0
+    assert [results.get(timeout=120) for _ in readers] == [versions, versions]
+    for p in readers:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    # No temp file is left behind, and no other name is ever visible.
+    names = {p.name for p in HostCache(tmp_path).root.rglob("*")}
+    assert not [n for n in names if n.endswith(".tmp")]
