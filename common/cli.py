@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from common.launcher import run
+        from common.launcher import PreflightError, run
 
         # A fresh run id per invocation unless one is given, so a second `specrl run` starts
         # over instead of resuming a finished run.
@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse(rest, "specrl run", "Runs the whole pipeline on this machine.")
         if cfg is None:
             return 0
-        summary = run(cfg, rest)
+        try:
+            summary = run(cfg, rest)
+        except PreflightError as e:
+            print(f"specrl run: {e}", file=sys.stderr)
+            return 2
         return 0 if summary.get("outcome") == "completed" else 1
     if command == "init-model":
         from common.warm_start import default_model_dir, warm_start

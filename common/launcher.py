@@ -1,9 +1,14 @@
 """``specrl run``: the embedded default — private Redis, learner and N actors as OS processes.
 
-Phases: make sure the model exists (warm start with a progress bar) → start Redis (unless
-``redis.url`` is given) → spawn the learner, then the actors → show live progress from the
-learner's metrics file → stop everything → write the summary and the report (``report.png``,
-``report.md``).
+Phases: check what can be checked before any process starts (the model's config, the task
+file, ports given explicitly) → make sure the model exists (warm start with a progress bar) →
+start Redis (unless ``redis.url`` is given) → pick free ports for whatever the user did not fix
+(written to ``{run_dir}/ports.json``, so runs side by side never collide) → spawn the learner,
+then the actors → show live progress from the learner's metrics file → stop everything → write
+the summary and the report (``report.png``, ``report.md``).
+
+A child that exits with an error is reported on the terminal by name, with the exception and
+message found at the end of its log and the log's path.
 Ctrl-C/SIGTERM stops the children cleanly (SIGTERM, then SIGKILL after a grace period); each child
 also gets the kernel's parent-death signal, so not even a SIGKILL of the launcher leaves orphans.
 """
@@ -15,6 +20,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +33,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from common.config import SpecRLConfig, to_yaml
 from common.metrics import read_metrics
-from common.redis_server import RedisServer, child_preexec
+from common.model import ModelArgs
+from common.redis_server import RedisServer, child_preexec, find_free_port
 from common.report import write_report
 from common.run_summary import summarize
 from common.warm_start import default_model_dir, ensure_model
@@ -93,8 +100,102 @@ def child_overrides(
     ]
 
 
+class PreflightError(ValueError):
+    """Configuration that cannot work, found before any process was started."""
+
+
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
+    """Raise PreflightError, quoting the offending value, for what would make a child fail."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        config = path / "config.json"
+        if not config.is_file():
+            raise PreflightError(f"model.path={cfg.model.path!r}: no config.json in that directory")
+        try:
+            ModelArgs.from_hf_config(json.loads(config.read_text()))
+        except (ValueError, KeyError, json.JSONDecodeError) as e:
+            raise PreflightError(f"model.path={cfg.model.path!r}: {config}: {e}") from e
+    if cfg.task.path and not Path(cfg.task.path).is_file():
+        raise PreflightError(f"task.path={cfg.task.path!r}: no such file")
+    address = cfg.learner.resolved_bind()
+    if _given(overrides, "learner.address") or _given(overrides, "learner.bind"):
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if address.startswith("tcp://") and port.isdigit() and port != "0":
+            bind_host = "0.0.0.0" if host in ("*", "0.0.0.0") else host
+            if not _port_free(bind_host, int(port)):
+                raise PreflightError(
+                    f"learner address {address!r}: port {port} is taken (another specrl run? "
+                    "leave learner.address unset and a free port is picked)"
+                )
+    port = cfg.learner.metrics_port
+    if (
+        _given(overrides, "learner.metrics_port")
+        and port > 0
+        and not _port_free(cfg.security.metrics_host, port)
+    ):
+        raise PreflightError(
+            f"learner.metrics_port={port}: the port is taken "
+            "(leave it unset and a free port is picked, or -1 turns /metrics off)"
+        )
+
+
+def assign_ports(cfg: SpecRLConfig, overrides: list[str], run_dir: Path) -> list[str]:
+    """Overrides giving the learner a free port and the metrics servers any free port, for each
+    one the user did not set; what was chosen goes to ``{run_dir}/ports.json``."""
+    extra: list[str] = []
+    if not (_given(overrides, "learner.address") or _given(overrides, "learner.bind")):
+        extra.append(f"learner.address=tcp://127.0.0.1:{find_free_port()}")
+    if not _given(overrides, "learner.metrics_port"):
+        extra.append("learner.metrics_port=0")
+    if not _given(overrides, "actor.metrics_port"):
+        extra.append("actor.metrics_port=0")
+    chosen = dict(o.split("=", 1) for o in extra)
+    ports = {
+        "learner.address": chosen.get("learner.address", cfg.learner.address),
+        "learner.metrics_port": chosen.get("learner.metrics_port", cfg.learner.metrics_port),
+        "actor.metrics_port": chosen.get("actor.metrics_port", cfg.actor.metrics_port),
+        "metrics_ports_in_use": str(run_dir / "prometheus"),
+    }
+    (run_dir / "ports.json").write_text(json.dumps(ports, indent=2) + "\n")
+    return extra
+
+
+def child_failure(name: str, log_path: Path, code: int) -> str:
+    """One line for a child that exited with ``code``: its last exception (type and message, as
+    the end of its traceback in the log says) and the log's path."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    reason = ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
+    if starts:
+        tail = [line for line in lines[starts[-1] + 1 :] if line and not line[0].isspace()]
+        if tail:
+            reason = tail[0]
+    if not reason:
+        errors = [line for line in lines if " ERROR " in line or " CRITICAL " in line]
+        reason = errors[-1] if errors else ""
+    what = f"{name} exited with code {code}"
+    return f"{what}: {reason} (log: {log_path})" if reason else f"{what} (log: {log_path})"
+
+
 def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None) -> dict:
     console = console or Console()
+    preflight(cfg, overrides)
     run_dir = cfg.run.resolved_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -121,7 +222,8 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
             console.print(
                 f"private Redis on port {launch.redis.url.rsplit(':', 1)[-1].split('/')[0]}"
             )
-        args = child_overrides(cfg, overrides, redis_url, model_dir)
+        ports = assign_ports(cfg, overrides, run_dir)
+        args = [*child_overrides(cfg, overrides, redis_url, model_dir), *ports]
         launch.children.append(_spawn("learner", "learner.main", args, run_dir))
         for i in range(cfg.actor.num_actors):
             launch.children.append(
@@ -198,14 +300,18 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
                     console.print(f"step {last['learner/step']}/{cfg.run.steps} {line}")
                     last_plain = time.monotonic()
             if code is not None:
-                return (
-                    "completed"
-                    if code == 0
-                    else f"learner exited with code {code} (see {run_dir}/learner.log)"
-                )
+                if code == 0:
+                    return "completed"
+                failure = child_failure("learner", run_dir / "learner.log", code)
+                console.print(f"[bold red]{failure}[/bold red]", soft_wrap=True)
+                return failure
             for child in launch.children[1:]:
                 if child.proc.poll() is not None and child.proc.returncode != 0:
-                    return f"{child.name} exited with code {child.proc.returncode} (see {run_dir}/{child.name}.log)"
+                    failure = child_failure(
+                        child.name, run_dir / f"{child.name}.log", child.proc.returncode
+                    )
+                    console.print(f"[bold red]{failure}[/bold red]", soft_wrap=True)
+                    return failure
             time.sleep(0.5)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -112,3 +113,70 @@ def test_sigterm_stops_everything(tmp_path, model_dir):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
     assert list((tmp_path / "checkpoints").glob("step_*")), "learner did not checkpoint on stop"
+
+
+def launch_free(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Popen:
+    """``specrl run`` as a user types it: no ports given."""
+    args = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "run",
+        f"run.name=launch-{run_dir.name}",
+        f"run.dir={run_dir}",
+        f"model.path={model_dir}",
+        *extra,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_two_runs_at_once_pick_their_own_ports_and_both_complete(tmp_path, model_dir):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    procs = [launch_free(d, model_dir, ["run.steps=4", "actor.num_actors=1"]) for d in runs]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, out
+    ports = [json.loads((d / "ports.json").read_text()) for d in runs]
+    assert ports[0]["learner.address"] != ports[1]["learner.address"]
+    for d in runs:
+        assert json.loads((d / "summary.json").read_text())["outcome"] == "completed"
+
+
+def test_a_failing_child_is_named_on_the_terminal_with_its_exception(tmp_path, model_dir):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    proc = launch_free(tmp_path / "run", broken, ["run.steps=4", "actor.num_actors=1"])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    line = next(x for x in out.splitlines() if "exited with code" in x)
+    assert "Error" in line.split("exited with code", 1)[1], line  # the exception's type...
+    assert str(tmp_path / "run") in line and ".log" in line  # ...and where the log is
+
+
+def test_configuration_that_cannot_work_is_refused_before_anything_starts(tmp_path, model_dir):
+    odd = tmp_path / "odd-model"
+    odd.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_new"}))
+    proc = launch_free(tmp_path / "run", odd, ["run.steps=4"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert f"model.path='{odd}'" in out and "hidden_act='gelu_new'" in out
+    assert not (tmp_path / "run" / "learner.log").exists()
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = launch_free(
+            tmp_path / "run2", model_dir, [f"learner.address=tcp://127.0.0.1:{port}"]
+        )
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert f"port {port} is taken" in out
