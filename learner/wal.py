@@ -4,17 +4,23 @@ The receiver appends every new group's wire frame here, and flushes it to the OS
 the group; so a group an actor has forgotten (acked) is always either in the newest checkpoint's
 pending list or in a log segment written after that checkpoint.
 
-Layout: ``{dir}/{n:08d}.wal``, each a sequence of records ``[u32 little-endian length][frame]``.
+Layout: ``{dir}/{n:08d}.wal``, each the magic ``specrlW2`` then a sequence of records
+``[u32 little-endian length][u32 little-endian CRC-32 of the frame][frame]`` (segments without
+the magic are the older format, ``[length][frame]``, and are still read). The directory is
+fsynced when a segment is created, so the segment itself survives a host crash with
+``fsync``.
 A checkpoint *cuts* the log: the receiver starts segment ``n + 1`` and the checkpoint records
 ``wal_from = n + 1`` together with every group acked before the cut and not yet trained on.
 Resuming replays the segments ``>= wal_from`` (acked after the checkpoint) and carries them; the
 segments before it are deleted once the checkpoint is on disk.
 
 A record cut short by a kill mid-write was never acked (the ack follows the write), so readers
-drop a torn tail. A whole record that does not decode (corrupt, or valid under an older
-learner's validation and refused by this one) is an error by default; a learner replaying its
-log passes ``on_refused`` to skip and count it instead, so one such record cannot stop every
-restart of the learner in turn.
+drop a torn tail. A record whose CRC does not match (a flipped bit), or that does not decode
+(valid under an older learner's validation and refused by this one), is an error by default; a
+learner replaying its log passes ``on_refused`` to skip and count it instead, so one such record
+cannot stop every restart of the learner in turn. After a record whose length field itself is
+damaged, the reader resynchronises on the next offset that holds a whole record with a matching
+CRC, so the records after it are not lost; a tail is torn only if no whole record follows.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -31,6 +38,8 @@ from common.protocol import DecodeLimits, ProtocolError, TrajectoryGroup, decode
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
+_HEADER = struct.Struct("<II")  # length, CRC-32 of the frame
+MAGIC = b"specrlW2"
 SUFFIX = ".wal"
 
 
@@ -66,7 +75,17 @@ class WalWriter:
         self.bytes = 0
 
     def _open(self, number: int) -> IO[bytes]:
-        return (self.directory / f"{number:08d}{SUFFIX}").open("ab")
+        file = (self.directory / f"{number:08d}{SUFFIX}").open("ab")
+        file.write(MAGIC)
+        file.flush()
+        os.fsync(file.fileno())
+        # The new name must survive a host crash too, not only the bytes written under it.
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return file
 
     @property
     def segment(self) -> int:
@@ -74,10 +93,10 @@ class WalWriter:
 
     def append(self, frame: bytes) -> None:
         """Buffer one frame; it is durable only after ``flush()``."""
-        self._file.write(_LEN.pack(len(frame)))
+        self._file.write(_HEADER.pack(len(frame), zlib.crc32(frame)))
         self._file.write(frame)
         self.records += 1
-        self.bytes += _LEN.size + len(frame)
+        self.bytes += _HEADER.size + len(frame)
 
     def flush(self) -> None:
         """Hand everything appended to the OS (and to the disk with ``fsync``): once per batch
@@ -109,9 +128,75 @@ OnRefused = Callable[[str], None]
 def read_segment(
     path: Path, limits: DecodeLimits, on_refused: OnRefused | None = None
 ) -> list[TrajectoryGroup]:
-    """The groups of one segment, each validated like a frame off the wire. A record that does
-    not decode raises WalError, or is passed to ``on_refused`` and skipped when one is given."""
+    """The groups of one segment, each validated like a frame off the wire. A damaged record or
+    one that does not decode raises WalError, or is passed to ``on_refused`` and skipped when
+    one is given."""
     data = path.read_bytes()
+    if not data.startswith(MAGIC):
+        return _read_v1(path, data, limits, on_refused)
+    groups: list[TrajectoryGroup] = []
+    offset = len(MAGIC)
+    while offset < len(data):
+        if _whole_record(data, offset):
+            length, _ = _HEADER.unpack_from(data, offset)
+            start = offset + _HEADER.size
+            _decode_record(path, offset, data[start : start + length], limits, on_refused, groups)
+            offset = start + length
+            continue
+        following = _next_record(data, offset + 1)
+        if following is None:
+            log.warning("%s: dropped a torn last record (%d bytes)", path, len(data) - offset)
+            break
+        what = f"{path}: damaged record at byte {offset} ({following - offset} bytes skipped)"
+        if on_refused is None:
+            raise WalError(what)
+        on_refused(what)
+        offset = following
+    return groups
+
+
+def _whole_record(data: bytes, offset: int) -> bool:
+    if offset + _HEADER.size > len(data):
+        return False
+    length, crc = _HEADER.unpack_from(data, offset)
+    start = offset + _HEADER.size
+    # No frame is empty (and an empty one's CRC, 0, would match any run of zero bytes).
+    return 0 < length <= len(data) - start and zlib.crc32(data[start : start + length]) == crc
+
+
+def _next_record(data: bytes, offset: int) -> int | None:
+    """The first offset at or after ``offset`` where a whole record with a matching CRC starts."""
+    for candidate in range(offset, len(data) - _HEADER.size + 1):
+        if _whole_record(data, candidate):
+            return candidate
+    return None
+
+
+def _decode_record(
+    path: Path,
+    offset: int,
+    frame: bytes,
+    limits: DecodeLimits,
+    on_refused: OnRefused | None,
+    groups: list[TrajectoryGroup],
+) -> None:
+    try:
+        message = decode(frame, limits)
+        if not isinstance(message, TrajectoryGroup):
+            raise ProtocolError("wrong_type", f"a {type(message).__name__}, not a group")
+    except ProtocolError as e:
+        what = f"{path}: record at byte {offset} does not decode: {e}"
+        if on_refused is None:
+            raise WalError(what) from e
+        on_refused(what)
+    else:
+        groups.append(message)
+
+
+def _read_v1(
+    path: Path, data: bytes, limits: DecodeLimits, on_refused: OnRefused | None
+) -> list[TrajectoryGroup]:
+    """A segment of the older format (``[length][frame]``, no CRC)."""
     groups: list[TrajectoryGroup] = []
     offset = 0
     while offset < len(data):
@@ -121,17 +206,7 @@ def read_segment(
         end = offset + _LEN.size + length
         if end > len(data):
             break  # torn frame: never acked
-        try:
-            message = decode(data[offset + _LEN.size : end], limits)
-            if not isinstance(message, TrajectoryGroup):
-                raise ProtocolError("wrong_type", f"a {type(message).__name__}, not a group")
-        except ProtocolError as e:
-            what = f"{path}: record at byte {offset} does not decode: {e}"
-            if on_refused is None:
-                raise WalError(what) from e
-            on_refused(what)
-        else:
-            groups.append(message)
+        _decode_record(path, offset, data[offset + _LEN.size : end], limits, on_refused, groups)
         offset = end
     if offset < len(data):
         log.warning("%s: dropped a torn last record (%d bytes)", path, len(data) - offset)

@@ -9,7 +9,7 @@ import pytest
 from actors.sender import GroupSender
 from common.protocol import encode
 from learner.receiver import GroupReceiver
-from learner.wal import WalError, WalWriter, read_segment, replay, segments, trim
+from learner.wal import MAGIC, WalError, WalWriter, read_segment, replay, segments, trim
 from tests.unit.learner.test_receiver import ANY_PORT, LIMITS, drain, make_group, start_receiver
 
 
@@ -83,3 +83,37 @@ def test_replayed_groups_are_dropped_as_duplicates() -> None:
         assert receiver.duplicates == 1
     finally:
         receiver.close()
+
+
+def test_a_flipped_bit_in_a_middle_record_is_caught_by_its_crc_and_skipped(tmp_path: Path) -> None:
+    wal = WalWriter(tmp_path)
+    for seq in range(5):
+        wal.append(frame(seq + 1, seq))
+    wal.close()
+    (_, path), *_ = segments(tmp_path)
+    whole = bytearray(path.read_bytes())
+    assert whole.startswith(MAGIC)
+    offsets, offset = [], len(MAGIC)
+    while offset < len(whole):
+        offsets.append(offset)
+        offset += 8 + int.from_bytes(whole[offset : offset + 4], "little")
+    for target, what in ((offsets[2] + 20, "payload"), (offsets[2] + 1, "length field")):
+        damaged = bytearray(whole)
+        damaged[target] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        # Without a handler the damage is an error, never a silent skip...
+        with pytest.raises(WalError):
+            read_segment(path, LIMITS)
+        # ...with one, that record is reported and every other record survives.
+        reported: list[str] = []
+        groups = read_segment(path, LIMITS, reported.append)
+        assert [g.seq for g in groups] == [0, 1, 3, 4], what
+        assert len(reported) == 1 and "damaged record" in reported[0], what
+
+
+def test_segments_of_the_older_format_are_still_read(tmp_path: Path) -> None:
+    import struct
+
+    path = tmp_path / "00000000.wal"
+    path.write_bytes(b"".join(struct.pack("<I", len(f)) + f for f in (frame(1, 0), frame(2, 1))))
+    assert [g.seq for g in replay(tmp_path, 0, LIMITS)] == [0, 1]
