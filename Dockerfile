@@ -20,6 +20,8 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG EXTRAS=vllm
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX} \
     && pip install -e ".[${EXTRAS}]"
+# Actor replicas start through docker/actor.sh (an identity per container; see docker-compose.yml).
+COPY docker docker
 
 # Checkpoints and metrics live on a volume (docker-compose.yml mounts one at /runs).
 ENV SPECRL_CONFIG_DIR=/app/configs

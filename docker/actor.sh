@@ -1,0 +1,31 @@
+#!/bin/sh
+# Entry point of an actor replica (docker-compose.yml): gives each container its own identity,
+# then execs specrl-actor with the compose file's addresses and any extra overrides ("$@").
+#
+# Replicas of one compose service share their command, so `actor.index` (which seeds the actor's
+# prompts and sampling) would be 0 in all of them and every replica would roll out the same
+# completions. The container's id is unique per replica and survives a restart of the same
+# container, so it names the actor (a restarted actor finds its spool under the same name) and
+# picks its index (0-999).
+set -eu
+cid=$(sed -n 's#.*/containers/\([0-9a-f]\{64\}\)/hostname .*#\1#p' /proc/self/mountinfo | head -n 1)
+if [ -z "$cid" ]; then
+  # Not under Docker (or an unusual runtime): the hostname, else a random id.
+  cid=$(hostname | tr -cd '0-9a-f')
+  [ "${#cid}" -ge 12 ] || cid=$(tr -cd '0-9a-f' </proc/sys/kernel/random/uuid)
+fi
+short=$(printf '%.12s' "$cid")
+index=$((0x$(printf '%.4s' "$cid") % 1000))
+# Metrics: actor i serves on actor.metrics_port + i; keep every replica on SPECRL_ACTOR_METRICS_PORT
+# (its own network namespace). 0 (host networking) means any free port.
+metrics_port=${SPECRL_ACTOR_METRICS_PORT:-9401}
+[ "$metrics_port" = 0 ] || metrics_port=$((metrics_port - index))
+echo "actor.sh: container ${short}: actor.actor_id=actor-${short} actor.index=${index}"
+exec specrl-actor \
+  "run.name=${RUN_NAME}" "run.dir=/runs/${RUN_NAME}" \
+  "redis.url=redis://:${REDIS_PASSWORD}@${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0" \
+  "learner.address=tcp://${SPECRL_LEARNER_HOST}:${SPECRL_LEARNER_PORT}" \
+  "actor.device=${SPECRL_ACTOR_DEVICE:-cpu}" \
+  "actor.actor_id=actor-${short}" "actor.index=${index}" \
+  "actor.metrics_port=${metrics_port}" "security.metrics_host=${SPECRL_METRICS_HOST}" \
+  "$@"
