@@ -25,7 +25,10 @@ def model_dir(tmp_path_factory):
     return warm_model(tmp_path_factory.mktemp("model"))
 
 
-def launch(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Popen:
+def launch(
+    run_dir: Path, model_dir: Path, extra: list[str], fixed_port: bool = True
+) -> subprocess.Popen:
+    """``specrl run`` in a subprocess; ``fixed_port=False`` gives no port, as a user types it."""
     args = [
         sys.executable,
         "-m",
@@ -34,7 +37,7 @@ def launch(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Popen
         f"run.name=launch-{run_dir.name}",
         f"run.dir={run_dir}",
         f"model.path={model_dir}",
-        f"learner.address=tcp://127.0.0.1:{find_free_port()}",
+        *([f"learner.address=tcp://127.0.0.1:{find_free_port()}"] if fixed_port else []),
         *extra,
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -116,21 +119,7 @@ def test_sigterm_stops_everything(tmp_path, model_dir):
 
 
 def launch_free(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Popen:
-    """``specrl run`` as a user types it: no ports given."""
-    args = [
-        sys.executable,
-        "-m",
-        "common.cli",
-        "run",
-        f"run.name=launch-{run_dir.name}",
-        f"run.dir={run_dir}",
-        f"model.path={model_dir}",
-        *extra,
-    ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return launch(run_dir, model_dir, extra, fixed_port=False)
 
 
 def test_two_runs_at_once_pick_their_own_ports_and_both_complete(tmp_path, model_dir):
