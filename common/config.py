@@ -85,6 +85,10 @@ class ModelConfig:
     """Supervised warm-start batch size."""
     init_lr: float = 3e-3
     """Supervised warm-start learning rate."""
+    init_exit_layer: int = 0
+    """Supervised warm start: also train the early exit after this many layers (LayerSkip-style
+    cross-entropy on the exit's logits, weight 0.5), so ``spec=early_exit`` with this
+    ``spec.exit_layer`` starts from a usable draft; 0 = off."""
 
     def __post_init__(self) -> None:
         _require(
@@ -101,12 +105,17 @@ class ModelConfig:
         )
         _require(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
         _require(self.init_steps >= 0, f"model.init_steps must be >= 0, got {self.init_steps}")
+        _require(
+            0 <= self.init_exit_layer < self.num_layers,
+            f"model.init_exit_layer={self.init_exit_layer} must be in [0, {self.num_layers - 1}]",
+        )
 
 
 @dataclass
 class TaskConfig:
     name: str = "reverse"
-    """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``, ``jsonl``."""
+    """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``,
+    ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens), ``jsonl``."""
     path: str = ""
     """``jsonl`` only: file of ``{"prompt": ..., "answer": ...}`` lines."""
     min_digits: int = 3
@@ -125,8 +134,8 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.name in ("reverse", "addition", "jsonl"),
-            f"task.name must be one of reverse, addition, jsonl; got {self.name!r}",
+            self.name in ("reverse", "addition", "scratchpad", "jsonl"),
+            f"task.name must be one of reverse, addition, scratchpad, jsonl; got {self.name!r}",
         )
         _require(
             self.name != "jsonl" or bool(self.path), "task.name=jsonl needs task.path=FILE.jsonl"
@@ -198,7 +207,8 @@ class SpecConfig:
     method: str = "none"
     """Self-speculative drafting in the torch engine: ``none`` (plain decoding), ``early_exit``
     (the first ``exit_layer`` layers + final norm + LM head draft; the full model verifies),
-    ``ngram`` (drafts looked up in the prompt, the GRPO group and earlier completions)."""
+    ``ngram`` (drafts looked up in the prompt, the GRPO group and earlier completions),
+    ``hybrid`` (n-gram drafts where a match exists, the early exit elsewhere)."""
     k: int = 4
     """Draft tokens proposed per verification forward pass."""
     exit_layer: int = 1
@@ -207,14 +217,23 @@ class SpecConfig:
     """``ngram``: longest suffix matched against the history."""
     ngram_min_n: int = 1
     """``ngram``: shortest suffix matched before giving up on a draft."""
+    ngram_sources: str = "history"
+    """``ngram``/``hybrid``: what drafts are copied from, each adding to the one before:
+    ``prompt`` (the row's own prompt and completion, like vLLM's ``ngram``), ``group`` (+ the
+    other completions of the same prompt in the batch), ``history`` (+ earlier completions of
+    the prompt, from earlier epochs)."""
     aux_coef: float = 0.0
     """Learner: weight of the early-exit co-training loss KL(full || early exit) on generated
     tokens (0 = off). On with ``spec=early_exit`` so the draft follows the policy it drafts for."""
 
     def __post_init__(self) -> None:
         _require(
-            self.method in ("none", "early_exit", "ngram"),
-            f"spec.method must be one of none, early_exit, ngram; got {self.method!r}",
+            self.method in ("none", "early_exit", "ngram", "hybrid"),
+            f"spec.method must be one of none, early_exit, ngram, hybrid; got {self.method!r}",
+        )
+        _require(
+            self.ngram_sources in ("prompt", "group", "history"),
+            f"spec.ngram_sources must be one of prompt, group, history; got {self.ngram_sources!r}",
         )
         _require(self.k >= 1, f"spec.k must be >= 1, got {self.k}")
         _require(self.exit_layer >= 1, f"spec.exit_layer must be >= 1, got {self.exit_layer}")
@@ -492,7 +511,7 @@ class SpecRLConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
     def __post_init__(self) -> None:
-        uses_exit = self.spec.method == "early_exit" or self.spec.aux_coef > 0
+        uses_exit = self.spec.method in ("early_exit", "hybrid") or self.spec.aux_coef > 0
         # The built-in model's depth is known here; a model.path model is checked when loaded.
         if uses_exit and not self.model.path:
             _require(

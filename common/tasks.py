@@ -5,7 +5,8 @@ reproducible from a seed) and scores a completion with a deterministic, verifiab
 ``[0, 1]``. The completion passed to ``reward`` is the decoded generated text up to, and
 excluding, EOS.
 
-Built-in tasks (:class:`ReverseTask`, :class:`AdditionTask`) only use characters of
+Built-in tasks (:class:`ReverseTask`, :class:`AdditionTask`, :class:`ScratchpadTask`) only use
+characters of
 :data:`~common.tokenizer.BUILTIN_ALPHABET`, so a :class:`~common.tokenizer.CharTokenizer` over it
 can encode every prompt and answer. :class:`JsonlTask` reads prompts with numeric answers from a
 file (GSM8K style).
@@ -56,8 +57,10 @@ class Task(Protocol):
         """Score of ``completion`` (decoded text before EOS) for ``problem``, in ``[0, 1]``."""
         ...
 
-    def demonstration(self, problem: Problem) -> str:
-        """The ideal completion (for a supervised warm start); may raise NotImplementedError."""
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
+        """An ideal completion (for a supervised warm start); may raise NotImplementedError.
+        Tasks whose solutions can be written several ways draw the way with ``rng`` (None: one
+        canonical way)."""
         ...
 
 
@@ -135,7 +138,7 @@ class ReverseTask:
         """Exact match after stripping whitespace, else optional partial credit."""
         return exact_match_reward(problem.answer, completion, self.partial_credit)
 
-    def demonstration(self, problem: Problem) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
         """The reversed digits."""
         return problem.answer
 
@@ -185,13 +188,100 @@ class AdditionTask:
         """Exact match after stripping whitespace, else optional partial credit."""
         return exact_match_reward(problem.answer, completion, self.partial_credit)
 
-    def demonstration(self, problem: Problem) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
         """The decimal sum."""
         return problem.answer
 
     def __repr__(self) -> str:
         return (
             f"AdditionTask(min_digits={self.min_digits}, max_digits={self.max_digits}, "
+            f"partial_credit={self.partial_credit})"
+        )
+
+
+class ScratchpadTask:
+    """Multi-digit addition with a worked, column-by-column scratchpad: a long answer whose
+    wording varies between samples while only the final number is checked.
+
+    Prompt ``"4821+367="``; one worked completion (a demonstration, one of many)::
+
+        1+7=8 6+2=8 8+3=11 c1 4+0+1=5 c0 # 5188
+
+    Columns go from the least significant digit up; each writes its two digits (a missing digit
+    as ``0``), the carry in as ``+1``, the column sum, and the carry out. The wording of every
+    column is free: operand order, where the carry in goes (``1+4+0`` or ``4+0+1``), and how a
+    carry out is written (``c1`` or ``carry 1``; a zero carry as ``c0``, ``carry 0`` or
+    nothing). Demonstrations draw these choices at random, so a warm-started policy samples
+    different scratchpads for one prompt, as a language model words its reasoning differently
+    from sample to sample. The reward reads only the number after the last ``#``: exact match
+    (optional partial credit on it), so any scratchpad, or none, can earn it.
+
+    Operands draw their digit count uniformly in ``[min_digits, max_digits]``, then a value with
+    exactly that many digits. With the default 4 to 6 digits a demonstration is 60 to 110
+    characters (about 80 on average, measured in the tests).
+    """
+
+    name: ClassVar[str] = "scratchpad"
+    marker: ClassVar[str] = "#"
+
+    def __init__(self, min_digits: int = 4, max_digits: int = 6, partial_credit: float = 0.0):
+        _check_digit_range(min_digits, max_digits)
+        _check_partial_credit(partial_credit)
+        self.min_digits = min_digits
+        self.max_digits = max_digits
+        self.partial_credit = partial_credit
+        # Longest column "9+9+1=19 carry 1" + a space is 17 characters; then "# " and a sum of
+        # max_digits + 1 digits, EOS, and slack so an overlong sample ends by its own EOS.
+        self.max_new_tokens = 17 * max_digits + 2 + (max_digits + 1) + 1 + 8
+
+    def _operand(self, rng: random.Random) -> int:
+        num_digits = rng.randint(self.min_digits, self.max_digits)
+        return rng.randint(10 ** (num_digits - 1) if num_digits > 1 else 0, 10**num_digits - 1)
+
+    def sample(self, rng: random.Random, n: int) -> list[Problem]:
+        """``n`` additions drawn with ``rng``."""
+        problems: list[Problem] = []
+        for _ in range(n):
+            a, b = self._operand(rng), self._operand(rng)
+            problems.append(
+                Problem(prompt_id=f"scratchpad:{a}+{b}", prompt=f"{a}+{b}=", answer=str(a + b))
+            )
+        return problems
+
+    def final_answer(self, completion: str) -> str:
+        """The text after the last ``#`` (whitespace stripped); empty without a marker."""
+        _, marker, answer = completion.rpartition(self.marker)
+        return answer.strip() if marker else ""
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Exact match of the final answer (after the last ``#``), else optional partial credit."""
+        return exact_match_reward(
+            problem.answer, self.final_answer(completion), self.partial_credit
+        )
+
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
+        """A correct worked completion; ``rng`` draws its wording (None: the canonical one)."""
+        a_text, b_text = problem.prompt.removesuffix("=").split("+")
+        width = max(len(a_text), len(b_text))
+        a_digits, b_digits = a_text.zfill(width)[::-1], b_text.zfill(width)[::-1]
+        columns, carry = [], 0
+        for x, y in zip(a_digits, b_digits, strict=True):
+            total = int(x) + int(y) + carry
+            operands = [x, y] if rng is None or rng.random() < 0.5 else [y, x]
+            if carry:
+                operands.insert(len(operands) if rng is None or rng.random() < 0.5 else 0, "1")
+            carry_out = total // 10
+            if carry_out:
+                note = " c1" if rng is None or rng.random() < 0.5 else " carry 1"
+            else:
+                note = "" if rng is None else rng.choice(("", " c0", " carry 0"))
+            columns.append(f"{'+'.join(operands)}={total}{note}")
+            carry = carry_out
+        return " ".join(columns) + f" {self.marker} {problem.answer}"
+
+    def __repr__(self) -> str:
+        return (
+            f"ScratchpadTask(min_digits={self.min_digits}, max_digits={self.max_digits}, "
             f"partial_credit={self.partial_credit})"
         )
 
@@ -293,7 +383,7 @@ class JsonlTask:
             else 0.0
         )
 
-    def demonstration(self, problem: Problem) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
         """Not available: the file holds answers, not worked solutions."""
         raise NotImplementedError(
             f"JsonlTask ({self.path}) has no demonstrations: the file holds answers only, "
@@ -355,12 +445,13 @@ def _problem_from_record(record: Any, where: str) -> Problem:
 TASKS: dict[str, type] = {
     ReverseTask.name: ReverseTask,
     AdditionTask.name: AdditionTask,
+    ScratchpadTask.name: ScratchpadTask,
     JsonlTask.name: JsonlTask,
 }
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
-    """Build the task called ``name`` (``reverse``, ``addition``, ``jsonl``) with ``kwargs``."""
+    """Build the task called ``name`` (``reverse``, ``addition``, ``scratchpad``, ``jsonl``)."""
     task_cls = TASKS.get(name)
     if task_cls is None:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
@@ -394,8 +485,8 @@ class PromptPool:
     def reward(self, problem: Problem, completion: str) -> float:
         return self.task.reward(problem, completion)
 
-    def demonstration(self, problem: Problem) -> str:
-        return self.task.demonstration(problem)
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
+        return self.task.demonstration(problem, rng)
 
     def __repr__(self) -> str:
         return f"PromptPool({self.task!r}, size={len(self.problems)})"

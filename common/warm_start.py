@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import shutil
 import tempfile
@@ -20,9 +21,9 @@ from pathlib import Path
 import torch
 
 from common.config import SpecRLConfig
-from common.model import ModelArgs, Transformer, save_pretrained
+from common.model import KVCache, ModelArgs, Transformer, save_pretrained
 from common.sampling import processed_logprobs
-from common.tasks import Task, task_from_config
+from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer, Tokenizer, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ def default_model_dir(cfg: SpecRLConfig) -> Path:
     name = (
         f"{t.name}-d{t.min_digits}-{t.max_digits}-h{m.hidden_size}-l{m.num_layers}"
         f"-a{m.num_heads}-kv{m.num_kv_heads}-i{m.intermediate_size}"
-        f"-s{m.init_steps}-b{m.init_batch_size}-lr{m.init_lr:g}-seed{cfg.run.seed}"
+        f"-s{m.init_steps}-b{m.init_batch_size}-lr{m.init_lr:g}"
+        + (f"-e{m.init_exit_layer}" if m.init_exit_layer else "")
+        + f"-seed{cfg.run.seed}"
     )
     return MODELS_DIR / name
 
@@ -65,7 +68,8 @@ def tiny_model_args(cfg: SpecRLConfig, tokenizer: Tokenizer, task: Task) -> Mode
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=128,
+        # Room for the longest prompt and completion, in steps of 64 (128 for the short tasks).
+        max_position_embeddings=max(128, 64 * math.ceil((task.max_new_tokens + 32) / 64)),
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
@@ -79,7 +83,8 @@ def supervised_batch(
     rows = []
     for problem in task.sample(rng, n):
         prompt = encode_prompt(tokenizer, problem.prompt)
-        completion = [*tokenizer.encode(task.demonstration(problem)), tokenizer.eos_id]
+        # The wording of a worked answer is drawn with rng (tasks with only one way ignore it).
+        completion = [*tokenizer.encode(task.demonstration(problem, rng)), tokenizer.eos_id]
         rows.append((prompt, completion))
     seq_len = max(len(p) + len(c) for p, c in rows)
     ids = torch.full((n, seq_len), tokenizer.pad_id, dtype=torch.long)
@@ -90,28 +95,60 @@ def supervised_batch(
     return ids, mask
 
 
+def supervised_loss(
+    model: Transformer, ids: torch.Tensor, mask: torch.Tensor, exit_layer: int = 0
+) -> torch.Tensor:
+    """Mean completion-token cross-entropy of the full model on ``ids`` [B, S] (mask [B, S-1]);
+    with ``exit_layer`` > 0 plus half the same loss on the early exit's logits (LayerSkip)."""
+    layers = model.args.num_hidden_layers
+    x = model.model.embed_tokens(ids)  # [B, S, H]
+    if exit_layer:
+        h_exit = model.run_layers(x, None, None, 0, exit_layer)
+        heads = [(1.0, model.run_layers(h_exit, None, None, exit_layer, layers)), (0.5, h_exit)]
+    else:
+        heads = [(1.0, model.run_layers(x, None, None, 0, layers))]
+    loss = torch.zeros(())
+    for weight, hidden in heads:
+        logits = model.head(hidden)[:, :-1]  # [B, S-1, V]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        ).view_as(mask)
+        loss = loss + weight * (nll * mask).sum() / mask.sum()
+    return loss
+
+
 @torch.no_grad()
 def sampled_accuracy(
     model: Transformer, task: Task, tokenizer: Tokenizer, n: int = 256, seed: int = 12345
 ) -> float:
-    """Mean reward of one temperature-1 sample per problem (what RL starts from)."""
+    """Mean reward of one temperature-1 sample per problem (what RL starts from).
+
+    Problems with prompts of equal length decode together with a KV cache, so a task with long
+    answers is scored in seconds."""
     was_training = model.training
     model.eval()
-    rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    problems = task.sample(rng, n)
-    rewards = []
+    problems = task.sample(random.Random(seed), n)
+    by_length: dict[int, list[tuple[Problem, list[int]]]] = {}
     for problem in problems:
-        ids = torch.tensor([encode_prompt(tokenizer, problem.prompt)])
-        out: list[int] = []
-        for _ in range(task.max_new_tokens):
-            lp = processed_logprobs(model(ids)[:, -1], 1.0)
-            token = int(torch.multinomial(lp.exp(), 1, generator=gen))
-            if token == tokenizer.eos_id:
+        prompt = encode_prompt(tokenizer, problem.prompt)
+        by_length.setdefault(len(prompt), []).append((problem, prompt))
+    rewards = []
+    for length, group in sorted(by_length.items()):
+        ids = torch.tensor([prompt for _, prompt in group])  # [B, P]
+        cache = KVCache(model.args, len(group), length + task.max_new_tokens)
+        logits = model(ids, torch.arange(length).expand(len(group), -1), cache)[:, -1]
+        out = torch.empty((len(group), 0), dtype=torch.long)
+        for step in range(task.max_new_tokens):
+            token = torch.multinomial(processed_logprobs(logits, 1.0).exp(), 1, generator=gen)
+            out = torch.cat([out, token], dim=1)  # [B, step + 1]
+            if bool((out == tokenizer.eos_id).any(dim=1).all()):
                 break
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        rewards.append(task.reward(problem, tokenizer.decode(out)))
+            position = torch.full((len(group), 1), length + step)
+            logits = model(token, position, cache)[:, -1]
+        for (problem, _), row in zip(group, out.tolist(), strict=True):
+            completion = row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
+            rewards.append(task.reward(problem, tokenizer.decode(completion)))
     model.train(was_training)
     return sum(rewards) / len(rewards)
 
@@ -137,11 +174,7 @@ def warm_start(
     model.train()
     for step in range(cfg.model.init_steps):
         ids, mask = supervised_batch(task, tokenizer, rng, cfg.model.init_batch_size)
-        logits = model(ids)[:, :-1]  # [B, S-1, V]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        ).view_as(mask)
-        loss = (nll * mask).sum() / mask.sum()
+        loss = supervised_loss(model, ids, mask, cfg.model.init_exit_layer)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

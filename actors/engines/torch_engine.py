@@ -125,12 +125,14 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.early_exit = (
             EarlyExitDrafter(model, self.spec.exit_layer)
-            if self.spec.method == "early_exit"
+            if self.spec.method in ("early_exit", "hybrid")
             else None
         )
         self.ngram = (
-            NgramDrafter(self.spec.ngram_max_n, self.spec.ngram_min_n)
-            if self.spec.method == "ngram"
+            NgramDrafter(
+                self.spec.ngram_max_n, self.spec.ngram_min_n, sources=self.spec.ngram_sources
+            )
+            if self.spec.method in ("ngram", "hybrid")
             else None
         )
         self._c = _Counters()
@@ -152,6 +154,8 @@ class TorchEngine:
         it returns ``(version, state_dict)`` the new weights are applied to the rows in flight
         according to ``inflight`` (see :mod:`actors.inflight`)."""
         started = time.perf_counter()
+        if self.ngram is not None:
+            self.ngram.begin()
         rows = _Rows([list(p) for p in prompts for _ in range(n)], max_new_tokens)
         batch = len(rows.prompts)
         if min(len(p) for p in rows.prompts) < 1:
@@ -176,7 +180,9 @@ class TorchEngine:
                     )
                     if not len(active):
                         break
-            if self.early_exit is not None:
+            if self.early_exit is not None and self.ngram is not None:
+                emitted = self._hybrid_step(rows, cache, active, last, pos)
+            elif self.early_exit is not None:
                 emitted = self._early_exit_step(cache, last, pos)
             elif self.ngram is not None:
                 emitted = self._ngram_step(rows, cache, active, last, pos)
@@ -267,11 +273,17 @@ class TorchEngine:
         )
         return [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
 
-    def _early_exit_step(self, cache: KVCache, last: torch.Tensor, pos: torch.Tensor) -> list:
+    def _early_exit_step(
+        self,
+        cache: KVCache,
+        last: torch.Tensor,
+        pos: torch.Tensor,
+        forced: list[list[int]] | None = None,
+    ) -> list:
         assert self.early_exit is not None
         k = self.spec.k
         draft = self.early_exit.draft(
-            last, pos, cache, k, self.temperature, self.top_p, self.generator
+            last, pos, cache, k, self.temperature, self.top_p, self.generator, forced
         )
         target = processed_logprobs(
             self.early_exit.verify_logits(draft, pos, cache), self.temperature, self.top_p
@@ -282,6 +294,32 @@ class TorchEngine:
         num_drafts = torch.full_like(result.accepted, k)
         return self._spec_emitted(result, num_drafts)
 
+    def _ngram_drafts(self, rows: _Rows, active: torch.Tensor) -> list[list[int]]:
+        assert self.ngram is not None
+        originals = active.tolist()
+        return self.ngram.propose(
+            [rows.prompts[r] + rows.tokens[r] for r in originals],
+            [_prompt_key(rows.prompts[r]) for r in originals],
+            self.spec.k,
+            row_ids=originals,
+        )
+
+    def _hybrid_step(
+        self,
+        rows: _Rows,
+        cache: KVCache,
+        active: torch.Tensor,
+        last: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> list:
+        """n-gram drafts where every row has a match (no draft forward); otherwise the early exit
+        drafts, continuing after each row's n-gram match if it has one. Which way a step goes
+        depends only on the tokens so far, so both stay exact."""
+        drafts = self._ngram_drafts(rows, active)
+        if all(drafts):
+            return self._verify_ngram(drafts, cache, last, pos)
+        return self._early_exit_step(cache, last, pos, forced=drafts)
+
     def _ngram_step(
         self,
         rows: _Rows,
@@ -290,13 +328,11 @@ class TorchEngine:
         last: torch.Tensor,
         pos: torch.Tensor,
     ) -> list:
-        assert self.ngram is not None
-        originals = active.tolist()
-        drafts = self.ngram.propose(
-            [rows.prompts[r] + rows.tokens[r] for r in originals],
-            [_prompt_key(rows.prompts[r]) for r in originals],
-            self.spec.k,
-        )
+        return self._verify_ngram(self._ngram_drafts(rows, active), cache, last, pos)
+
+    def _verify_ngram(
+        self, drafts: list[list[int]], cache: KVCache, last: torch.Tensor, pos: torch.Tensor
+    ) -> list:
         k = max(len(d) for d in drafts)
         if k == 0:
             return self._plain_step(cache, last, pos)

@@ -14,6 +14,7 @@ from common.tasks import (
     JsonlTask,
     Problem,
     ReverseTask,
+    ScratchpadTask,
     Task,
     exact_match_reward,
     extract_numeric_answer,
@@ -68,14 +69,14 @@ def test_builtin_reward_uses_partial_credit(task_cls: type) -> None:
     assert task_cls(partial_credit=0.2).reward(problem, "1235") == pytest.approx(0.2 * 3 / 4)
 
 
-@pytest.mark.parametrize("task_cls", [ReverseTask, AdditionTask])
+@pytest.mark.parametrize("task_cls", [ReverseTask, AdditionTask, ScratchpadTask])
 @pytest.mark.parametrize("partial_credit", [-0.1, 1.5])
 def test_builtin_rejects_bad_partial_credit(task_cls: type, partial_credit: float) -> None:
     with pytest.raises(ValueError, match="partial_credit"):
         task_cls(partial_credit=partial_credit)
 
 
-@pytest.mark.parametrize("task_cls", [ReverseTask, AdditionTask])
+@pytest.mark.parametrize("task_cls", [ReverseTask, AdditionTask, ScratchpadTask])
 def test_builtin_rejects_bad_digit_range(task_cls: type) -> None:
     with pytest.raises(ValueError, match="min_digits=4, max_digits=2"):
         task_cls(min_digits=4, max_digits=2)
@@ -123,7 +124,9 @@ def test_addition_problem_shape() -> None:
     assert lengths == {1, 2, 3}
 
 
-@pytest.mark.parametrize("task", [ReverseTask(), AdditionTask(), AdditionTask(max_digits=6)])
+@pytest.mark.parametrize(
+    "task", [ReverseTask(), AdditionTask(), AdditionTask(max_digits=6), ScratchpadTask()]
+)
 def test_builtin_sampling_is_deterministic_given_rng(task: Task) -> None:
     first = task.sample(random.Random(1234), 50)
     second = task.sample(random.Random(1234), 50)
@@ -132,13 +135,15 @@ def test_builtin_sampling_is_deterministic_given_rng(task: Task) -> None:
     assert first != other
 
 
-@pytest.mark.parametrize("task", [ReverseTask(1, 8), AdditionTask(1, 5)])
+@pytest.mark.parametrize("task", [ReverseTask(1, 8), AdditionTask(1, 5), ScratchpadTask(1, 7)])
 def test_builtin_text_is_in_builtin_alphabet(task: Task) -> None:
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    rng = random.Random(8)
     for problem in task.sample(random.Random(7), 300):
         # encode raises on any character outside the alphabet.
         tokenizer.encode(problem.prompt)
         tokenizer.encode(task.demonstration(problem))
+        tokenizer.encode(task.demonstration(problem, rng))
 
 
 def test_same_problem_same_prompt_id() -> None:
@@ -148,9 +153,105 @@ def test_same_problem_same_prompt_id() -> None:
         assert by_id.setdefault(problem.prompt_id, problem) == problem
 
 
-@pytest.mark.parametrize("task", [ReverseTask(), AdditionTask()])
+@pytest.mark.parametrize("task", [ReverseTask(), AdditionTask(), ScratchpadTask()])
 def test_builtin_tasks_satisfy_protocol(task: Task) -> None:
     assert isinstance(task, Task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scratchpad addition: long worked answers, reward on the final number only
+# ---------------------------------------------------------------------------------------------
+
+
+def test_scratchpad_canonical_demonstration() -> None:
+    task = ScratchpadTask()
+    problem = Problem(prompt_id="scratchpad:4821+367", prompt="4821+367=", answer="5188")
+    assert task.demonstration(problem) == "1+7=8 2+6=8 8+3=11 c1 4+0+1=5 # 5188"
+    carry_out = Problem(prompt_id="scratchpad:95+17", prompt="95+17=", answer="112")
+    assert task.demonstration(carry_out) == "5+7=12 c1 9+1+1=11 c1 # 112"
+
+
+def _check_trace(problem: Problem, trace: str) -> None:
+    """Re-derive every column of a worked answer: digits, carries and sums must be right."""
+    a_text, b_text = problem.prompt[:-1].split("+")
+    width = max(len(a_text), len(b_text))
+    a, b = a_text.zfill(width)[::-1], b_text.zfill(width)[::-1]
+    steps, _, final = trace.partition(" # ")
+    assert final == problem.answer
+    tokens = steps.split(" ")
+    carry, column = 0, 0
+    while tokens:
+        sum_text = tokens.pop(0)
+        operands, total = sum_text.split("=")
+        parts = operands.split("+")
+        expected = sorted([a[column], b[column]] + (["1"] if carry else []))
+        assert sorted(parts) == expected, (sum_text, expected)
+        assert int(total) == int(a[column]) + int(b[column]) + carry
+        note = []
+        while tokens and not tokens[0][0].isdigit():
+            note.append(tokens.pop(0))
+        if tokens and tokens[0] in ("0", "1") and note == ["carry"]:
+            note.append(tokens.pop(0))
+        carry = int(total) // 10
+        assert " ".join(note) in ({"", "c0", "carry 0"} if carry == 0 else {"c1", "carry 1"})
+        column += 1
+    assert column == width
+
+
+def test_scratchpad_varied_demonstrations_are_correct_and_differ() -> None:
+    task = ScratchpadTask()
+    rng = random.Random(0)
+    lengths = []
+    for problem in task.sample(random.Random(1), 300):
+        traces = {task.demonstration(problem, rng) for _ in range(8)}
+        # The wording varies between samples of one prompt, as the policy's samples do.
+        assert len(traces) > 1
+        for trace in traces:
+            _check_trace(problem, trace)
+            assert task.reward(problem, trace) == 1.0
+            assert len(trace) + 1 <= task.max_new_tokens
+            lengths.append(len(trace))
+    # Long answers: the issue asks for a mean completion of at least 64 tokens.
+    assert sum(lengths) / len(lengths) >= 64
+    assert max(lengths) + 1 <= task.max_new_tokens
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("1+7=8 2+6=8 8+3=11 c1 4+0+1=5 # 5188", 1.0),
+        ("# 5188", 1.0),  # the scratchpad is free: only the final answer counts
+        ("9+9=99 # 5188  ", 1.0),  # even a wrong scratchpad
+        ("# 1 # 5188", 1.0),  # the last marker wins
+        ("# 5188 # 1", 0.0),
+        ("1+7=8 2+6=8 8+3=11 c1 4+0+1=5 # 5189", 0.0),
+        ("5188", 0.0),  # no marker, no answer
+        ("1+7=8 # ", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_scratchpad_reward_reads_the_final_answer(completion: str, reward: float) -> None:
+    problem = Problem(prompt_id="scratchpad:4821+367", prompt="4821+367=", answer="5188")
+    assert ScratchpadTask().reward(problem, completion) == reward
+
+
+def test_scratchpad_partial_credit_is_on_the_final_answer() -> None:
+    problem = Problem(prompt_id="scratchpad:4821+367", prompt="4821+367=", answer="5188")
+    task = ScratchpadTask(partial_credit=0.5)
+    assert task.reward(problem, "8+1=9 # 5189") == pytest.approx(0.5 * 3 / 4)
+
+
+def test_scratchpad_problem_shape() -> None:
+    task = ScratchpadTask(min_digits=4, max_digits=6)
+    lengths: set[int] = set()
+    for problem in task.sample(random.Random(0), 500):
+        a_text, b_text = problem.prompt[:-1].split("+")
+        assert a_text == str(int(a_text)) and b_text == str(int(b_text))
+        lengths.update((len(a_text), len(b_text)))
+        assert problem.answer == str(int(a_text) + int(b_text))
+        assert problem.prompt_id == f"scratchpad:{a_text}+{b_text}"
+    assert lengths == {4, 5, 6}
+    assert isinstance(make_task("scratchpad"), ScratchpadTask)
 
 
 # ---------------------------------------------------------------------------------------------
