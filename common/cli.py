@@ -1,5 +1,5 @@
 """``specrl``: subcommands ``run`` (embedded default), ``init-model``, ``learner``, ``actor``,
-``keys``, ``report``."""
+``keys``, ``report``, ``plan``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ commands:
                write CurveZMQ key pairs for security.curve_dir=DIR (learner + one per actor
                name, default "actor"), each actor's public key authorized in DIR/authorized/
   report DIR   write report.png and report.md of a run directory from its metrics.jsonl
+  plan MODEL [--gpus N] [--precision P] [--max-tokens T] ...
+               estimated memory per GPU of the learner and of an actor for an HF model
+               directory (or config.json); `specrl plan -h` lists the settings
 
 {OVERRIDES_HELP}
 examples:
@@ -108,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             print(path)
         return 0
+    if command == "plan":
+        from common.memory_plan import main as plan_main
+
+        return plan_main(rest)
     if command in ("learner", "actor"):
         # exec, not import: `common` stays below `actors` and `learner` in the layering.
         module = "learner.main" if command == "learner" else "actors.main"

@@ -387,9 +387,42 @@ class LearnerConfig:
     recv_buffer_bytes: int = 64 * 1024 * 1024
     """Bytes of frames queued per actor connection before the learner's socket stops reading it
     (the receive high-water mark is this over the frame bound, at least 2 frames)."""
+    model_impl: str = "auto"
+    """Which implementation trains the policy: ``builtin`` (``common.model.Transformer``: Llama,
+    Qwen2, Qwen3 layouts), ``hf`` (``transformers.AutoModelForCausalLM``) or ``auto`` (built-in
+    when it computes the checkpoint's architecture, else ``transformers``)."""
+    precision: str = "fp32"
+    """``fp32``; ``bf16-mixed``: bf16 autocast compute, fp32 master weights, gradients and AdamW
+    state (16 bytes/parameter); ``bf16``: bf16 weights, gradients and AdamW state (8
+    bytes/parameter, lossy updates: small steps round away)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one forward/backward (rows x their longest row); the step accumulates
+    gradients over as many micro-batches as the batch needs, with the one-batch update. 0: the
+    whole batch (of this rank) at once."""
+    logprob_chunk_tokens: int = 1024
+    """Completion positions whose [chunk, vocab] logits exist at a time (recomputed in backward);
+    0: all completion positions of a micro-batch at once."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"learner.lr must be > 0, got {self.lr}")
+        _require(
+            self.model_impl in ("auto", "builtin", "hf"),
+            f"learner.model_impl must be auto, builtin or hf, got {self.model_impl!r}",
+        )
+        _require(
+            self.precision in ("fp32", "bf16-mixed", "bf16"),
+            f"learner.precision must be fp32, bf16-mixed or bf16, got {self.precision!r}",
+        )
+        _require(
+            self.max_tokens_per_microbatch >= 0,
+            f"learner.max_tokens_per_microbatch must be >= 0, got {self.max_tokens_per_microbatch}",
+        )
+        _require(
+            self.logprob_chunk_tokens >= 0,
+            f"learner.logprob_chunk_tokens must be >= 0, got {self.logprob_chunk_tokens}",
+        )
         _require(
             self.max_seq_tokens >= 0,
             f"learner.max_seq_tokens must be >= 0 (0 = model context), got {self.max_seq_tokens}",
@@ -420,6 +453,15 @@ class LearnerConfig:
             self.publish_every >= 1, f"learner.publish_every must be >= 1, got {self.publish_every}"
         )
         _require(
+            self.publish_dtype in ("", "bfloat16", "float16", "float32"),
+            f"learner.publish_dtype must be '', bfloat16, float16 or float32, got "
+            f"{self.publish_dtype!r}",
+        )
+        _require(
+            self.publish_max_inflight >= 0,
+            f"learner.publish_max_inflight must be >= 0, got {self.publish_max_inflight}",
+        )
+        _require(
             self.checkpoint_every >= 1,
             f"learner.checkpoint_every must be >= 1, got {self.checkpoint_every}",
         )
@@ -429,15 +471,6 @@ class LearnerConfig:
         _require(
             self.group_timeout_s > 0,
             f"learner.group_timeout_s must be > 0, got {self.group_timeout_s}",
-        )
-        _require(
-            self.publish_dtype in ("", "bfloat16", "float16", "float32"),
-            f"learner.publish_dtype must be '', bfloat16, float16 or float32, got "
-            f"{self.publish_dtype!r}",
-        )
-        _require(
-            self.publish_max_inflight >= 0,
-            f"learner.publish_max_inflight must be >= 0, got {self.publish_max_inflight}",
         )
         _require(
             self.address.startswith(("tcp://", "ipc://")),

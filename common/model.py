@@ -5,7 +5,8 @@ Face names exactly, so a `state_dict` maps 1:1 onto a `config.json + model.safet
 that `transformers` and vLLM open directly, and onto the weight chunks published through Redis.
 
 Architecture: pre-norm decoder layers (RMSNorm), rotary position embeddings (HF `rotate_half`
-convention, default rope type only), grouped-query attention, SwiGLU MLP. Two switches cover the
+convention; rope types `default`, `linear` and `llama3`, the static ones whose frequencies do not
+depend on the sequence length), grouped-query attention, SwiGLU MLP. Two switches cover the
 Qwen families: `attention_bias` (Qwen2: bias on q/k/v, none on o) and `qk_norm` (Qwen3: per-head
 RMSNorm on q and k before RoPE).
 
@@ -21,6 +22,7 @@ slot index, never by a stored length, which gives two properties the rollout sid
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -81,6 +84,10 @@ class ModelArgs:
     """End-of-sequence id; the first one when the HF config lists several."""
     pad_token_id: int | None = None
     """Padding id, if any."""
+    rope_scaling: dict[str, Any] | None = None
+    """Static RoPE frequency scaling, HF spelling without `rope_theta`: ``{"rope_type": "linear",
+    "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}`` (Llama-3.1 and later). None: default RoPE."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -124,6 +131,8 @@ class ModelArgs:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+        if self.rope_scaling is not None:
+            self.rope_scaling = _check_rope_scaling(self.rope_scaling)
 
     @property
     def model_type(self) -> str:
@@ -154,8 +163,11 @@ class ModelArgs:
             "rms_norm_eps": self.rms_norm_eps,
             # Both spellings: transformers 5 reads `rope_parameters`, older readers `rope_theta`.
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": {
+                **(self.rope_scaling or {"rope_type": "default"}),
+                "rope_theta": self.rope_theta,
+            },
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_dropout": 0.0,
             "initializer_range": INIT_STD,
@@ -201,7 +213,7 @@ class ModelArgs:
         layer_types = cfg.get("layer_types")
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
             raise ValueError(f"unsupported layer_types={sorted(set(layer_types))}")
-        rope_theta = _rope_theta(cfg)
+        rope_theta, rope_scaling = _rope_spec(cfg)
 
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -225,22 +237,53 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=cfg.get("pad_token_id"),
+            rope_scaling=rope_scaling,
         )
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    """RoPE base from either config spelling; any scaled/non-default RoPE is refused."""
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _check_rope_scaling(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Normalised static RoPE scaling (None for default); refuses types computed differently."""
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(
+            f"unsupported rope_type={rope_type!r}; supported: 'default', {sorted(_ROPE_KEYS)} "
+            "(dynamic, yarn and longrope RoPE are not implemented)"
+        )
+    if spec.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor={spec['partial_rotary_factor']!r}")
+    missing = [k for k in _ROPE_KEYS[rope_type] if k not in spec]
+    if missing:
+        raise ValueError(f"rope_type={rope_type!r} needs {missing}")
+    out: dict[str, Any] = {"rope_type": rope_type}
+    for k in _ROPE_KEYS[rope_type]:
+        out[k] = spec[k] if k == "original_max_position_embeddings" else float(spec[k])
+    if not out["factor"] > 0:
+        raise ValueError(f"RoPE factor must be > 0, got {out['factor']}")
+    return out
+
+
+def _rope_spec(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and static scaling from either config spelling (`rope_parameters` first)."""
     scaling = cfg.get("rope_scaling")
     params = cfg.get("rope_parameters")
-    for name, spec in (("rope_scaling", scaling), ("rope_parameters", params)):
+    found = None
+    for spec in (params, scaling):
         if spec is None:
             continue
-        rope_type = spec.get("rope_type", spec.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported {name} with rope_type={rope_type!r}; only 'default'")
+        checked = _check_rope_scaling(spec)
+        if found is None:
+            found = checked
     if params is not None and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(cfg.get("rope_theta", 10000.0))
+        return float(params["rope_theta"]), found
+    return float(cfg.get("rope_theta", 10000.0)), found
 
 
 class KVCache:
@@ -308,17 +351,47 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Inverse frequencies [D/2] in fp32, as `transformers`' `ROPE_INIT_FUNCTIONS` compute them for
+    the default, `linear` and `llama3` rope types (all three have attention factor 1)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    )  # [D/2]
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_cos_sin(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    scaling: dict[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [B, 1, T, D] for `positions` [B, T], HF default-rope convention.
+    """cos/sin tables [B, 1, T, D] for `positions` [B, T], HF rope convention.
 
     Angles are computed in fp32 (low-precision angles at large positions drift visibly), and the
     half-width frequencies are concatenated twice to pair with `rotate_half`.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    )  # [D/2]
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)  # [D/2]
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -445,6 +518,8 @@ class Transformer(nn.Module):
         self.args = args
         self.model = DecoderStack(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        """Recompute each decoder layer in backward instead of keeping its activations (training)."""
         self.tie_weights()
         init_weights(self)
 
@@ -499,10 +574,17 @@ class Transformer(nn.Module):
             mask = None
         else:
             mask = positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, T]
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(
+            positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling
+        )
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i in range(start, end):
             kv = (cache.k[i], cache.v[i], positions) if cache is not None else None
-            x = self.model.layers[i](x, cos, sin, mask, kv)
+            if recompute and cache is None:
+                # Activation checkpointing: keep each layer's input, recompute inside in backward.
+                x = checkpoint(self.model.layers[i], x, cos, sin, mask, None, use_reentrant=False)
+            else:
+                x = self.model.layers[i](x, cos, sin, mask, kv)
         return x
 
     def head(self, x: Tensor) -> Tensor:

@@ -6,6 +6,10 @@ by parameter name), ``trainer_state.json`` and ``pending_groups.msgpack`` (group
 acked but had not trained on: acked means the actor forgot them, so they must survive a restart).
 The directory is written under a temporary name and renamed, so a crash never leaves a
 half-written checkpoint that resume would pick up. No pickle: groups are wire frames.
+
+The model may be the built-in one or a ``transformers`` one (``learner/policy.py``); under FSDP
+the caller gathers a ``FullState`` on rank 0 (``learner/distributed.py``) and passes that instead
+of the sharded model.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from typing import Any
 import msgpack
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
-from common.model import Transformer, load_pretrained, save_pretrained
+from common.model import CONFIG_FILE, WEIGHTS_FILE
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.tokenizer import Tokenizer
+from learner.policy import hf_config, load_policy
 
 STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_groups.msgpack"
@@ -41,21 +47,64 @@ class TrainerState:
     """First write-ahead-log segment not covered by this checkpoint (see learner/wal.py)."""
 
 
+@dataclass
+class FullState:
+    """A model and its optimizer as plain CPU tensors by HF parameter name: what a checkpoint
+    holds (gathered from all ranks under FSDP)."""
+
+    config: dict[str, Any]
+    """The model's ``config.json``."""
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    """AdamW moments as ``{name::slot: tensor}``."""
+    param_groups: list[dict[str, Any]]
+    """Optimizer hyper-parameters (without the parameter lists)."""
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
+    """A single process's model and optimizer as a ``FullState`` (no copies: views)."""
+    return FullState(
+        config=hf_config(model, next(model.parameters()).dtype),
+        model=dict(model.state_dict()),
+        optimizer=_optimizer_tensors(model, optimizer),
+        param_groups=[
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ],
+    )
+
+
+def write_model(config: dict[str, Any], state: dict[str, torch.Tensor], path: Path) -> None:
+    """``config.json`` + ``model.safetensors`` that ``transformers`` and vLLM open; a tied LM
+    head is omitted, as HF does (safetensors refuses shared storage)."""
+    path.mkdir(parents=True, exist_ok=True)
+    skip_head = bool(config.get("tie_word_embeddings"))
+    tensors = {
+        name: t.detach().contiguous().cpu()
+        for name, t in state.items()
+        if not (skip_head and name == "lm_head.weight")
+    }
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
 def save_checkpoint(
     root: Path,
-    model: Transformer,
+    model: nn.Module | FullState,
     tokenizer: Tokenizer,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     state: TrainerState,
     keep: int = 2,
     pending: list[TrajectoryGroup] | None = None,
 ) -> Path:
+    """``model``: a single process's model (with its ``optimizer``), or a gathered
+    ``FullState`` (``optimizer`` then unused)."""
+    full = model if isinstance(model, FullState) else full_state(model, optimizer)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    save_pretrained(model, tmp)
+    write_model(full.config, full.model, tmp)
     tokenizer.save(tmp)
-    save_file(_optimizer_tensors(model, optimizer), str(tmp / OPTIMIZER_FILE))
+    save_file(full.optimizer, str(tmp / OPTIMIZER_FILE))
     (tmp / STATE_FILE).write_text(
         json.dumps(
             {
@@ -64,9 +113,7 @@ def save_checkpoint(
                 "dedupe": state.dedupe,
                 "metrics": state.metrics,
                 "wal_from": state.wal_from,
-                "optimizer_param_groups": [
-                    {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-                ],
+                "optimizer_param_groups": full.param_groups,
             }
         )
     )
@@ -113,10 +160,10 @@ def load_pending(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
 
 
 def load_checkpoint(
-    path: Path, device: torch.device
-) -> tuple[Transformer, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
+    path: Path, device: torch.device, impl: str = "auto", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
     """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters."""
-    model = load_pretrained(path, device=device)
+    model = load_policy(path, impl, device, dtype)
     raw = json.loads((path / STATE_FILE).read_text())
     state = TrainerState(
         step=int(raw["step"]),
@@ -130,7 +177,7 @@ def load_checkpoint(
 
 
 def _optimizer_tensors(
-    model: Transformer, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
@@ -143,7 +190,7 @@ def _optimizer_tensors(
 
 
 def restore_optimizer(
-    model: Transformer,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     tensors: dict[str, torch.Tensor],
     param_groups: list[dict[str, Any]],

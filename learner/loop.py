@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from common.config import LearnerConfig, SamplingConfig, SpecConfig, SpecRLConfig
 from common.curve_keys import authorized_dir, learner_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
-from common.model import Transformer, load_pretrained
+from common.model import ModelArgs
 from common.prometheus import LearnerExporter
 from common.protocol import DecodeLimits, TrajectoryGroup
-from common.sampling import processed_logprobs, token_logprobs
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.transport import DEFAULT_HWM
 from common.warm_start import ensure_model
@@ -32,14 +33,46 @@ from learner.admission import Admission, wire_limits
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import (
+    FullState,
     TrainerState,
+    full_state,
     latest_checkpoint,
     load_checkpoint,
     load_pending,
     restore_optimizer,
     save_checkpoint,
 )
-from learner.loss import early_exit_kl, ppo_clip_loss
+from learner.distributed import (
+    DistContext,
+    full_model_state,
+    full_optimizer_state,
+    init_from_env,
+    load_optimizer_state,
+    shard,
+    shutdown,
+)
+from learner.loss import ppo_clip_loss
+from learner.microbatch import (
+    MicroBatch,
+    chosen_logprobs,
+    empty_microbatch,
+    exit_kl_sum,
+    plan_microbatches,
+    row_lengths,
+    shard_rows,
+    take_rows,
+)
+from learner.policy import (
+    PolicyModule,
+    backbone,
+    hf_config,
+    load_policy,
+    model_args,
+    num_layers,
+    param_dtype,
+    set_activation_checkpointing,
+    unwrap,
+)
 from learner.publisher import Publisher, publish_dtype
 from learner.receiver import GroupReceiver
 from learner.wal import WalWriter, replay, trim
@@ -49,10 +82,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerState:
-    model: Transformer
+    model: nn.Module
+    """The policy (built-in ``Transformer`` or ``transformers`` model), or its FSDP-sharded
+    ``PolicyModule`` on N ranks."""
     tokenizer: Tokenizer
     optimizer: torch.optim.Optimizer
-    ref_model: Transformer | None
+    ref_model: nn.Module | None
     step: int
     version: int
     dedupe: dict
@@ -61,139 +96,311 @@ class LearnerState:
     """Groups acked before the restart but never trained on (from the checkpoint)."""
     wal_from: int = 0
     """First write-ahead-log segment the checkpoint does not cover (0: none, or a fresh run)."""
+    args: ModelArgs | None = None
+    """The architecture actors build from published versions (``common.policy_meta``)."""
 
 
 def train_step(
-    model: Transformer,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
     cfg: LearnerConfig,
     sampling: SamplingConfig,
-    ref_model: Transformer | None = None,
+    ref_model: nn.Module | None = None,
     spec: SpecConfig | None = None,
+    dist: DistContext | None = None,
 ) -> dict[str, float]:
     """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
-    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0``."""
-    model.train()
-    valid = batch.mask > 0
+    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0``.
+
+    ``model``: the policy (built-in or ``transformers``), or its FSDP-sharded ``PolicyModule``
+    with ``dist``. The batch is the full step's batch on every rank; this rank trains its shard
+    of rows, in micro-batches of ``cfg.max_tokens_per_microbatch`` tokens, with log-probs of the
+    chosen tokens only at completion positions, ``cfg.logprob_chunk_tokens`` at a time
+    (``learner/microbatch.py``). Every term is normalised by the completion tokens of the whole
+    batch, so micro-batches and ranks give the one-batch update. A step whose loss (any
+    micro-batch, any rank) or gradient norm is not finite is skipped: no optimizer step."""
+    module = model if isinstance(model, PolicyModule) else PolicyModule(model)
+    policy = module.policy
+    module.train()
+    set_activation_checkpointing(policy, cfg.activation_checkpointing)
     aux_coef = spec.aux_coef if spec is not None else 0.0
-    num_layers = model.args.num_hidden_layers
-    x = model.model.embed_tokens(batch.input_ids)  # [B, S, H]
-    if aux_coef > 0:
-        exit_layer = spec.exit_layer
-        if not 1 <= exit_layer < num_layers:
-            raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {num_layers - 1}]")
-        h_exit = model.run_layers(x, None, None, 0, exit_layer)
-        logits = model.head(model.run_layers(h_exit, None, None, exit_layer, num_layers))[:, :-1]
-        exit_logits = model.head(h_exit)[:, :-1]  # [B, S-1, V]
-    else:
-        logits = model.head(model.run_layers(x, None, None, 0, num_layers))[:, :-1]  # [B, S-1, V]
-    logprobs = token_logprobs(logits, batch.targets, sampling.temperature, sampling.top_p)
-    ref_logprobs = None
-    if ref_model is not None and cfg.kl_coef > 0:
-        with torch.no_grad():
-            ref_logprobs = token_logprobs(
-                ref_model(batch.input_ids)[:, :-1],
-                batch.targets,
-                sampling.temperature,
-                sampling.top_p,
-            )
-    # With top-p < 1 a sampled token can fall outside the current (or reference) nucleus: its
-    # log-prob is -inf and the ratio undefined. Such tokens leave the loss and are counted.
-    usable = valid & torch.isfinite(logprobs)
-    if ref_logprobs is not None:
-        usable &= torch.isfinite(ref_logprobs)
-        ref_logprobs = ref_logprobs.masked_fill(~usable, 0.0)
-    logprobs = logprobs.masked_fill(~usable, 0.0)  # [B, S-1]
-    out = ppo_clip_loss(
-        logprobs=logprobs,
-        behaviour_logprobs=batch.behaviour_logprobs,
-        advantages=batch.advantages,
-        mask=usable.float(),
-        clip_eps=cfg.clip_eps,
-        is_cap=cfg.is_cap,
-        ref_logprobs=ref_logprobs,
-        kl_coef=cfg.kl_coef,
+    exit_layer = spec.exit_layer if aux_coef > 0 else 0
+    if exit_layer and not 1 <= exit_layer < num_layers(policy):
+        raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {num_layers(policy) - 1}]")
+    world, rank = (dist.world, dist.rank) if dist is not None else (1, 0)
+    lengths = row_lengths(batch)
+    budget = cfg.max_tokens_per_microbatch
+    plans = [
+        plan_microbatches(shard_rows(lengths, world, r), lengths, budget) for r in range(world)
+    ]
+    micro = [take_rows(batch, rows, lengths) for rows in plans[rank]]
+    # FSDP runs collectives in every forward/backward: all ranks run as many micro-batches.
+    micro += [empty_microbatch(batch)] * (max(len(p) for p in plans) - len(micro))
+    n_valid = batch.mask.sum()  # completion tokens of the global batch (every rank has it all)
+    autocast = torch.autocast(
+        batch.input_ids.device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.precision == "bf16-mixed",
     )
-    loss = out.loss
-    exit_kl = torch.zeros(())
-    if aux_coef > 0:
-        exit_kl = early_exit_kl(
-            processed_logprobs(logits, sampling.temperature),
-            processed_logprobs(exit_logits, sampling.temperature),
-            batch.mask,
-        )
-        loss = loss + aux_coef * exit_kl
+    terms = _StepTerms(cfg, sampling, exit_layer, aux_coef, n_valid)
     optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
+    for mb in micro:
+        ref_lp = None
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad(), autocast:
+                ref_lp = _chosen(ref_model, mb, terms)
+        with autocast:
+            loss, stats = module(terms.loss, mb, ref_lp)
+        # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
+        (loss * world).backward()
+        sums += stats.double().cpu()
+    if dist is not None:
+        sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
+    stats = dict(zip(_SUM_KEYS, sums.tolist(), strict=True))
     # Defence in depth behind admission: a step whose loss or gradients are not finite would
     # put NaN into every weight (and every actor). It is skipped and counted, never taken.
-    skipped = not bool(torch.isfinite(loss))
+    skipped = not math.isfinite(stats["loss"])
     grad_norm = torch.full((), float("nan"))
     if not skipped:
-        loss.backward()
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for p in module.parameters() if p.grad is not None]
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         skipped = not bool(torch.isfinite(grad_norm))
     if skipped:
         optimizer.zero_grad(set_to_none=True)
         log.error(
             "learner: skipped a step with a non-finite loss (%s) or gradient norm (%s)",
-            float(loss.detach()),
+            stats["loss"],
             float(grad_norm),
         )
     else:
         optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return {
         "learner/skipped": float(skipped),
-        "learner/loss": float(out.loss.detach()),
-        "learner/pg_loss": float(out.pg_loss),
-        "learner/kl": float(out.kl),
-        "learner/clip_frac": float(out.clip_frac),
-        "learner/truncated_frac": float(out.truncated_frac),
-        "learner/ratio_mean": float(out.ratio_mean),
-        "learner/abs_log_ratio": float(out.abs_log_ratio),
-        "learner/outside_nucleus_frac": float(1.0 - usable.sum() / valid.sum().clamp(min=1)),
+        "learner/loss": stats["loss"],
+        "learner/pg_loss": stats["pg_loss"],
+        "learner/kl": stats["kl"],
+        "learner/clip_frac": stats["clip_frac"],
+        "learner/truncated_frac": stats["truncated_frac"],
+        "learner/ratio_mean": stats["ratio_mean"],
+        "learner/abs_log_ratio": stats["abs_log_ratio"],
+        "learner/outside_nucleus_frac": 1.0 - stats["usable"] / max(float(n_valid), 1.0),
         "learner/grad_norm": float(grad_norm),
-        "spec/exit_kl": float(exit_kl.detach()),
+        "learner/microbatches": float(len(micro)),
+        "spec/exit_kl": stats["exit_kl"],
     }
 
 
-def make_optimizer(model: Transformer, cfg: LearnerConfig) -> torch.optim.Optimizer:
+_SUM_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clip_frac",
+    "truncated_frac",
+    "ratio_mean",
+    "abs_log_ratio",
+    "usable",
+    "exit_kl",
+)
+
+
+def _chosen(policy: nn.Module, mb: MicroBatch, terms: _StepTerms) -> torch.Tensor:
+    """Log-probs [N] of the completion tokens of a micro-batch under ``policy``."""
+    h, _ = backbone(policy, mb.input_ids)
+    sel = mb.mask > 0
+    return chosen_logprobs(
+        policy.lm_head,
+        h[:, :-1][sel],
+        mb.targets[sel],
+        terms.sampling.temperature,
+        terms.sampling.top_p,
+        terms.cfg.logprob_chunk_tokens,
+    )
+
+
+@dataclass
+class _StepTerms:
+    """The loss of one micro-batch (run inside ``PolicyModule.forward``)."""
+
+    cfg: LearnerConfig
+    sampling: SamplingConfig
+    exit_layer: int
+    aux_coef: float
+    n_valid: torch.Tensor
+
+    def loss(
+        self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, sampling = self.cfg, self.sampling
+        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer)
+        sel = mb.mask > 0  # [b, s-1]: completion positions, the only ones the loss reads
+        h_sel = h[:, :-1][sel]  # [N, H]
+        logprobs = chosen_logprobs(
+            policy.lm_head,
+            h_sel,
+            mb.targets[sel],
+            sampling.temperature,
+            sampling.top_p,
+            cfg.logprob_chunk_tokens,
+        )
+        # With top-p < 1 a sampled token can fall outside the current (or reference) nucleus:
+        # its log-prob is -inf and the ratio undefined. Such tokens contribute nothing (they
+        # still count in the denominator, which must be known before any micro-batch's
+        # backward) and are counted.
+        usable = torch.isfinite(logprobs)
+        if ref_lp is not None:
+            usable &= torch.isfinite(ref_lp)
+            ref_lp = ref_lp.masked_fill(~usable, 0.0)[:, None]
+        logprobs = logprobs.masked_fill(~usable, 0.0)
+        advantages = mb.advantages[:, None].expand_as(mb.mask)[sel]  # [N]
+        out = ppo_clip_loss(
+            logprobs=logprobs[:, None],
+            behaviour_logprobs=mb.behaviour_logprobs[sel][:, None],
+            advantages=advantages,
+            mask=usable.float()[:, None],
+            clip_eps=cfg.clip_eps,
+            is_cap=cfg.is_cap,
+            ref_logprobs=ref_lp,
+            kl_coef=cfg.kl_coef,
+            num_tokens=self.n_valid,
+        )
+        loss = out.loss
+        exit_kl = torch.zeros((), device=h.device)
+        if self.exit_layer:
+            exit_sum = exit_kl_sum(
+                policy.lm_head,
+                h_sel,
+                h_exit[:, :-1][sel],
+                sampling.temperature,
+                cfg.logprob_chunk_tokens,
+            )
+            exit_kl = exit_sum / self.n_valid.clamp(min=1.0)
+            loss = loss + self.aux_coef * exit_kl
+        if h_sel.shape[0] == 0:
+            # No completion token here (a padding micro-batch): a zero that still reaches every
+            # parameter, so FSDP reduces the same gradients on every rank.
+            loss = loss + 0.0 * policy.lm_head(h[:, :1]).float().sum()
+        stats = torch.stack(
+            [
+                loss.detach().float(),
+                out.pg_loss.float(),
+                out.kl.float(),
+                out.clip_frac.float(),
+                out.truncated_frac.float(),
+                out.ratio_mean.float(),
+                out.abs_log_ratio.float(),
+                usable.sum().float(),
+                exit_kl.detach().float(),
+            ]
+        )
+        return loss, stats
+
+
+def make_optimizer(model: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters; its state takes their dtype (fp32 master weights and
+    moments unless ``learner.precision=bf16``)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def setup(cfg: SpecRLConfig, checkpoint_root: Path, device: torch.device) -> LearnerState:
-    """Model, optimizer and counters: from the newest checkpoint, else from the model directory."""
-    ckpt = latest_checkpoint(checkpoint_root) if cfg.learner.resume else None
+def setup(
+    cfg: SpecRLConfig,
+    checkpoint_root: Path,
+    device: torch.device,
+    dist: DistContext | None = None,
+) -> LearnerState:
+    """Model, optimizer and counters: from the newest checkpoint, else from the model directory.
+    With ``dist``, every rank loads the same full weights and then shards them (FSDP2)."""
+    lcfg = cfg.learner
+    dtype = param_dtype(lcfg.precision)
+    ckpt = latest_checkpoint(checkpoint_root) if lcfg.resume else None
+    opt_tensors, param_groups = {}, []
     if ckpt is not None:
-        model, opt_tensors, trainer, param_groups = load_checkpoint(ckpt, device)
+        policy, opt_tensors, trainer, param_groups = load_checkpoint(
+            ckpt, device, lcfg.model_impl, dtype
+        )
         tokenizer = load_tokenizer(ckpt)
-        optimizer = make_optimizer(model, cfg.learner)
-        restore_optimizer(model, optimizer, opt_tensors, param_groups)
-        pending = load_pending(ckpt, DecodeLimits(vocab_size=model.args.vocab_size))
         step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
         wal_from = trainer.wal_from
         log.info(
-            "resumed from %s (step %d, version %d, %d groups carried over)",
+            "resumed from %s (step %d, version %d)",
             ckpt,
             step,
             version,
-            len(pending),
         )
     else:
+        if dist is not None and not dist.is_main:
+            dist.barrier()  # rank 0 builds the model directory first (a warm start, once)
         model_dir = ensure_model(cfg)
-        model = load_pretrained(model_dir, device=device)
+        if dist is not None and dist.is_main:
+            dist.barrier()
+        policy = load_policy(model_dir, lcfg.model_impl, device, dtype)
         tokenizer = load_tokenizer(model_dir)
-        optimizer = make_optimizer(model, cfg.learner)
-        step, version, dedupe, pending, wal_from = 0, -1, {}, [], 0
+        step, version, dedupe, wal_from = 0, -1, {}, 0
+    args = model_args(policy)  # refuses a model whose versions actors could not load
+    set_activation_checkpointing(policy, lcfg.activation_checkpointing)
     ref_model = None
-    if cfg.learner.kl_coef > 0:
-        # The reference is the policy the run started from (the checkpoint's, after a resume).
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if lcfg.kl_coef > 0:
+        # The reference is the policy the run started from (the checkpoint's, after a resume);
+        # a full replica on every rank.
+        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+    model: nn.Module = policy if dist is None else shard(policy)
+    optimizer = make_optimizer(model, lcfg)
+    if ckpt is not None:
+        if dist is None:
+            restore_optimizer(model, optimizer, opt_tensors, param_groups)
+        else:
+            load_optimizer_state(model, optimizer, opt_tensors, param_groups)
+    pending = []
+    if ckpt is not None and (dist is None or dist.is_main):
+        pending = load_pending(ckpt, DecodeLimits(vocab_size=args.vocab_size))
+        log.info("%d groups carried over from the checkpoint", len(pending))
     return LearnerState(
-        model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from
+        model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from, args
     )
+
+
+class PolicyView:
+    """What the Publisher reads of the policy (``args``, ``state_dict()``, ``parameters()``).
+
+    One process: the live model's state dict. FSDP: the full state dict gathered on rank 0 by the
+    last ``refresh`` (a collective every rank calls at the same point); the republisher re-sends
+    it without a collective."""
+
+    def __init__(self, model: nn.Module, args: ModelArgs, dist: DistContext | None) -> None:
+        self.model = model
+        self.args = args
+        self.dist = dist
+        self._full: dict[str, torch.Tensor] = {}
+
+    def refresh(self) -> None:
+        if self.dist is not None:
+            self._full = full_model_state(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._full if self.dist is not None else unwrap(self.model).state_dict()
+
+    def parameters(self):
+        if self.dist is None:
+            return unwrap(self.model).parameters()
+        return iter(self._full.values())
+
+
+def gather_checkpoint(state: LearnerState, dist: DistContext | None) -> FullState | None:
+    """The model and optimizer to checkpoint: a collective under FSDP (None on ranks > 0)."""
+    if dist is None:
+        return full_state(state.model, state.optimizer)
+    weights = full_model_state(state.model)
+    opt_tensors, groups = full_optimizer_state(state.model, state.optimizer)
+    if not dist.is_main:
+        return None
+    policy = unwrap(state.model)
+    dtype = next(iter(weights.values())).dtype
+    return FullState(hf_config(policy, dtype), weights, opt_tensors, groups)
 
 
 def read_version_mark(path: Path) -> int:
@@ -243,10 +450,10 @@ class Republisher:
             log.warning("learner: cannot check or republish weights (%s); will retry", e)
 
 
-def make_admission(cfg: SpecRLConfig, model: Transformer) -> Admission:
+def make_admission(cfg: SpecRLConfig, args: ModelArgs) -> Admission:
     """What this run trains on: its group size, the model's context (or a smaller learner
     budget) and the reward bound."""
-    context = model.args.max_position_embeddings
+    context = args.max_position_embeddings
     budget = cfg.learner.max_seq_tokens
     return Admission(
         group_size=cfg.actor.group_size,
@@ -311,18 +518,72 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     """Train for ``cfg.run.steps`` steps; returns the last metrics record."""
     torch.set_num_threads(cfg.run.torch_threads)
     torch.manual_seed(cfg.run.seed)
+    # Under torchrun (WORLD_SIZE > 1): data-parallel FSDP2 ranks; rank 0 runs everything below,
+    # the others follow its broadcasts (learner/distributed.py).
+    dist = init_from_env(timeout_s=max(3600.0, 2 * cfg.learner.group_timeout_s))
+    if dist is not None and not dist.is_main:
+        try:
+            return follow(cfg, dist)
+        finally:
+            shutdown()
+    try:
+        return _run(cfg, dist)
+    finally:
+        if dist is not None:
+            shutdown()
+
+
+def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
+    """A rank > 0: trains its shard of each step rank 0 broadcasts, and joins the collectives
+    that gather the full state for publishing and checkpoints. Never talks to Redis or actors."""
+    # A stop signal (torchrun forwards it to every rank) must not end this rank: rank 0 decides
+    # when to stop and still needs it for the final checkpoint's gather.
+    StopFlag(f"learner rank {dist.rank}")
+    checkpoint_root = cfg.run.resolved_dir() / "checkpoints"
+    state = setup(cfg, checkpoint_root, dist.device, dist)
+    limits, _ = wire_limits(
+        state.args.vocab_size, make_admission(cfg, state.args), cfg.learner.max_frame_bytes
+    )
+    view = PolicyView(state.model, state.args, dist)
+    view.refresh()  # rank 0's first publish
+    last: dict[str, float] = {}
+    while True:
+        op, version, groups = dist.receive(limits)
+        if op == "stop":
+            gather_checkpoint(state, dist)  # rank 0's final checkpoint
+            return last
+        batch = collate(groups, version, state.tokenizer.pad_id, dist.device)
+        last = train_step(
+            state.model,
+            state.optimizer,
+            batch,
+            cfg.learner,
+            cfg.sampling,
+            state.ref_model,
+            cfg.spec,
+            dist,
+        )
+        state.step += 1
+        if state.step % cfg.learner.publish_every == 0 and not last["learner/skipped"]:
+            view.refresh()
+        if state.step % cfg.learner.checkpoint_every == 0:
+            gather_checkpoint(state, dist)
+
+
+def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
     run_dir = cfg.run.resolved_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dist is not None:
+        device = dist.device
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     checkpoint_root = run_dir / "checkpoints"
     version_mark = run_dir / "published_version"
     stop = StopFlag("learner")
 
-    state = setup(cfg, checkpoint_root, device)
-    admission = make_admission(cfg, state.model)
-    limits, frame_bytes = wire_limits(
-        state.model.args.vocab_size, admission, cfg.learner.max_frame_bytes
-    )
+    state = setup(cfg, checkpoint_root, device, dist)
+    admission = make_admission(cfg, state.args)
+    limits, frame_bytes = wire_limits(state.args.vocab_size, admission, cfg.learner.max_frame_bytes)
     readmission = Readmission(limits, admission)
     wal_dir = run_dir / "wal"
     replayed = replay_wal(wal_dir, state, cfg, readmission)
@@ -339,21 +600,27 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     replayed = readmission.admit(replayed, state.version)
     # Uploads run on a background thread while the next step trains (Redis outages are retried
     # there); the version mark is written once a version is in Redis.
+    view = PolicyView(state.model, state.args, dist)
+    view.refresh()  # a collective under FSDP: every rank gathers, rank 0 keeps the result
     publisher = Publisher(
         store,
-        state.model,
+        view,
         state.tokenizer,
-        dtype=publish_dtype(state.model, cfg.learner.publish_dtype),
+        dtype=publish_dtype(view, cfg.learner.publish_dtype),
         max_inflight=cfg.learner.publish_max_inflight,
         should_stop=stop,
         on_published=lambda version: write_version_mark(version_mark, version),
     )
 
     def publish() -> None:
+        view.refresh()
         publisher.publish(state.version)
 
-    publish()
-    republisher = Republisher(store, publish, busy=lambda: publisher.inflight > 0)
+    publisher.publish(state.version)
+    # Republishing re-sends the last gathered state: rank 0 alone, no collective.
+    republisher = Republisher(
+        store, lambda: publisher.publish(state.version), busy=lambda: publisher.inflight > 0
+    )
     log.info(
         "learner: published version %d; waiting for actors at %s",
         state.version,
@@ -402,9 +669,9 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         trainer.metrics = {k: v for k, v in last.items() if isinstance(v, int | float)}
         path = save_checkpoint(
             checkpoint_root,
-            state.model,
+            gather_checkpoint(state, dist),
             state.tokenizer,
-            state.optimizer,
+            None,
             trainer,
             pending=[*buffer.pending(), *queued, *pending],
         )
@@ -437,7 +704,9 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 unfinished = groups  # a stop came first: keep them for the next run
                 break
             t1 = time.perf_counter()
-            # Phase 2: one optimizer step.
+            # Phase 2: one optimizer step (every rank trains its shard of the same batch).
+            if dist is not None:
+                dist.send_step(groups, state.version)
             batch = collate(groups, state.version, state.tokenizer.pad_id, device)
             step_metrics = train_step(
                 state.model,
@@ -447,6 +716,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
                 cfg.sampling,
                 state.ref_model,
                 cfg.spec,
+                dist,
             )
             skipped = step_metrics["learner/skipped"] > 0
             skipped_steps += skipped
@@ -496,6 +766,8 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         for group in [*buffer.pending(), *leftover]:
             buffer.record(group, "pending_at_exit", state.version)
         record_refused(ledger, receiver.take_refused(), state)
+        if dist is not None:
+            dist.send_stop()  # the other ranks join the final checkpoint's gather
         checkpoint(leftover)
         metrics.write(
             {

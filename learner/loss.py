@@ -54,10 +54,16 @@ def ppo_clip_loss(
     is_cap: float,
     ref_logprobs: torch.Tensor | None = None,  # [B, T] log pi_ref(y_t), for the KL penalty
     kl_coef: float = 0.0,
+    num_tokens: float | torch.Tensor | None = None,
 ) -> PolicyLoss:
-    """Token-mean PPO-clip loss on the ratio to the behaviour policy, dual-clipped at ``is_cap``."""
+    """Token-mean PPO-clip loss on the ratio to the behaviour policy, dual-clipped at ``is_cap``.
+
+    ``num_tokens``: the denominator of every mean (default: ``mask.sum()``). A micro-batch or a
+    rank's shard passes the token count of the whole batch, so the sums of its terms over the
+    micro-batches (and ranks) are the one-batch values and their gradients add up exactly.
+    """
     mask = mask.float()
-    n_tokens = mask.sum().clamp(min=1.0)
+    n_tokens = (mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)).clamp(min=1.0)
     adv = advantages.detach().unsqueeze(-1)  # [B, 1]
     log_ratio = (logprobs - behaviour_logprobs).clamp(max=20.0)  # exp stays finite
     ratio = torch.exp(log_ratio)  # [B, T]

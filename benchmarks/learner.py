@@ -1,0 +1,367 @@
+"""Learner memory and throughput: the old training step against the new one, and 1 against 2
+FSDP2 ranks.
+
+    python benchmarks/learner.py --json benchmarks/results/learner.json [--quick]
+
+Models (random weights, built in memory): ``small`` (the built-in preset of
+configs/model/small.yaml: 8 layers, width 192, character vocabulary) and ``vocab32k`` (4 layers,
+width 256, a 32,000-token vocabulary). Both paths train on the same batch (rows x length below).
+
+- ``old``: the step before issue 14: fp32 logits [B, S, V] at every position, a full
+  ``log_softmax``, the whole batch in one forward/backward, no activation checkpointing.
+- ``new``: ``learner.loop.train_step`` with log-probs of the chosen tokens at completion
+  positions only (chunks of ``logprob_chunk_tokens``), micro-batches of
+  ``max_tokens_per_microbatch`` tokens and activation checkpointing (fp32, so the comparison
+  isolates the memory plan, not precision).
+
+Peak memory: each configuration runs in a fresh process; peak = the process's peak RSS
+(``ru_maxrss``) minus its RSS before the model was built, so it counts weights, gradients, AdamW
+state and activations (children run with ``MALLOC_MMAP_THRESHOLD_=131072`` so freed tensors
+leave RSS). tokens/s: completion tokens per second of step time, best of the measured
+steps; old and new run alternately (cores are shared, so the ratio is the robust figure).
+
+Ranks: ``torch.multiprocessing`` spawns 1 and 2 gloo ranks (FSDP2); per-rank state memory is the
+bytes of this rank's parameter, gradient (read just before the optimizer step) and AdamW tensors
+(local shards of the DTensors), the largest over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, this file's directory comes first on sys.path and its name would shadow the
+# `learner` package: the repository root replaces it.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common.config import LearnerConfig, SamplingConfig  # noqa: E402
+from common.model import ModelArgs, Transformer  # noqa: E402
+from common.protocol import Completion, TrajectoryGroup  # noqa: E402
+from common.sampling import token_logprobs  # noqa: E402
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
+from learner.batch import TrainBatch, collate  # noqa: E402
+from learner.loss import ppo_clip_loss  # noqa: E402
+
+CHAR_VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size
+MODELS = {
+    # name: (vocab, hidden, layers, heads, kv heads, intermediate)
+    "small": (CHAR_VOCAB, 192, 8, 6, 2, 512),
+    "vocab32k": (32_000, 256, 4, 4, 2, 688),
+}
+# Batch: GROUPS x GROUP_SIZE rows of PROMPT + up to COMPLETION tokens.
+GROUPS, GROUP_SIZE, PROMPT, COMPLETION = 8, 8, 32, 96
+NEW = dict(max_tokens_per_microbatch=2048, logprob_chunk_tokens=256, activation_checkpointing=True)
+
+
+def build_model(name: str) -> Transformer:
+    vocab, hidden, layers, heads, kv, inter = MODELS[name]
+    torch.manual_seed(0)
+    return Transformer(
+        ModelArgs(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            max_position_embeddings=PROMPT + COMPLETION,
+        )
+    )
+
+
+def build_batch(vocab: int, groups: int, seed: int = 0) -> TrainBatch:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(groups):
+        completions = []
+        for _ in range(GROUP_SIZE):
+            t = int(rng.integers(COMPLETION // 2, COMPLETION + 1))
+            completions.append(
+                Completion(
+                    token_ids=rng.integers(3, vocab, t).astype(np.int32),
+                    behaviour_logprobs=(-rng.random(t) * 3 - 1).astype(np.float32),
+                    token_versions=np.zeros(t, np.int32),
+                    reward=float(rng.random()),
+                    finished=True,
+                )
+            )
+        out.append(
+            TrajectoryGroup(
+                actor_id="bench",
+                seq=i,
+                prompt_id=f"p{i}",
+                prompt_ids=rng.integers(3, vocab, PROMPT).astype(np.int32),
+                version=0,
+                completions=completions,
+            )
+        )
+    return collate(out, 0, 0, torch.device("cpu"))
+
+
+def old_step(model: Transformer, optimizer, batch: TrainBatch, cfg: LearnerConfig) -> None:
+    """The training step as it was before issue 14 (policy loss; no KL, no early exit)."""
+    model.train()
+    L = model.args.num_hidden_layers
+    x = model.model.embed_tokens(batch.input_ids)
+    logits = model.head(model.run_layers(x, None, None, 0, L))[:, :-1]  # [B, S-1, V] fp32
+    logprobs = token_logprobs(logits, batch.targets, 1.0, 1.0)
+    usable = (batch.mask > 0) & torch.isfinite(logprobs)
+    out = ppo_clip_loss(
+        logprobs.masked_fill(~usable, 0.0),
+        batch.behaviour_logprobs,
+        batch.advantages,
+        usable.float(),
+        cfg.clip_eps,
+        cfg.is_cap,
+    )
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child_step(model_name: str, path: str, steps: int, groups: int) -> dict:
+    """One configuration in this (fresh) process: peak memory and tokens/s."""
+    from learner.loop import make_optimizer, train_step
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    batch = build_batch(MODELS[model_name][0], groups)
+    base = _rss_bytes()
+    model = build_model(model_name)
+    cfg = LearnerConfig(lr=1e-5, **(NEW if path == "new" else {}))
+    optimizer = make_optimizer(model, cfg)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if path == "old":
+            old_step(model, optimizer, batch, cfg)
+        else:
+            train_step(model, optimizer, batch, cfg, SamplingConfig())
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {
+        "peak_mem_bytes": peak,
+        "tokens_per_s": batch.num_tokens / min(times),
+        "step_s": min(times),
+        "tokens": batch.num_tokens,
+        "rows": int(batch.input_ids.shape[0]),
+        "seq_len": int(batch.input_ids.shape[1]),
+    }
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _rank_worker(rank: int, world: int, port: int, model_name: str, out: str, groups: int) -> None:
+    from learner.distributed import init_from_env, shard, shutdown
+    from learner.loop import make_optimizer, train_step
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    ctx = init_from_env(timeout_s=600) if world > 1 else None
+    try:
+        model = build_model(model_name)
+        module = shard(model) if ctx is not None else model
+        cfg = LearnerConfig(lr=1e-5, **NEW)
+        optimizer = make_optimizer(module, cfg)
+        grads = {"bytes": 0}
+        step = optimizer.step
+
+        def measured_step(*a, **kw):
+            grads["bytes"] = sum(
+                _local_bytes(p.grad) for p in module.parameters() if p.grad is not None
+            )
+            return step(*a, **kw)
+
+        optimizer.step = measured_step
+        batch = build_batch(MODELS[model_name][0], groups)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            train_step(module, optimizer, batch, cfg, SamplingConfig(), dist=ctx)
+            times.append(time.perf_counter() - t0)
+        params = sum(_local_bytes(p) for p in module.parameters())
+        optim = sum(
+            _local_bytes(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0
+        )
+        result = {
+            "param_bytes": params,
+            "grad_bytes": grads["bytes"],
+            "optimizer_bytes": optim,
+            "state_bytes": params + grads["bytes"] + optim,
+            "tokens_per_s": batch.num_tokens / min(times),
+        }
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if ctx is not None:
+            shutdown()
+
+
+def child_ranks(model_name: str, world: int, groups: int) -> dict:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from common.redis_server import find_free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (world, find_free_port(), model_name, tmp, groups)
+        mp.spawn(_rank_worker, args=args, nprocs=world)
+        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    worst = max(per_rank, key=lambda r: r["state_bytes"])
+    return {**worst, "tokens_per_s": per_rank[0]["tokens_per_s"], "world": world}
+
+
+def _run_child(*argv: str) -> dict:
+    # Large blocks straight from mmap and back on free, so RSS follows the live tensors instead of
+    # glibc's heap high-water mark (same setting for every configuration).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {argv} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plan_check(name: str, measured: dict) -> dict:
+    """``specrl plan``'s estimate (common/memory_plan.py) for this model and the new settings,
+    next to what was measured: state (1 and 2 ranks) and the new path's peak."""
+    from common.memory_plan import Shape, learner_plan
+
+    model = build_model(name)
+    shape = Shape.from_hf_config(model.args.to_hf_config())
+    out = {}
+    for gpus in (1, 2):
+        plan = learner_plan(
+            shape,
+            gpus=gpus,
+            precision="fp32",
+            max_tokens=NEW["max_tokens_per_microbatch"],
+            chunk=NEW["logprob_chunk_tokens"],
+            checkpointing=NEW["activation_checkpointing"],
+        )
+        state = plan["weights"] + plan["gradients"] + plan["optimizer"]
+        got = measured[f"ranks_{gpus}"]["state_bytes"]
+        out[f"state_{gpus}_rank_plan_over_measured"] = state / got
+        if gpus == 1:
+            out["peak_plan_bytes"] = plan["total"]
+            out["peak_plan_over_measured_new"] = plan["total"] / measured["new"]["peak_mem_bytes"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="a smaller batch, fewer steps")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--plan-only", action="store_true", help="add the plan check to an existing --json file"
+    )
+    args = parser.parse_args(argv)
+    if args.plan_only:
+        results = json.loads(args.json.read_text())
+        for name, measured in results["models"].items():
+            measured["plan"] = plan_check(name, measured)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        return 0
+    groups = 2 if args.quick else GROUPS
+    if args.child:
+        kind, model_name, *rest = args.child
+        if kind == "step":
+            out = child_step(model_name, rest[0], int(rest[1]), int(rest[2]))
+        else:
+            out = child_ranks(model_name, int(rest[0]), int(rest[1]))
+        print(json.dumps(out))
+        return 0
+    steps = "2" if args.quick else "3"
+    results: dict = {
+        "batch": {
+            "rows": groups * GROUP_SIZE,
+            "prompt_tokens": PROMPT,
+            "completion_tokens_max": COMPLETION,
+        },
+        "new_settings": NEW,
+        "models": {},
+    }
+    for name in MODELS:
+        runs: dict[str, list[dict]] = {"old": [], "new": []}
+        for _ in range(1 if args.quick else 2):  # alternate old/new: shared cores drift
+            for path in ("old", "new"):
+                runs[path].append(_run_child("step", name, path, steps, str(groups)))
+        old = min(runs["old"], key=lambda r: r["peak_mem_bytes"])
+        new = min(runs["new"], key=lambda r: r["peak_mem_bytes"])
+        old_tps = max(r["tokens_per_s"] for r in runs["old"])
+        new_tps = max(r["tokens_per_s"] for r in runs["new"])
+        one = _run_child("ranks", name, "1", str(groups))
+        two = _run_child("ranks", name, "2", str(groups))
+        vocab, hidden, layers, heads, kv, inter = MODELS[name]
+        params = sum(p.numel() for p in build_model(name).parameters())
+        results["models"][name] = {
+            "config": dict(
+                vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, mlp=inter
+            ),
+            "params": params,
+            "old": {**old, "tokens_per_s": old_tps},
+            "new": {**new, "tokens_per_s": new_tps},
+            "peak_mem_new_over_old": new["peak_mem_bytes"] / old["peak_mem_bytes"],
+            "tokens_per_s_new_over_old": new_tps / old_tps,
+            "ranks_1": one,
+            "ranks_2": two,
+            "per_rank_state_mem_2_over_1": two["state_bytes"] / one["state_bytes"],
+            "tokens_per_s_2_over_1": two["tokens_per_s"] / one["tokens_per_s"],
+        }
+        results["models"][name]["plan"] = plan_check(name, results["models"][name])
+        print(
+            f"{name}: peak new/old {results['models'][name]['peak_mem_new_over_old']:.3f} "
+            f"({new['peak_mem_bytes'] / 2**20:.0f} / {old['peak_mem_bytes'] / 2**20:.0f} MiB), "
+            f"tokens/s new/old {new_tps / old_tps:.2f}, per-rank state 2/1 "
+            f"{results['models'][name]['per_rank_state_mem_2_over_1']:.3f}",
+            flush=True,
+        )
+    results["goals"] = {
+        "peak_mem_new_over_old<=0.5": all(
+            m["peak_mem_new_over_old"] <= 0.5 for m in results["models"].values()
+        ),
+        "per_rank_state_mem_2_over_1<=0.6": all(
+            m["per_rank_state_mem_2_over_1"] <= 0.6 for m in results["models"].values()
+        ),
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results["goals"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

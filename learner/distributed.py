@@ -1,0 +1,192 @@
+"""Data-parallel learner over N ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Launch: ``torchrun --nproc-per-node N -m learner.main ...`` (gloo on CPU, NCCL on GPU). Without
+``WORLD_SIZE`` > 1 the learner is the single process it always was.
+
+Data flow (one step):
+- rank 0 alone talks to the outside: it binds the ZeroMQ receiver, writes the write-ahead log,
+  admits groups, keeps the staleness buffer, publishes to Redis and writes checkpoints;
+- it broadcasts the step's groups (msgpack wire frames in a uint8 tensor; no pickle) and the
+  learner version to the other ranks; every rank collates the same full batch, takes its shard of rows
+  (``learner.microbatch.shard_rows``, balanced by tokens) and trains on it in micro-batches;
+- loss terms are divided by the completion-token count of the *global* batch (every rank has
+  the full batch, so no extra all-reduce) and multiplied by the world size, because FSDP averages
+  gradients over ranks: the N-rank update is the 1-rank update. Every rank runs the same number
+  of micro-batches (a short shard is padded with an empty one), so FSDP's collectives match.
+
+Publishing and checkpoints: all ranks take part in gathering the full (unsharded) state dict to
+rank 0's CPU (``get_model_state_dict`` / ``get_optimizer_state_dict`` with
+``full_state_dict=True, cpu_offload=True``); rank 0 publishes and writes it; the other ranks never
+publish. Every rank knows when: publishing follows ``publish_every`` and the step's (all-reduced)
+skipped flag, checkpoints follow ``checkpoint_every``, and the final checkpoint follows rank 0's
+``stop`` message. Rank 0's republisher (Redis lost a version) re-sends the last gathered state
+and needs no collective.
+
+Resume: every rank reads the same newest checkpoint (full state dict, HF format), builds the
+model from it, then shards it; the optimizer's full state is loaded into the sharded optimizer
+with ``set_optimizer_state_dict(full_state_dict=True)``. Step and version continue from the
+checkpoint (rank 0 also reads Redis and the version mark, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
+from learner.policy import PolicyModule, decoder_layers
+
+log = logging.getLogger(__name__)
+
+PREFIX = "policy."
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def broadcast_bytes(self, data: bytes = b"") -> bytes:
+        """Rank 0's ``data`` on every rank (a length, then a uint8 tensor: no pickle)."""
+        size = torch.tensor([len(data) if self.is_main else 0], device=self.device)
+        dist.broadcast(size, src=0)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.is_main and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        dist.broadcast(buf, src=0)
+        return buf.cpu().numpy().tobytes()
+
+    def send_step(self, groups: list[TrajectoryGroup], version: int) -> None:
+        """Rank 0: this step's groups (as wire frames) and learner version."""
+        self.broadcast_bytes(msgpack.packb(["step", version, [encode(g) for g in groups]]))
+
+    def send_stop(self) -> None:
+        self.broadcast_bytes(msgpack.packb(["stop", -1, []]))
+
+    def receive(self, limits: DecodeLimits) -> tuple[str, int, list[TrajectoryGroup]]:
+        """Ranks > 0: rank 0's next message, groups decoded and validated like any frame."""
+        op, version, frames = msgpack.unpackb(self.broadcast_bytes(), raw=False)
+        groups = []
+        for frame in frames:
+            group = decode(frame, limits)
+            if not isinstance(group, TrajectoryGroup):
+                raise ValueError(f"rank 0 sent a {type(group).__name__}, not a group")
+            groups.append(group)
+        return op, version, groups
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def init_from_env(timeout_s: float = 3600.0) -> DistContext | None:
+    """The process group from torchrun's environment, or None for a single process. The timeout
+    bounds how long ranks wait for rank 0 (which may wait ``group_timeout_s`` for groups)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    log.info("learner rank %d/%d on %s (%s)", rank, world, device, backend)
+    return DistContext(rank, world, local_rank, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(policy: nn.Module) -> PolicyModule:
+    """FSDP2: each decoder layer is one unit; the root (embedding, final norm, LM head) another.
+    Parameters stay in their dtype (fp32 master weights unless ``precision=bf16``); bf16 compute
+    comes from autocast, as on one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    module = PolicyModule(policy)
+    for layer in decoder_layers(policy):
+        fully_shard(layer)
+    fully_shard(module)
+    return module
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix(PREFIX)
+
+
+def full_model_state(module: PolicyModule) -> dict[str, Tensor]:
+    """Collective: the unsharded state dict on rank 0's CPU (HF names); empty on other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {_strip(k): v for k, v in state.items()}
+
+
+def full_optimizer_state(
+    module: PolicyModule, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
+    """Collective: AdamW state as ``{name::slot: tensor}`` plus hyper-parameters, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(
+        module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    tensors: dict[str, Tensor] = {}
+    for name, slots in osd.get("state", {}).items():
+        for slot, value in slots.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{_strip(name)}::{slot}"] = t.detach().contiguous().cpu()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])]
+    return tensors, groups
+
+
+def load_optimizer_state(
+    module: PolicyModule,
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, Tensor],
+    param_groups: list[dict[str, Any]],
+) -> None:
+    """Collective: a checkpoint's full optimizer state, sharded into this rank's optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not tensors:
+        return
+    state: dict[str, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        name, _, slot = key.partition("::")
+        state.setdefault(PREFIX + name, {})[slot] = value
+    names = [n for n, _ in module.named_parameters()]
+    saved = param_groups[0] if param_groups else {}
+    group = {**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}}
+    group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    set_optimizer_state_dict(
+        module,
+        optimizer,
+        optim_state_dict={"state": state, "param_groups": [{**group, "params": names}]},
+        options=StateDictOptions(full_state_dict=True),
+    )

@@ -1,0 +1,174 @@
+"""The policy the learner trains: the built-in ``common.model.Transformer`` or any Hugging Face
+causal LM (``AutoModelForCausalLM``), behind one small interface.
+
+The training step needs three things of a model, whatever its implementation:
+- ``backbone(model, input_ids, exit_layer)``: the final-normed hidden states [B, S, H] and, for
+  the early-exit co-training loss, the hidden states after ``exit_layer`` layers through the same
+  final norm;
+- ``model.lm_head``: the output projection (applied by the step only at completion positions, in
+  chunks: see ``learner/logprobs.py``);
+- ``decoder_layers(model)``: the repeated blocks (FSDP2 shards each one as a unit).
+
+``PolicyModule`` wraps the policy so the whole loss computation is one ``forward``: FSDP2 gathers
+the root's parameters (embedding, final norm, LM head) for a forward, so the LM head must be
+called inside one, not after it.
+
+Publishing and checkpoints read a model as an ``HF config + state dict`` (``hf_config``,
+``model_args``): a Hugging Face Llama/Qwen2/Qwen3 model has exactly the built-in model's parameter
+names, so the actors' torch engine (``Transformer``) and vLLM load its published versions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from common.model import CONFIG_FILE, ModelArgs, Transformer, load_pretrained
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "builtin", "hf")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+
+def is_builtin(model: nn.Module) -> bool:
+    return isinstance(model, Transformer)
+
+
+def num_layers(model: nn.Module) -> int:
+    return model.args.num_hidden_layers if is_builtin(model) else model.config.num_hidden_layers
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    return model.model.norm
+
+
+def backbone(
+    model: nn.Module, input_ids: Tensor, exit_layer: int = 0
+) -> tuple[Tensor, Tensor | None]:
+    """(final-normed hidden states [B, S, H], final-normed hidden states after ``exit_layer``
+    layers or None). Rows are right-padded, so plain causal attention is exact for every real
+    token (pads come after them)."""
+    L = num_layers(model)
+    if exit_layer and not 1 <= exit_layer < L:
+        raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {L - 1}]")
+    norm = final_norm(model)
+    if is_builtin(model):
+        x = model.model.embed_tokens(input_ids)  # [B, S, H]
+        if not exit_layer:
+            return norm(model.run_layers(x, None, None, 0, L)), None
+        h_exit = model.run_layers(x, None, None, 0, exit_layer)
+        h = model.run_layers(h_exit, None, None, exit_layer, L)
+        return norm(h), norm(h_exit)
+    out = model.model(input_ids=input_ids, use_cache=False, output_hidden_states=bool(exit_layer))
+    h = out.last_hidden_state  # already through the final norm
+    if not exit_layer:
+        return h, None
+    # hidden_states[k] is the residual stream after k decoder layers (k=0: the embeddings).
+    return h, norm(out.hidden_states[exit_layer])
+
+
+def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    if is_builtin(model):
+        model.gradient_checkpointing = enabled
+    elif enabled and not model.is_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif not enabled and model.is_gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+
+
+class PolicyModule(nn.Module):
+    """Root module of a training step: ``forward(fn, *args)`` runs ``fn(policy, *args)`` inside
+    the root's forward, so under FSDP2 the root parameters are gathered while ``fn`` runs."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, fn, *args: Any) -> Any:
+        return fn(self.policy, *args)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.policy if isinstance(model, PolicyModule) else model
+
+
+# ------------------------------------------------------------------------------ config, I/O
+
+
+def hf_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of the checkpoint/version this model writes (tensors in ``dtype``)."""
+    if is_builtin(model):
+        return model.args.to_hf_config(dtype)
+    cfg = model.config.to_dict()
+    name = str(dtype).removeprefix("torch.")
+    cfg["torch_dtype"] = name
+    cfg["dtype"] = name
+    return cfg
+
+
+def model_args(model: nn.Module) -> ModelArgs:
+    """The built-in description actors build the policy from (``common.policy_meta``); an HF
+    model whose layout the actors' engines cannot build is refused here, before any training."""
+    if is_builtin(model):
+        return model.args
+    try:
+        return ModelArgs.from_hf_config(model.config.to_dict())
+    except (ValueError, KeyError) as e:
+        raise ValueError(
+            f"the learner can train this {type(model).__name__}, but actors could not load its "
+            f"published versions ({e}); supported layouts: Llama, Qwen2, Qwen3 with default, "
+            "linear or llama3 RoPE"
+        ) from e
+
+
+def tied(model: nn.Module) -> bool:
+    if is_builtin(model):
+        return model.args.tie_word_embeddings
+    return bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def choose_impl(model_dir: Path, impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"learner.model_impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    try:
+        ModelArgs.from_hf_config(json.loads((model_dir / CONFIG_FILE).read_text()))
+        return "builtin"
+    except ValueError:
+        return "hf"
+
+
+def load_policy(
+    model_dir: Path, impl: str, device: torch.device, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The policy from an HF-format directory: the built-in model (``builtin``), a
+    ``transformers`` ``AutoModelForCausalLM`` (``hf``), or whichever fits (``auto``: built-in for
+    the Llama/Qwen2/Qwen3 layouts it computes exactly, ``transformers`` otherwise)."""
+    if choose_impl(model_dir, impl) == "builtin":
+        return load_pretrained(model_dir, device=device, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="sdpa"
+    )
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """Master-weight (and so gradient and AdamW-state) dtype for ``learner.precision``:
+    fp32 for ``fp32`` and ``bf16-mixed`` (bf16 compute under autocast), bf16 for ``bf16``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"learner.precision must be one of {PRECISIONS}, got {precision!r}")
+    return torch.bfloat16 if precision == "bf16" else torch.float32

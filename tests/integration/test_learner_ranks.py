@@ -1,0 +1,94 @@
+"""The learner on 2 FSDP2 ranks (torchrun, gloo) training a transformers Qwen2 model through the
+real pipeline: an actor loads its published versions, a restart on 2 ranks resumes and versions
+keep growing, and the checkpoint opens in transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from learner.checkpoint import latest_checkpoint
+from tests.integration.pipeline_harness import Pipeline, spawn
+from tests.integration.test_pipeline import wait_exit
+
+pytestmark = pytest.mark.integration
+
+
+def qwen2_dir(path: Path) -> Path:
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save(path)
+    return path
+
+
+def start_ranks(pipeline: Pipeline, extra: list[str]):
+    pipeline.learner = spawn(
+        "torch.distributed.run",
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "learner.main",
+            *pipeline.overrides,
+            *extra,
+        ],
+        pipeline.run_dir / "learner.log",
+    )
+    return pipeline.learner
+
+
+def test_two_rank_hf_learner_publishes_to_an_actor_and_resumes(tmp_path, redis_server):
+    model = qwen2_dir(tmp_path / "qwen2")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    pipeline = Pipeline.make(
+        run_dir,
+        redis_server.url,
+        model,
+        [
+            "learner.model_impl=hf",
+            "learner.groups_per_step=2",
+            "learner.max_tokens_per_microbatch=256",
+            "learner.checkpoint_every=2",
+            "learner.group_timeout_s=120",
+            "actor.group_size=4",
+            "run.torch_threads=1",
+        ],
+    )
+    try:
+        learner = start_ranks(pipeline, ["run.steps=3"])
+        pipeline.start_actor(0)
+        assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
+        first = pipeline.steps()
+        assert [r["learner/step"] for r in first] == [1, 2, 3]
+        assert first[-1]["learner/version"] == 3
+        learner = start_ranks(pipeline, ["run.steps=5"])
+        assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    resumed = pipeline.steps()[len(first) :]
+    assert [r["learner/step"] for r in resumed] == [4, 5]
+    # Republished as 4 on restart, then one version per step.
+    assert [r["learner/version"] for r in resumed] == [5, 6]
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt is not None and ckpt.name.endswith("00000005")
+    reopened = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    assert type(reopened).__name__ == "Qwen2ForCausalLM"

@@ -1,0 +1,128 @@
+"""FSDP2 data parallelism on 2 gloo ranks (CPU): the update equals the single-process one, and a
+checkpoint gathered from 2 ranks resumes on 2 ranks exactly.
+
+Tolerance: the ranks compute the same sums as one process, only split in two and added in a
+different order (fp32 reduce-scatter), so parameters after an SGD step (lr 1: minus the gradient)
+agree to rounding, ~1e-7 here; 1e-5 leaves room and is still far below any normalisation error
+(a wrong world-size factor or a per-rank token mean moves them by >1e-3, see the negative control
+in test_microbatch.py). AdamW steps divide by sqrt(v): for near-zero gradients that amplifies
+rounding, so the AdamW comparison uses 1e-4.
+"""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from common.config import LearnerConfig, SamplingConfig
+from common.redis_server import find_free_port
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from learner.batch import collate
+from learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from learner.distributed import (
+    full_model_state,
+    init_from_env,
+    load_optimizer_state,
+    shard,
+    shutdown,
+)
+from learner.loop import LearnerState, gather_checkpoint, make_optimizer, train_step
+from tests.unit.learner.test_train_step import make_groups, tiny_model
+
+TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
+VOCAB = TOKENIZER.vocab_size
+CPU = torch.device("cpu")
+CFG = dict(grad_clip=0.0, max_tokens_per_microbatch=24, logprob_chunk_tokens=4)
+
+
+def _batches():
+    return [
+        collate(make_groups(VOCAB, n=3, g=4), 0, 0, CPU),
+        collate(make_groups(VOCAB, n=3, g=4, version=1)[::-1], 1, 0, CPU),
+    ]
+
+
+def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    ctx = init_from_env(timeout_s=120)
+    try:
+        cfg = LearnerConfig(**CFG)
+        batches = _batches()
+        module = shard(tiny_model(VOCAB))
+        if mode == "sgd":
+            optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
+            metrics = train_step(module, optimizer, batches[0], cfg, SamplingConfig(), dist=ctx)
+            state = full_model_state(module)
+            if rank == 0:
+                save_file(state, os.path.join(out, "params.safetensors"))
+                Path(out, "metrics.json").write_text(json.dumps(metrics))
+            return
+        # mode "resume": one AdamW step, checkpoint gathered to rank 0, fresh ranks resume from
+        # it and take a second step.
+        cfg = LearnerConfig(lr=1e-2, **CFG)
+        optimizer = make_optimizer(module, cfg)
+        train_step(module, optimizer, batches[0], cfg, SamplingConfig(), dist=ctx)
+        state = LearnerState(module, TOKENIZER, optimizer, None, 1, 1, {}, [])
+        full = gather_checkpoint(state, ctx)
+        root = Path(out) / "ckpt"
+        if rank == 0:
+            save_checkpoint(root, full, TOKENIZER, None, TrainerState(1, 1))
+        ctx.barrier()
+        path = sorted(root.glob("step_*"))[-1]
+        policy, tensors, trainer, groups = load_checkpoint(path, CPU)
+        resumed = shard(policy)
+        opt2 = make_optimizer(resumed, cfg)
+        load_optimizer_state(resumed, opt2, tensors, groups)
+        train_step(resumed, opt2, batches[1], cfg, SamplingConfig(), dist=ctx)
+        final = full_model_state(resumed)
+        if rank == 0:
+            save_file(final, os.path.join(out, "params.safetensors"))
+            Path(out, "metrics.json").write_text(json.dumps(trainer.step))
+    finally:
+        shutdown()
+
+
+def run_ranks(tmp_path, mode: str, world: int = 2) -> dict[str, torch.Tensor]:
+    mp.spawn(_worker, args=(world, find_free_port(), str(tmp_path), mode), nprocs=world)
+    return load_file(str(tmp_path / "params.safetensors"))
+
+
+def test_two_rank_step_equals_the_single_process_step(tmp_path):
+    model = tiny_model(VOCAB)
+    single = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(single.parameters(), lr=1.0)
+    metrics = train_step(single, optimizer, _batches()[0], LearnerConfig(**CFG), SamplingConfig())
+    sharded = run_ranks(tmp_path, "sgd")
+    expected = single.state_dict()
+    assert set(sharded) == set(expected)
+    diff = max(float((sharded[n] - expected[n]).abs().max()) for n in expected)
+    moved = min(float((expected[n] - model.state_dict()[n]).abs().max()) for n in expected)
+    assert diff < 1e-5 < moved, (diff, moved)
+    ranks = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("learner/loss", "learner/clip_frac", "learner/grad_norm"):
+        assert ranks[key] == pytest.approx(metrics[key], abs=1e-6), key
+
+
+def test_two_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    cfg = LearnerConfig(lr=1e-2, **CFG)
+    single = tiny_model(VOCAB)
+    optimizer = make_optimizer(single, cfg)
+    for batch in _batches():
+        train_step(single, optimizer, batch, cfg, SamplingConfig())
+    resumed = run_ranks(tmp_path, "resume")
+    assert json.loads((tmp_path / "metrics.json").read_text()) == 1
+    expected = single.state_dict()
+    diff = max(float((resumed[n] - expected[n]).abs().max()) for n in expected)
+    assert diff < 1e-4, diff
