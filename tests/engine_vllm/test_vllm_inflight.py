@@ -86,5 +86,24 @@ def test_top_k_residual_is_an_approximation_whose_distance_is_small(models):
     print(
         f"total variation to pi_new: full vocabulary {tv[-1]:.4f}, top-2 {tv[2]:.4f}, keep {tv_keep:.4f}"
     )
-    assert tv[-1] < 0.05  # sampling noise only at 6000 samples
+    # The whole-vocabulary record is exact: its distance is sampling noise alone, bounded by
+    # the 99th percentile of the distance of as many exact samples (simulated) to the same law.
+    n = int(counts.sum())
+    generator = torch.Generator().manual_seed(0)
+    noise = sorted(
+        0.5
+        * (
+            torch.bincount(
+                torch.multinomial(probs.float(), n, replacement=True, generator=generator),
+                minlength=len(probs),
+            )
+            / n
+            - probs
+        )
+        .abs()
+        .sum()
+        .item()
+        for _ in range(200)
+    )[197]
+    assert tv[-1] <= noise, (tv[-1], noise)
     assert tv[2] < tv_keep

