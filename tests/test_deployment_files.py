@@ -28,7 +28,11 @@ def test_shared_stack_wiring():
     assert learner["depends_on"]["redis"]["condition"] == "service_healthy"
     assert actor["depends_on"]["learner"]["condition"] == "service_healthy"
     # Entry points and overrides the code actually has; addresses from the SPECRL_* variables.
-    assert "specrl-learner" in learner["command"]
+    # Above one GPU the learner runs under torchrun (FSDP2 ranks); one GPU: one process.
+    command = learner["command"]
+    assert 'torchrun --standalone --nproc-per-node "$$LEARNER_GPUS" -m learner.main' in command
+    assert "else set -- specrl-learner" in command
+    assert compose["x-specrl-env"]["LEARNER_GPUS"] == "${LEARNER_GPUS:-1}"
     assert "learner.bind=tcp://$$SPECRL_LEARNER_BIND:$$SPECRL_LEARNER_PORT" in learner["command"]
     assert (
         "redis.url=redis://:$$REDIS_PASSWORD@$$SPECRL_REDIS_HOST:$$SPECRL_REDIS_PORT/0"
