@@ -541,7 +541,11 @@ def scaling_figures(
         value = out[key]
         out[f"{key}_goal"] = goal
         out[f"{key}_met"] = value <= goal if how == "<=" else value >= goal
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+    # Ratios and times to 4 decimals; learning rates as they are (1e-6 would round to 0).
+    return {
+        k: round(v, 4) if isinstance(v, float) and not k.startswith("delta_lr") else v
+        for k, v in out.items()
+    }
 
 
 def main() -> int:
