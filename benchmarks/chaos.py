@@ -54,7 +54,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender  # noqa: E402
-from benchmarks.hostile import poisoned_frames  # noqa: E402
+from benchmarks.hostile import (  # noqa: E402
+    poisoned_frames,
+    refused_seqs,
+    replies,
+    send_when_connected,
+)
 from common.config import load_config  # noqa: E402
 from common.curve_keys import CurveKeys, actor_keys, learner_keys, write_keys  # noqa: E402
 from common.ledger import read_ledger  # noqa: E402
@@ -63,9 +68,7 @@ from common.model import load_pretrained  # noqa: E402
 from common.protocol import (  # noqa: E402
     Ack,
     Completion,
-    DecodeLimits,
     TrajectoryGroup,
-    decode,
     encode,
 )
 from common.redis_server import RedisServer, child_preexec, find_free_port  # noqa: E402
@@ -243,20 +246,14 @@ def bad_frames(vocab: int) -> list[tuple[str, list[bytes]]]:
 
 def flood(address: str, keys: CurveKeys, vocab: int, repeat: int) -> dict[str, int]:
     """Send every bad frame ``repeat`` times from an authenticated peer; returns counts sent."""
-    dealer = connect_dealer(
-        address,
-        FLOOD_ID.encode(),
-        curve_secret_key=keys.secret,
-        curve_public_key=keys.public,
-        curve_server_key=keys.server_public,
-    )
+    dealer = _flood_dealer(address, keys)
     sent: dict[str, int] = {}
     try:
         for kind, frames in bad_frames(vocab):
             for _ in range(repeat):
                 for frame in frames:
                     parts = [b"part-1", b"part-2"] if kind == "multipart" else [frame]
-                    _send(dealer, parts)
+                    send_when_connected(dealer, parts)
                     sent[kind] = sent.get(kind, 0) + 1
         # Nothing must come back: rejected frames are never acked.
         if dealer.poll(1000):
@@ -273,26 +270,17 @@ def poison(
     must come back in an ack's ``refused`` map with their reason, the others get no answer."""
     latest = max((r["learner/version"] for r in steps(run_dir)), default=0)
     poisons = poisoned_frames(FLOOD_ID, group_size, context, latest, first_seq=1_000_000)
-    dealer = connect_dealer(
-        address,
-        FLOOD_ID.encode(),
-        curve_secret_key=keys.secret,
-        curve_public_key=keys.public,
-        curve_server_key=keys.server_public,
-    )
+    want = {p.seq: p.reason for p in poisons if p.verdict == "refused"}
+    dealer = _flood_dealer(address, keys)
     try:
         for p in poisons:
-            _send(dealer, [p.frame])
-        want = {p.seq: p.reason for p in poisons if p.verdict == "refused"}
-        got: dict[int, str] = {}
-        deadline = time.monotonic() + 60
-        while len(got) < len(want) and time.monotonic() < deadline:
-            if dealer.poll(200):
-                ack = decode(dealer.recv(), DecodeLimits(vocab_size=1))
-                assert isinstance(ack, Ack) and not ack.seqs, f"a poisoned group was taken: {ack}"
-                got.update({s: r for r, seqs in ack.refused.items() for s in seqs})
+            send_when_connected(dealer, [p.frame])
+        acks = replies(dealer, lambda acks: len(refused_seqs(acks)) >= len(want), 60)
     finally:
         dealer.close(linger=0)
+    if any(a.seqs for a in acks):
+        raise AssertionError(f"a poisoned group was acked as taken: {acks}")
+    got = refused_seqs(acks)
     return {
         "sent": len(poisons),
         "refused_sent": len(want),
@@ -307,16 +295,15 @@ def policy_finite(run_dir: Path) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values())
 
 
-def _send(dealer: zmq.Socket, parts: list[bytes]) -> None:
-    deadline = time.monotonic() + 60.0
-    while True:  # IMMEDIATE: wait for the CURVE handshake instead of dropping the frame
-        try:
-            dealer.send_multipart(parts, zmq.NOBLOCK)
-            return
-        except zmq.Again:
-            if time.monotonic() > deadline:
-                raise TimeoutError("learner did not accept the flooder's connection") from None
-            time.sleep(0.01)
+def _flood_dealer(address: str, keys: CurveKeys) -> zmq.Socket:
+    """The authenticated (buggy or hostile) peer's socket."""
+    return connect_dealer(
+        address,
+        FLOOD_ID.encode(),
+        curve_secret_key=keys.secret,
+        curve_public_key=keys.public,
+        curve_server_key=keys.server_public,
+    )
 
 
 def unauthenticated(address: str, keys_dir: Path, vocab: int, cluster: Cluster) -> dict:

@@ -7,12 +7,15 @@ the learner's admission (``tests/integration/test_hostile_frames.py``).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
+import zmq
 
-from common.protocol import Completion, TrajectoryGroup, encode
+from common.protocol import Ack, Completion, DecodeLimits, TrajectoryGroup, decode, encode
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,35 @@ def poisoned_frames(
     nested = {"v": 1, "type": "group", "completions": [["ab"] * 1000 for _ in range(32)]}
     out.append(Poison("nested_strings", msgpack.packb(nested), "bad", "oversize", seq))
     return out
+
+
+def send_when_connected(dealer: zmq.Socket, parts: list[bytes], timeout_s: float = 60.0) -> None:
+    """Send ``parts``, waiting for the connection (the DEALER runs with IMMEDIATE, so it refuses
+    to queue while none is up) instead of dropping them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            dealer.send_multipart(parts, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the learner did not accept the connection") from None
+            time.sleep(0.01)
+
+
+def replies(dealer: zmq.Socket, until: Callable[[list[Ack]], bool], timeout_s: float) -> list[Ack]:
+    """The learner's acks to ``dealer``, until ``until(acks)`` holds or ``timeout_s`` passes."""
+    acks: list[Ack] = []
+    deadline = time.monotonic() + timeout_s
+    while not until(acks) and time.monotonic() < deadline:
+        if dealer.poll(100):
+            message = decode(dealer.recv(), DecodeLimits(vocab_size=1))
+            if not isinstance(message, Ack):
+                raise AssertionError(f"the learner sent a {type(message).__name__}, not an ack")
+            acks.append(message)
+    return acks
+
+
+def refused_seqs(acks: list[Ack]) -> dict[int, str]:
+    """seq -> refusal reason, over ``acks``."""
+    return {seq: reason for a in acks for reason, seqs in a.refused.items() for seq in seqs}

@@ -5,24 +5,28 @@ still be acked and trained."""
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import msgpack
 import pytest
 import torch
-import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.hostile import poisoned_frames, valid_group
+from benchmarks.hostile import (
+    poisoned_frames,
+    refused_seqs,
+    replies,
+    send_when_connected,
+    valid_group,
+)
 from common.model import load_pretrained
-from common.protocol import Ack, DecodeLimits, decode, encode
+from common.protocol import encode
 from common.transport import connect_dealer
 from learner.checkpoint import latest_checkpoint
 from learner.wal import _LEN
 from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
 from tests.integration.test_pipeline import wait_exit
+from tests.unit.common.test_prometheus import scrape as scrape_port
 
 pytestmark = pytest.mark.integration
 
@@ -44,38 +48,7 @@ def learner_address(pipeline: Pipeline) -> str:
 
 
 def scrape(run_dir: Path) -> dict[tuple[str, tuple], float]:
-    port = int((run_dir / "prometheus" / "learner.port").read_text())
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def send(dealer: zmq.Socket, frame: bytes, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:  # IMMEDIATE: wait for the connection instead of dropping the frame
-        try:
-            dealer.send(frame, zmq.NOBLOCK)
-            return
-        except zmq.Again:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the learner did not accept the connection") from None
-            time.sleep(0.05)
-
-
-def replies(dealer: zmq.Socket, until, timeout_s: float) -> list[Ack]:
-    """Acks received until ``until(acks)`` holds or ``timeout_s`` passes."""
-    acks: list[Ack] = []
-    deadline = time.monotonic() + timeout_s
-    while not until(acks) and time.monotonic() < deadline:
-        if dealer.poll(100):
-            message = decode(dealer.recv(), DecodeLimits(vocab_size=1))
-            assert isinstance(message, Ack)
-            acks.append(message)
-    return acks
+    return scrape_port(int((run_dir / "prometheus" / "learner.port").read_text()))
 
 
 def wait_for_port_file(pipeline: Pipeline, timeout_s: float = 120.0) -> None:
@@ -110,16 +83,12 @@ def test_poisoned_frames_are_refused_counted_live_and_a_valid_group_still_trains
         dealer = connect_dealer(learner_address(pipeline), HOSTILE.encode())
         try:
             for poison in poisons:
-                send(dealer, poison.frame)
+                send_when_connected(dealer, [poison.frame])
 
-            def all_refusals(acks: list[Ack]) -> bool:
-                return sum(len(s) for a in acks for s in a.refused.values()) >= len(refused)
-
-            acks = replies(dealer, all_refusals, timeout_s=30)
+            acks = replies(dealer, lambda a: len(refused_seqs(a)) >= len(refused), timeout_s=30)
             sent_at = time.monotonic()
             # Every refused group comes back refused, with its reason; nothing is acked as taken.
-            got = {seq: reason for a in acks for reason, seqs in a.refused.items() for seq in seqs}
-            assert got == refused
+            assert refused_seqs(acks) == refused
             assert not [s for a in acks for s in a.seqs], "a poisoned group was acked as accepted"
             assert learner.poll() is None, pipeline.log_tail("learner")
 
@@ -144,7 +113,7 @@ def test_poisoned_frames_are_refused_counted_live_and_a_valid_group_still_trains
 
             # A valid group sent afterwards is acked as accepted and trained.
             good = valid_group(HOSTILE, 10_000, GROUP_SIZE)
-            send(dealer, encode(good))
+            send_when_connected(dealer, [encode(good)])
             acks = replies(dealer, lambda acks: any(a.seqs for a in acks), timeout_s=60)
             assert [s for a in acks for s in a.seqs] == [10_000]
         finally:
