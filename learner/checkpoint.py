@@ -1,9 +1,13 @@
 """Learner checkpoints: HF-format model + optimizer/step/version/dedupe state, written atomically.
 
-Layout of ``{root}/step_{N:08d}/``: ``config.json`` and ``model.safetensors`` (so ``transformers``
-and vLLM open the directory as is), the tokenizer files, ``optimizer.safetensors`` (AdamW moments
-by parameter name), ``trainer_state.json`` and ``pending_groups.msgpack`` (groups the learner
-acked but had not trained on: acked means the actor forgot them, so they must survive a restart).
+Layout of ``{root}/step_{N:08d}/``: ``config.json`` and ``model.safetensors`` and the tokenizer
+files, so ``transformers`` and vLLM open the directory as is; the training state lives in
+``training_state/``, where no model loader looks for weights (vLLM loads every
+``*.safetensors`` of the directory it is given): ``optimizer.safetensors`` (AdamW moments by
+parameter name), ``trainer_state.json`` and ``pending_groups.msgpack`` (groups the learner acked
+but had not trained on: acked means the actor forgot them, so they must survive a restart).
+Checkpoints written before ``training_state/`` existed (those files beside the model) are still
+read.
 The directory is written under a temporary name and renamed, so a crash never leaves a
 half-written checkpoint that resume would pick up. No pickle: groups are wire frames.
 
@@ -34,6 +38,16 @@ from learner.policy import hf_config, load_policy
 STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_groups.msgpack"
 OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINING_DIR = "training_state"
+
+
+def _training_file(checkpoint: Path, name: str) -> Path:
+    """Where a checkpoint keeps training file ``name``: ``training_state/``, or beside the model
+    in checkpoints of the older layout."""
+    path = checkpoint / TRAINING_DIR / name
+    return path if path.exists() or not (checkpoint / name).exists() else checkpoint / name
+
+
 PREFIX = "step_"
 
 
@@ -104,8 +118,10 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     write_model(full.config, full.model, tmp)
     tokenizer.save(tmp)
-    save_file(full.optimizer, str(tmp / OPTIMIZER_FILE))
-    (tmp / STATE_FILE).write_text(
+    training = tmp / TRAINING_DIR
+    training.mkdir()
+    save_file(full.optimizer, str(training / OPTIMIZER_FILE))
+    (training / STATE_FILE).write_text(
         json.dumps(
             {
                 "step": state.step,
@@ -117,7 +133,7 @@ def save_checkpoint(
             }
         )
     )
-    (tmp / PENDING_FILE).write_bytes(msgpack.packb([encode(g) for g in pending or []]))
+    (training / PENDING_FILE).write_bytes(msgpack.packb([encode(g) for g in pending or []]))
     if final.exists():
         # Swap, never delete-then-rename: a crash between the two must not lose the checkpoint.
         old = final.with_name(f".{final.name}.old")
@@ -147,7 +163,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def load_pending(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
     """The groups a checkpoint carried over (validated like any frame off the wire)."""
-    file = path / PENDING_FILE
+    file = _training_file(path, PENDING_FILE)
     if not file.is_file():
         return []
     groups = []
@@ -164,7 +180,7 @@ def load_checkpoint(
 ) -> tuple[nn.Module, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
     """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters."""
     model = load_policy(path, impl, device, dtype)
-    raw = json.loads((path / STATE_FILE).read_text())
+    raw = json.loads(_training_file(path, STATE_FILE).read_text())
     state = TrainerState(
         step=int(raw["step"]),
         version=int(raw["version"]),
@@ -172,7 +188,7 @@ def load_checkpoint(
         metrics=raw.get("metrics", {}),
         wal_from=int(raw.get("wal_from", 0)),
     )
-    tensors = load_file(str(path / OPTIMIZER_FILE), device=str(device))
+    tensors = load_file(str(_training_file(path, OPTIMIZER_FILE)), device=str(device))
     return model, tensors, state, raw.get("optimizer_param_groups", [])
 
 

@@ -107,3 +107,21 @@ def test_weights_arriving_mid_rollout(engine, mode):
     stats = engine.stats()
     assert stats["verify/swaps"] == 1
     engine.inflight = "keep"
+
+
+def test_a_learner_checkpoint_serves_in_vllm_as_it_is(tmp_path):
+    """The learner's checkpoint directory, optimizer and trainer state included, is a model vLLM
+    opens: the training state sits in training_state/, where vLLM looks for no weights."""
+    from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+    from learner.checkpoint import TrainerState, save_checkpoint
+
+    model = weights(3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([PROMPTS[0]])).sum().backward()
+    optimizer.step()  # moments exist, as in a real checkpoint
+    path = save_checkpoint(
+        tmp_path, model, CharTokenizer(BUILTIN_ALPHABET), optimizer, TrainerState(1, 1, {})
+    )
+    assert (path / "training_state" / "optimizer.safetensors").is_file()
+    served = VllmEngine(path, eos_id=EOS, temperature=0.0, seed=0, version=1, max_model_len=64)
+    assert tokens(served.generate(PROMPTS, 1, 8)) == greedy_torch(model)

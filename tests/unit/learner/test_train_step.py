@@ -190,3 +190,30 @@ def test_a_step_with_a_non_finite_loss_is_skipped_and_changes_nothing():
     ok = collate(make_groups(tokenizer.vocab_size), 0, tokenizer.pad_id, torch.device("cpu"))
     assert train_step(model, optimizer, ok, cfg, SamplingConfig())["learner/skipped"] == 0.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_checkpoint_keeps_training_state_apart_and_reads_the_older_layout(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    model = tiny_model(tokenizer.vocab_size)
+    cfg = LearnerConfig(lr=1e-3)
+    optimizer = make_optimizer(model, cfg)
+    train_step(
+        model,
+        optimizer,
+        collate(make_groups(tokenizer.vocab_size), 0, 0, torch.device("cpu")),
+        cfg,
+        SamplingConfig(),
+    )
+    path = save_checkpoint(tmp_path, model, tokenizer, optimizer, TrainerState(3, 4, {}))
+    # Model loaders read every *.safetensors at the top: only the policy is there.
+    assert sorted(p.name for p in path.glob("*.safetensors")) == ["model.safetensors"]
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    assert hf.config.num_hidden_layers == model.args.num_hidden_layers
+    # A checkpoint of the older layout (training files beside the model) still loads.
+    for f in (path / "training_state").iterdir():
+        f.rename(path / f.name)
+    (path / "training_state").rmdir()
+    _, tensors, state, _ = load_checkpoint(path, torch.device("cpu"))
+    assert (state.step, state.version) == (3, 4) and tensors
