@@ -28,7 +28,7 @@ from common.policy_meta import model_args_from_meta, tokenizer_from_meta
 from common.prometheus import ActorExporter
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
-from common.tokenizer import Tokenizer, encode_prompt
+from common.tokenizer import Tokenizer, prompt_encoder
 from common.weights import (
     VersionWatcher,
     WeightsError,
@@ -281,6 +281,11 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         return stats
     engine, tokenizer, model_args = built
     task = task_from_config(cfg.task)
+    # Prompt text -> ids, once, here: the ids travel in the group, so the learner trains on exactly
+    # the tokens generated from (chat template and system prompt included).
+    encode = prompt_encoder(
+        tokenizer, cfg.task.chat_template, cfg.task.system_prompt, dataset=cfg.task.is_dataset
+    )
     rng = random.Random(seed)
     name = cfg.actor.actor_id or f"{socket.gethostname()}-{cfg.actor.index}"
     actor_id = unique_actor_id(name)
@@ -327,7 +332,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             # meanwhile reach the rollouts in flight (actor.inflight says how).
             batch_version = engine.version
             problems = task.sample(rng, cfg.actor.prompts_per_batch)
-            prompts = [encode_prompt(tokenizer, p.prompt) for p in problems]
+            prompts = [encode(p.prompt) for p in problems]
             rollouts = engine.generate(
                 prompts,
                 cfg.actor.group_size,

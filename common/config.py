@@ -111,13 +111,31 @@ class ModelConfig:
         )
 
 
+DATASET_FORMATS: tuple[str, ...] = ("auto", "jsonl", "parquet")
+#: File suffixes ``task.format=auto`` recognises, and the format each names.
+DATASET_SUFFIXES: dict[str, str] = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
 @dataclass
 class TaskConfig:
     name: str = "reverse"
     """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``,
-    ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens), ``jsonl``."""
+    ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens), ``dataset``
+    (a JSONL or Parquet file of prompts with numeric answers; ``jsonl`` is the same task)."""
     path: str = ""
-    """``jsonl`` only: file of ``{"prompt": ..., "answer": ...}`` lines."""
+    """``dataset``/``jsonl`` only: the data set file (``.jsonl``/``.json`` lines, or ``.parquet``)."""
+    format: str = "auto"
+    """``dataset``/``jsonl`` only: ``jsonl``, ``parquet``, or ``auto`` (from the file's suffix)."""
+    prompt_key: str = "prompt"
+    """``dataset``/``jsonl`` only: column (JSON key) of the prompt text; ``a.b`` reads a nested key."""
+    answer_key: str = "answer"
+    """``dataset``/``jsonl`` only: column of the answer: a number, or a solution whose final answer
+    follows ``####`` or sits in ``\\boxed{}``; ``a.b`` reads a nested key."""
+    chat_template: str = "auto"
+    """Format prompts with the tokenizer's chat template: ``true``, ``false``, or ``auto`` (on when
+    the tokenizer has a chat template and the task is a data set)."""
+    system_prompt: str = ""
+    """With the chat template: a system message before the prompt (empty: none)."""
     min_digits: int = 3
     """Built-in tasks: fewest digits per number."""
     max_digits: int = 6
@@ -134,11 +152,36 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.name in ("reverse", "addition", "scratchpad", "jsonl"),
-            f"task.name must be one of reverse, addition, scratchpad, jsonl; got {self.name!r}",
+            self.name in ("reverse", "addition", "scratchpad", "dataset", "jsonl"),
+            "task.name must be one of reverse, addition, scratchpad, dataset, jsonl; "
+            f"got {self.name!r}",
         )
         _require(
-            self.name != "jsonl" or bool(self.path), "task.name=jsonl needs task.path=FILE.jsonl"
+            not self.is_dataset or bool(self.path),
+            f"task.name={self.name} needs task.path=FILE (.jsonl or .parquet)",
+        )
+        _require(
+            self.format in DATASET_FORMATS,
+            f"task.format must be one of {', '.join(DATASET_FORMATS)}; got {self.format!r}",
+        )
+        if self.is_dataset and self.format == "auto":
+            suffix = Path(self.path).suffix.lower()
+            _require(
+                suffix in DATASET_SUFFIXES,
+                f"task.path={self.path!r}: cannot tell the format from the suffix {suffix!r} "
+                f"(known: {', '.join(DATASET_SUFFIXES)}); set task.format=jsonl or parquet",
+            )
+        _require(
+            bool(self.prompt_key), f"task.prompt_key must be non-empty, got {self.prompt_key!r}"
+        )
+        _require(
+            bool(self.answer_key), f"task.answer_key must be non-empty, got {self.answer_key!r}"
+        )
+        # Hydra reads `task.chat_template=true` as a bool, which a str field stores as "True".
+        self.chat_template = str(self.chat_template).lower()
+        _require(
+            self.chat_template in ("auto", "true", "false"),
+            f"task.chat_template must be auto, true or false; got {self.chat_template!r}",
         )
         _require(
             1 <= self.min_digits <= self.max_digits,
@@ -152,6 +195,11 @@ class TaskConfig:
             self.max_new_tokens >= 0, f"task.max_new_tokens must be >= 0, got {self.max_new_tokens}"
         )
         _require(self.pool_size >= 0, f"task.pool_size must be >= 0, got {self.pool_size}")
+
+    @property
+    def is_dataset(self) -> bool:
+        """Prompts come from a file (``dataset``, or its alias ``jsonl``)."""
+        return self.name in ("dataset", "jsonl")
 
 
 @dataclass
@@ -581,8 +629,9 @@ class SpecRLConfig:
             f"{self.actor.prompts_per_batch})",
         )
         _require(
-            self.task.name != "jsonl" or bool(self.model.path),
-            "task=jsonl needs model.path=HF_DIR (the built-in tiny model only knows built-in tasks)",
+            not self.task.is_dataset or bool(self.model.path),
+            f"task={self.task.name} needs model.path=HF_DIR (the built-in tiny model only knows "
+            "built-in tasks)",
         )
 
 

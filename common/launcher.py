@@ -37,6 +37,8 @@ from common.model import ModelArgs
 from common.redis_server import RedisServer, child_preexec, find_free_port
 from common.report import write_report
 from common.run_summary import summarize
+from common.tasks import task_from_config
+from common.tokenizer import directory_has_chat_template
 from common.warm_start import default_model_dir, ensure_model
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,27 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
             raise PreflightError(f"model.path={cfg.model.path!r}: {config}: {e}") from e
     if cfg.task.path and not Path(cfg.task.path).is_file():
         raise PreflightError(f"task.path={cfg.task.path!r}: no such file")
+    if cfg.task.is_dataset:
+        # Every record is read and checked, so a malformed one is named (file and line or row).
+        try:
+            task_from_config(cfg.task)
+        except ValueError as e:
+            raise PreflightError(f"task.path={cfg.task.path!r}: {e}") from e
+    # As prompt_encoder decides in the actors, from the tokenizer's files (no transformers here).
+    mode = cfg.task.chat_template
+    has_template = bool(cfg.model.path) and directory_has_chat_template(cfg.model.path)
+    if mode == "true" and not has_template:
+        raise PreflightError(
+            f"task.chat_template=true: the tokenizer of model.path={cfg.model.path!r} has no "
+            "chat template"
+        )
+    chat = mode == "true" or (mode == "auto" and cfg.task.is_dataset and has_template)
+    if cfg.task.system_prompt and not chat:
+        raise PreflightError(
+            f"task.system_prompt={cfg.task.system_prompt!r} needs prompts in a chat template, "
+            f"and they are not (task.chat_template={mode}, task={cfg.task.name}, "
+            f"model.path={cfg.model.path!r})"
+        )
     address = cfg.learner.resolved_bind()
     if _given(overrides, "learner.address") or _given(overrides, "learner.bind"):
         host, _, port = address.removeprefix("tcp://").rpartition(":")

@@ -157,9 +157,9 @@ def warm_start(
     cfg: SpecRLConfig, out_dir: Path, progress: Callable[[int, int, float], None] | None = None
 ) -> dict[str, float]:
     """Build, train briefly and save the tiny model for ``cfg.task``; returns summary figures."""
-    if cfg.task.name == "jsonl":
+    if cfg.task.is_dataset:
         raise ValueError(
-            "init-model builds the tiny model of a built-in task; for jsonl set model.path"
+            "init-model builds the tiny model of a built-in task; for a data set set model.path"
         )
     torch.manual_seed(cfg.run.seed)
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)

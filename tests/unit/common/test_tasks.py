@@ -404,14 +404,14 @@ def test_jsonl_has_no_demonstration(jsonl_path: Path) -> None:
     [
         ("{not json", "invalid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"answer": "3"}', "'prompt' must be a non-empty string"),
+        ('{"answer": "3"}', "missing 'prompt'"),
         ('{"prompt": "", "answer": "3"}', "'prompt' must be a non-empty string"),
         ('{"prompt": 3, "answer": "3"}', "'prompt' must be a non-empty string"),
         ('{"prompt": "q"}', "missing 'answer'"),
         ('{"prompt": "q", "answer": null}', "'answer' must be a string or a number"),
         ('{"prompt": "q", "answer": true}', "'answer' must be a string or a number"),
         ('{"prompt": "q", "answer": NaN}', "'answer' must be finite"),
-        ('{"prompt": "q", "answer": "seven"}', "is not a number"),
+        ('{"prompt": "q", "answer": "seven"}', "'seven' has no number"),
     ],
 )
 def test_jsonl_bad_line_error_quotes_file_and_line(

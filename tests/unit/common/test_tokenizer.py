@@ -16,8 +16,12 @@ from common.tokenizer import (
     CharTokenizer,
     HFTokenizer,
     Tokenizer,
+    directory_has_chat_template,
+    encode_prompt,
     load_tokenizer,
+    prompt_encoder,
 )
+from tests.own_model import build_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # CharTokenizer
@@ -220,3 +224,88 @@ def test_load_tokenizer_empty_directory_lists_what_was_looked_for(tmp_path: Path
 def test_load_tokenizer_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+# ---------------------------------------------------------------------------------------------
+
+#: A template that writes the BOS itself (as Llama's do): specrl must not add a second one.
+BOS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def _chat_dir(tmp_path: Path, kind: str) -> Path:
+    directory = tmp_path / kind
+    hf = build_tokenizer(directory, chat_template=kind != "plain")
+    if kind == "bos":
+        hf.bos_token = "<|endoftext|>"
+        hf.chat_template = BOS_TEMPLATE
+        hf.save_pretrained(str(directory))
+    return directory
+
+
+def _reference_ids(directory: Path, messages: list[dict]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+@pytest.mark.parametrize("kind", ["chatml", "bos"])
+@pytest.mark.parametrize("system", ["", "You are a careful math tutor."])
+def test_chat_template_formats_prompts_as_apply_chat_template(
+    tmp_path: Path, kind: str, system: str
+) -> None:
+    directory = _chat_dir(tmp_path, kind)
+    tokenizer = load_tokenizer(directory)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
+    assert directory_has_chat_template(directory)
+    prompt = "Tom has 3 apples and buys 4 more. How many apples does he have?"
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    expected = _reference_ids(directory, messages)
+    encode = prompt_encoder(tokenizer, "auto", system, dataset=True)
+    assert encode(prompt) == expected
+    assert prompt_encoder(tokenizer, "true", system, dataset=False)(prompt) == expected
+    text = tokenizer.decode(expected)
+    assert prompt in text and text.endswith("assistant\n" if kind == "chatml" else "] ")
+    assert (system in text) if system else "system" not in text
+    if kind == "bos":  # the template's one BOS, not two
+        assert expected[0] == tokenizer.bos_id and expected[1] != tokenizer.bos_id
+
+
+def test_chat_template_off_or_absent_sends_bos_and_raw_text(tmp_path: Path) -> None:
+    chat = load_tokenizer(_chat_dir(tmp_path, "chatml"))
+    plain = load_tokenizer(_chat_dir(tmp_path, "plain"))
+    assert isinstance(plain, HFTokenizer) and not plain.has_chat_template
+    assert not directory_has_chat_template(tmp_path / "plain")
+    prompt = "Half of 9?"
+    # auto: only for a data set; false: never; no template: nothing to apply.
+    assert prompt_encoder(chat, "auto", dataset=False)(prompt) == encode_prompt(chat, prompt)
+    assert prompt_encoder(chat, "false", dataset=True)(prompt) == encode_prompt(chat, prompt)
+    assert prompt_encoder(plain, "auto", dataset=True)(prompt) == [
+        plain.bos_id,
+        *plain.encode(prompt),
+    ]
+    char = CharTokenizer(BUILTIN_ALPHABET)
+    assert prompt_encoder(char, "auto", dataset=True)("12>") == encode_prompt(char, "12>")
+
+
+def test_chat_template_demanded_or_system_prompt_without_one_is_an_error(tmp_path: Path) -> None:
+    plain = load_tokenizer(_chat_dir(tmp_path, "plain"))
+    chat = load_tokenizer(_chat_dir(tmp_path, "chatml"))
+    with pytest.raises(ValueError, match="task.chat_template=true.*no chat template"):
+        prompt_encoder(plain, "true", dataset=True)
+    with pytest.raises(ValueError, match="task.chat_template=true.*no chat template"):
+        prompt_encoder(CharTokenizer(BUILTIN_ALPHABET), "true")
+    with pytest.raises(ValueError, match="task.system_prompt is set"):
+        prompt_encoder(plain, "auto", "Be brief.", dataset=True)
+    with pytest.raises(ValueError, match="task.system_prompt is set"):
+        prompt_encoder(chat, "false", "Be brief.", dataset=True)
+    with pytest.raises(ValueError, match="must be one of auto, true, false"):
+        prompt_encoder(chat, "yes")

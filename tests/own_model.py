@@ -1,0 +1,87 @@
+"""A user's own model, made in the test: a byte-level BPE tokenizer from the ``tokenizers``
+library with a Qwen-style chat template, wrapped in ``transformers.PreTrainedTokenizerFast``,
+next to a tiny Qwen2 model with random weights made by ``transformers`` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: ChatML, as Qwen2 instruct tokenizers carry it (no BOS; the system turn only when given).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "Tom has 3 apples and buys 4 more. How many apples does he have? #### 7",
+    "A train travels 60 miles in 2 hours. What is its speed? #### 30",
+    "Mia reads 12 pages a day for 5 days. How many pages? #### 60",
+    "You are a careful math tutor. Think step by step.",
+    "The answer is \\boxed{42}.",
+]
+
+
+def build_tokenizer(directory: Path, chat_template: bool = True):
+    """Train the tokenizer and save it into ``directory``; returns the transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def build_model(directory: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2 (hidden 64, 2 layers, head_dim 32) with random weights and the tokenizer
+    above, saved with ``save_pretrained`` into ``directory`` (a local HF model directory)."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(directory)
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    return directory
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as a Parquet file (columns from the first row's keys)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
