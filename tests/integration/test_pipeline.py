@@ -148,7 +148,18 @@ def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
 
 def test_learner_restart_resumes_and_versions_keep_growing(tmp_path, redis_server, model_dir):
     pipeline = Pipeline.make(
-        tmp_path, redis_server.url, model_dir, ["run.steps=6", "learner.checkpoint_every=3"]
+        tmp_path,
+        redis_server.url,
+        model_dir,
+        # One group per step from batches of 4: when the learner stops after step 6, the rest of
+        # the batch that step 6 came from is acked and queued, so the first learner exits with
+        # groups in hand (carried in its checkpoint) whatever the machine's load.
+        [
+            "run.steps=6",
+            "learner.checkpoint_every=3",
+            "learner.groups_per_step=1",
+            "actor.prompts_per_batch=4",
+        ],
     )
     try:
         learner = pipeline.start_learner()

@@ -68,6 +68,9 @@ def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
             if rank == 0:
                 save_file(state, os.path.join(out, "params.safetensors"))
                 Path(out, "metrics.json").write_text(json.dumps(metrics))
+            # Tear the group down together: a rank that destroys it while its peer still works
+            # can abort in gloo's threads ("terminate called without an active exception").
+            ctx.barrier()
             return
         # mode "resume": one AdamW step, checkpoint gathered to rank 0, fresh ranks resume from
         # it and take a second step.
@@ -90,6 +93,7 @@ def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
         if rank == 0:
             save_file(final, os.path.join(out, "params.safetensors"))
             Path(out, "metrics.json").write_text(json.dumps(trainer.step))
+        ctx.barrier()
     finally:
         shutdown()
 
