@@ -90,7 +90,8 @@ def verify_rows(
         uses = (version_of == version).any(dim=1)  # [B] rows with tokens of this version
         sel = uses.nonzero().squeeze(-1)
         old_lp = processed_logprobs(
-            old_models[version](input_ids[sel], positions[sel])[rows[sel], at[sel, :k]],
+            # The old model scores only the selected rows: index its output by their rank.
+            old_models[version](input_ids[sel], positions[sel])[rows[: len(sel)], at[sel, :k]],
             temperature,
             top_p,
         )  # [B_v, K, V]

@@ -136,3 +136,27 @@ def test_load_weights_between_calls_after_an_in_flight_swap():
     engine.generate([PROMPT], 4, 3, weight_source=swap_after(1, 3, model(4)))
     engine.load_weights(4, model(5).state_dict())
     assert engine.version == 4
+
+
+def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model():
+    """Regression: rows whose tokens come from an old version were scored by indexing the old
+    model's output (which holds only those rows) with their row numbers in the whole batch."""
+    from actors.inflight import verify_rows
+    from common.model import ModelArgs, Transformer
+
+    args = ModelArgs(
+        vocab_size=12,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    torch.manual_seed(0)
+    new, old = Transformer(args).eval(), Transformer(args).eval()
+    prompts = [[1, 2], [1, 3], [1, 4], [1, 5]]
+    tokens = [[6, 7], [7, 8], [8, 9], [9, 6]]
+    versions = [[1, 1], [1, 1], [1, 1], [0, 0]]  # only the last row has old-version tokens
+    out = verify_rows(new, 1, {0: old}, prompts, tokens, versions, 1.0, 1.0, 16, None, False, 0)
+    assert out.accepted[:3] == [2, 2, 2]  # tokens of the new version: kept with probability 1
+    assert len(out.tokens) == 4

@@ -77,9 +77,16 @@ def test_supervised_loss_adds_half_the_exit_loss() -> None:
 
 
 def test_sampled_accuracy_scores_long_answers() -> None:
-    # A model that cannot add scores 0; the cached, batched sampler handles every prompt length.
+    # A model that cannot add scores 0 on exact answers (no partial credit); the cached, batched
+    # sampler handles every prompt length.
     cfg = load_config(
-        ["task=scratchpad", "model=small", "model.hidden_size=64", "model.num_heads=2"]
+        [
+            "task=scratchpad",
+            "task.partial_credit=0",
+            "model=small",
+            "model.hidden_size=64",
+            "model.num_heads=2",
+        ]
     )
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)
     task = task_from_config(dataclasses.replace(cfg.task, pool_size=0))
