@@ -17,7 +17,9 @@ its next ``publish``/``flush``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +33,9 @@ from common.tokenizer import Tokenizer
 from common.weights import WeightsNonFinite, WeightStore, retry_redis
 
 log = logging.getLogger(__name__)
+
+PUBLISH_NICENESS = 10
+"""Nice value of the upload thread: a lower scheduling priority than the learner's threads."""
 
 
 def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
@@ -139,6 +144,10 @@ class Publisher:
             self._raise_error()
 
     def _worker(self) -> None:
+        # The upload yields to the training step where they share a core: lower this thread's
+        # scheduling priority (Linux: a thread id is a process id for setpriority).
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISH_NICENESS)
         while (item := self._queue.get()) is not None:
             try:
                 self._upload(*item)
