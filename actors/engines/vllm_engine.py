@@ -370,6 +370,8 @@ class VllmEngine:
         started = time.perf_counter()
         slots = [_Slot(list(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
         by_request: dict[str, _Slot] = {}
+        if self.ngram is not None:
+            self.ngram.begin()  # the drafter follows this call's requests (rows) from here
         for slot in slots:
             self._submit(slot, by_request, max_new_tokens)
         while engine.has_unfinished_requests():

@@ -44,15 +44,18 @@ class SpecrlNgramProposer:
         self.drafter = _PENDING.pop()
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.runner: Any = None
-        self._keys: dict[str, str] = {}
+        self._keys: dict[str, tuple[str, int]] = {}
+        self._next_row = 0
         self.rows_drafted = 0
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load (vLLM's CPU runner calls this unconditionally)."""
 
     def register(self, request_id: str, prompt_key: str) -> None:
-        """The prompt of a request the engine submits (``request_id`` as passed to vLLM)."""
-        self._keys[request_id] = prompt_key
+        """The prompt of a request the engine submits (``request_id`` as passed to vLLM); the
+        drafter follows it as a row of its own, indexing only the tokens each step adds."""
+        self._keys[request_id] = (prompt_key, self._next_row)
+        self._next_row += 1
 
     def unregister(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
@@ -61,19 +64,21 @@ class SpecrlNgramProposer:
         assert self.runner is not None, "the engine attaches the model runner after start-up"
         req_ids = self.runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        rows, contexts, keys = [], [], []
+        rows, contexts, keys, row_ids = [], [], [], []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # partial prefill: nothing sampled yet
                 continue
             # vLLM appends "-<8 random chars>" to the id it was given.
-            key = self._keys.get(req_ids[row].rsplit("-", 1)[0])
-            if key is None:
+            known = self._keys.get(req_ids[row].rsplit("-", 1)[0])
+            if known is None:
                 continue
             rows.append(row)
             contexts.append(token_ids_cpu[row, : int(num_tokens_no_spec[row])].tolist())
-            keys.append(key)
+            keys.append(known[0])
+            row_ids.append(known[1])
         if rows:
-            for row, draft in zip(rows, self.drafter.propose(contexts, keys, self.k), strict=True):
+            proposed = self.drafter.propose(contexts, keys, self.k, row_ids=row_ids)
+            for row, draft in zip(rows, proposed, strict=True):
                 drafts[row] = draft
             self.rows_drafted += len(rows)
         return drafts
