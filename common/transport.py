@@ -1,4 +1,4 @@
-"""ZeroMQ socket construction for the actor -> learner link (DESIGN §5 "Delivery").
+"""ZeroMQ socket construction for the actor -> learner link (docs/design.md §5.2).
 
 Every zmq option the project relies on is set here, once, so the sender and the receiver only
 deal in frames. Sockets are returned unconnected to any thread: the caller's I/O thread owns

@@ -20,6 +20,8 @@ Consistency:
 
 Reads are ``mmap`` copy-on-write: no copy until someone writes, and a writer never changes the
 shared file.
+
+Design: docs/design.md §6.5.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Redis weight store (DESIGN §5): versioned, chunked, checksummed safetensors bytes.
+"""The Redis weight store (docs/design.md §6): versioned, chunked, checksummed safetensors bytes.
 
 Write order is the whole consistency story:
 

@@ -18,6 +18,8 @@ A refused group is acked as refused (``Ack.refused``): the actor stops resending
 it; it is never written to the write-ahead log nor trained. The same check runs on groups
 replayed from the write-ahead log and carried in a checkpoint, so a group that an older learner
 accepted and this one refuses is skipped and counted instead of crashing the learner in a loop.
+
+Design: docs/design.md §5.3.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ counted, never silently: the count is a metric, and a run whose actors cannot ke
 A group whose size differs from the run's group size would break GRPO's per-prompt
 normalisation; it is rejected and counted too (a misconfigured or hostile actor must not stop
 the learner).
+
+Design: docs/design.md §4.2.
 """
 
 from __future__ import annotations

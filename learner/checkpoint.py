@@ -14,6 +14,8 @@ half-written checkpoint that resume would pick up. No pickle: groups are wire fr
 The model may be the built-in one or a ``transformers`` one (``learner/policy.py``); under FSDP
 the caller gathers a ``FullState`` on rank 0 (``learner/distributed.py``) and passes that instead
 of the sharded model.
+
+Design: docs/design.md §5.4.
 """
 
 from __future__ import annotations

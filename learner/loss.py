@@ -11,6 +11,8 @@ Terms, defined once:
   below by ``is_cap * A``, so a stale token that the current policy now finds far more likely than
   its sampler did cannot dominate the update with an unbounded ratio.
 - ``advantages``: GRPO, rewards normalised within the group of one prompt.
+
+Design: docs/design.md §4.1.
 """
 
 from __future__ import annotations

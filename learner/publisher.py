@@ -13,6 +13,8 @@ A version with a non-finite weight is refused by the store before anything is wr
 logged and counted in ``refused``, and never becomes visible to actors. Redis outages are
 retried (``retry_redis``) on the thread; any other failure is raised on the learner's thread at
 its next ``publish``/``flush``.
+
+Design: docs/design.md §6.6.
 """
 
 from __future__ import annotations

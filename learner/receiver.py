@@ -1,4 +1,4 @@
-"""The learner's end of the delivery contract (DESIGN §5): validate, dedupe, queue, ack.
+"""The learner's end of the delivery contract (docs/design.md §5.2): validate, dedupe, queue, ack.
 
 Identity: every actor's DEALER identity is its ``actor_id`` (UTF-8). A group or heartbeat whose
 ``actor_id`` differs from the identity of the connection it came on is rejected

@@ -21,6 +21,8 @@ learner replaying its log passes ``on_refused`` to skip and count it instead, so
 cannot stop every restart of the learner in turn. After a record whose length field itself is
 damaged, the reader resynchronises on the next offset that holds a whole record with a matching
 CRC, so the records after it are not lost; a tail is torn only if no whole record follows.
+
+Design: docs/design.md §5.4.
 """
 
 from __future__ import annotations

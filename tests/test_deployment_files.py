@@ -98,23 +98,102 @@ def test_actor_entry_point_gives_each_replica_an_identity():
         assert part in text, part
 
 
+def dockerfile_stages(path: Path) -> list[list[tuple[str, str]]]:
+    """The build stages of a Dockerfile, each a list of (INSTRUCTION, arguments): comments and
+    blank lines dropped, continuation lines joined; ARGs before the first FROM form stage 0."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        keyword, _, args = (pending + stripped).partition(" ")
+        instructions.append((keyword.upper(), " ".join(args.split())))
+        pending = ""
+    assert not pending, f"{path}: ends inside a continued line"
+    stages: list[list[tuple[str, str]]] = [[]]
+    for keyword, args in instructions:
+        if keyword == "FROM":
+            stages.append([])
+        stages[-1].append((keyword, args))
+    return stages
+
+
+def check_app_stage(stage: list[tuple[str, str]], name: str) -> None:
+    """The stage that holds specrl: sources copied into /app, installed after they are there,
+    config directory set, run from /runs."""
+    workdirs = [i for i, (k, _) in enumerate(stage) if k == "WORKDIR"]
+    app = next(i for i in workdirs if stage[i][1] == "/app")
+    copies = {args: i for i, (k, args) in enumerate(stage) if k == "COPY"}
+    needed = ["pyproject.toml README.md ./"] + [
+        f"{part} {part}" for part in ("actors", "learner", "common", "configs", "docker")
+    ]
+    for args in needed:
+        assert args in copies, f"{name}: no instruction COPY {args}"
+        assert copies[args] > app, f"{name}: COPY {args} runs before WORKDIR /app"
+        assert not any(app < w < copies[args] for w in workdirs), f"{name}: COPY {args} not in /app"
+    installs = [
+        i
+        for i, (k, args) in enumerate(stage)
+        if k == "RUN" and re.search(r"pip install .*-e ", args)
+    ]
+    assert len(installs) == 1, f"{name}: expected one editable install of specrl, got {installs}"
+    for args in needed[:4]:  # the packaging metadata and the three packages
+        assert copies[args] < installs[0], f"{name}: COPY {args} comes after the install"
+    assert ("ENV", "SPECRL_CONFIG_DIR=/app/configs") in stage, name
+    assert stage[workdirs[-1]] == ("WORKDIR", "/runs"), name
+    assert stage[-1] == ("CMD", '["specrl", "--help"]'), name
+
+
 def test_dockerfiles_copy_what_the_images_need():
-    gpu = (ROOT / "Dockerfile").read_text()
-    cpu = (ROOT / "docker" / "Dockerfile.cpu").read_text()
-    assert gpu.startswith("#") and "FROM nvidia/cuda:" in gpu
-    assert re.search(r"^ARG BASE_IMAGE=specrl-base:bookworm$", cpu, re.M)
-    for text in (gpu, cpu):
-        for part in ("actors", "learner", "common", "configs", "docker"):
-            assert f"COPY {part} {part}" in text, part
-        assert "SPECRL_CONFIG_DIR=/app/configs" in text
-    assert "torch==2.13.0" in gpu
-    # The CPU image installs from the wheelhouse only, never from an index.
-    assert "COPY build/wheelhouse /wheels" in cpu
-    for line in cpu.splitlines():
-        if "pip install" in line:
-            assert "--no-index" in line, line
+    gpu = dockerfile_stages(ROOT / "Dockerfile")
+    cpu = dockerfile_stages(ROOT / "docker" / "Dockerfile.cpu")
+    # GPU image: one stage on the CUDA base; CUDA torch first, then specrl with its extras.
+    assert gpu[0] == [] and len(gpu) == 2
+    assert gpu[1][0][1].startswith("nvidia/cuda:"), gpu[1][0]
+    check_app_stage(gpu[1], "Dockerfile")
+    runs = [args for k, args in gpu[1] if k == "RUN"]
+    assert any(
+        "pip install torch==2.13.0 --index-url ${TORCH_INDEX}" in r and 'pip install -e ".[' in r
+        for r in runs
+    ), runs
+    # CPU image: runtime, deps (wheelhouse only) and the final stage built on runtime.
+    assert cpu[0] == [("ARG", "BASE_IMAGE=specrl-base:bookworm")]
+    runtime, deps, final = cpu[1:]
+    assert runtime[0] == ("FROM", "${BASE_IMAGE} AS runtime")
+    assert deps[0] == ("FROM", "runtime AS deps")
+    assert ("COPY", "build/wheelhouse /wheels") in deps
+    assert final[0] == ("FROM", "runtime")
+    assert ("COPY", "--from=deps /opt/venv /opt/venv") in final
+    check_app_stage(final, "docker/Dockerfile.cpu")
+    # The CPU image installs from the wheelhouse only, never from an index: every pip install
+    # command of every RUN (continued lines joined, split at &&) says --no-index.
+    pip_commands = [
+        command
+        for stage in cpu
+        for k, args in stage
+        if k == "RUN"
+        for command in args.split("&&")
+        if "pip install" in command
+    ]
+    assert len(pip_commands) == 2, pip_commands
+    assert all("--no-index" in command for command in pip_commands), pip_commands
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and "!build/wheelhouse" in ignored
+
+
+def test_dockerfile_parser(tmp_path):
+    path = tmp_path / "Dockerfile"
+    path.write_text(
+        "# comment\nARG A=1\nFROM x AS y\nRUN a \\\n    && b\n\n# COPY fake fake\nCOPY  s  d\n"
+    )
+    assert dockerfile_stages(path) == [
+        [("ARG", "A=1")],
+        [("FROM", "x AS y"), ("RUN", "a && b"), ("COPY", "s d")],
+    ]
 
 
 def test_ci_runs_the_compose_smoke():

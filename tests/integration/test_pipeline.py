@@ -221,10 +221,22 @@ def test_pipeline_in_each_inflight_mode(tmp_path, redis_server, model_dir, mode)
     assert swapped, f"no weight update reached a rollout in flight ({mode})"
     ledger = read_ledger(tmp_path)
     assert not {k: n for k, n in ledger.consumed.items() if n > 1}
-    if mode in ("verify_on_swap", "verify_on_finish"):
-        assert all(
-            0 <= r["verify/salvaged_frac"] <= 1 for r in swapped if "verify/salvaged_frac" in r
-        )
+    if mode == "keep":
+        return  # nothing is verified: no token is salvaged or wasted
+    # Per step: the actors' per-batch counters, averaged over the step's groups. A swap comes
+    # after the prefill, so every swap has tokens in flight.
+    inflight = sum(r["verify/inflight_tokens"] for r in swapped)
+    salvaged = sum(r["verify/salvaged_tokens"] for r in swapped)
+    assert inflight > 0, f"swaps counted without tokens in flight ({mode})"
+    for r in swapped:
+        assert r["verify/salvaged_tokens"] <= r["verify/inflight_tokens"], r
+    if mode == "abort":
+        assert salvaged == 0 and all(r["verify/salvaged_frac"] == 0 for r in swapped)
+    else:
+        # Consecutive versions of the warm-started model barely differ, so delayed verification
+        # keeps nearly every token (README: 97% in the default run); a verifier that compared
+        # the wrong log-probs, or cut every row, would keep few.
+        assert salvaged / inflight > 0.5, (salvaged, inflight)
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")

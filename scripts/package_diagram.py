@@ -1,0 +1,201 @@
+"""The package diagram of specrl, read from the imports, and the check that they go downward.
+
+Three layers (docs/design.md §1.2):
+
+- **operator**: what a person runs to start, plan and read runs (``common/`` modules named in
+  ``OPERATOR``); it may import anything below it;
+- **sides**: ``actors/`` and ``learner/``, the two halves of the service; each imports the
+  shared layer and never the other side;
+- **shared**: every other ``common/`` module, the contracts both sides agree on (wire, weights,
+  model, tokenizer, tasks, config, sampling) and the small infrastructure both run (metrics,
+  Prometheus exporters, signal handling); it imports nothing above it.
+
+Every ``import``/``from ... import`` in a module counts, including those inside functions (a lazy
+import is still a dependency). Run ``python scripts/package_diagram.py`` to print the Mermaid
+diagram, ``--check`` to print the violations and exit 1 if there is one not in
+``KNOWN_VIOLATIONS`` (or a known one that no longer happens; ``--strict``: on any violation),
+``--write`` to replace the diagram between the markers in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "actors", "learner")
+# common/ modules that belong to the operator layer: commands and what only commands use.
+OPERATOR = frozenset(
+    {
+        "common.cli",
+        "common.launcher",
+        "common.warm_start",
+        "common.redis_server",
+        "common.report",
+        "common.run_summary",
+        "common.ledger",
+        "common.memory_plan",
+    }
+)
+LAYERS = {"operator": 2, "actors": 1, "learner": 1, "shared": 0}
+# Imports that break the layering today, each with why, until the module moves. The check fails
+# on a violation not listed here and on a listed one that no longer happens.
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
+    ("learner.loop", "common.warm_start"): (
+        "a standalone learner warm-starts the built-in model when model.path is empty "
+        "(ensure_model); the model-directory resolution belongs in the shared layer"
+    ),
+}
+BEGIN = "<!-- package-diagram:begin (scripts/package_diagram.py --write) -->"
+END = "<!-- package-diagram:end -->"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    top = module.split(".")[0]
+    if top == "common":
+        return "operator" if module in OPERATOR else "shared"
+    return top
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports (``from pkg import mod`` resolves to ``pkg.mod``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            # The longest project module that the name starts with: a.b.func -> a.b.
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name.split(".")[0] in PACKAGES:
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(f): f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))}
+    modules = set(files)
+    graph = {m: project_imports(f, modules) - {m} for m, f in files.items()}
+    # A package's __init__ is imported on the way to its modules; it is not a dependency edge.
+    return {m: {t for t in targets if t not in PACKAGES} for m, targets in graph.items()}
+
+
+def violations(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
+    """(importer, imported, what is wrong) for every import that does not go downward."""
+    bad = []
+    for src, targets in sorted(graph.items()):
+        for dst in sorted(targets):
+            a, b = layer_of(src), layer_of(dst)
+            if LAYERS[a] < LAYERS[b]:
+                bad.append((src, dst, f"upward: {a} imports {b}"))
+            elif LAYERS[a] == LAYERS[b] == 1 and a != b:
+                bad.append((src, dst, f"sideways: {a} imports {b}"))
+    return bad
+
+
+def mermaid(graph: dict[str, set[str]]) -> str:
+    """Each side as one node, the ``common/`` modules of the other two layers one by one.
+
+    An arrow is "some module of this side (or this operator module) imports that module".
+    Arrows inside a layer are left out: the layers say what may depend on what, so every arrow
+    points down the page, except a violation, drawn dotted from the module that commits it.
+    """
+    node = {m: m.replace(".", "_") for m in graph}
+    for side in ("actors", "learner"):
+        node.update({m: side for m in graph if m.split(".")[0] == side})
+    lines = ["flowchart TB"]
+    titles = {"operator": "operator layer (common/)", "shared": "shared layer (common/)"}
+    for layer in ("operator", "sides", "shared"):
+        if layer == "sides":
+            lines += [
+                '  subgraph sides["the two sides: never import each other"]',
+                "    direction LR",
+                '    actors["actors/"]',
+                '    learner["learner/"]',
+                "  end",
+            ]
+            continue
+        lines.append(f'  subgraph {layer}["{titles[layer]}"]')
+        for m in sorted(m for m in graph if layer_of(m) == layer and m not in PACKAGES):
+            lines.append(f'    {node[m]}["{m.split(".", 1)[1]}"]')
+        lines.append("  end")
+    edges: set[tuple[str, str, str]] = set()
+    for src, targets in graph.items():
+        for dst in targets:
+            if layer_of(src) == layer_of(dst):
+                continue
+            # A violation keeps its importing module in the label.
+            label = f"violation: {src}" if (src, dst) in KNOWN_VIOLATIONS else ""
+            edges.add((node[src], node[dst], label))
+    # Solid arrows first (they set the layout), violations last.
+    for src, dst, label in sorted(edges, key=lambda e: (bool(e[2]), e[0], e[1])):
+        arrow = f"-.->|{label}|" if label else "-->"
+        lines.append(f"  {src} {arrow} {dst}")
+    return "\n".join(lines)
+
+
+def check(graph: dict[str, set[str]]) -> list[str]:
+    """Problems: violations not in KNOWN_VIOLATIONS, and known ones that no longer happen."""
+    found = violations(graph)
+    problems = [f"{s} -> {d} ({why})" for s, d, why in found if (s, d) not in KNOWN_VIOLATIONS]
+    seen = {(s, d) for s, d, _ in found}
+    problems += [
+        f"{s} -> {d} is listed in KNOWN_VIOLATIONS but no longer imported: remove it"
+        for s, d in KNOWN_VIOLATIONS
+        if (s, d) not in seen
+    ]
+    return problems
+
+
+def write(doc: Path, diagram: str) -> None:
+    text = doc.read_text()
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"{doc}: markers {BEGIN!r} ... {END!r} not found")
+    doc.write_text(f"{head}{BEGIN}\n```mermaid\n{diagram}\n```\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 on a layering violation")
+    parser.add_argument("--write", action="store_true", help="update docs/design.md in place")
+    parser.add_argument(
+        "--strict", action="store_true", help="with --check: known violations fail too"
+    )
+    args = parser.parse_args(argv)
+    graph = import_graph()
+    diagram = mermaid(graph)
+    if args.write:
+        write(ROOT / "docs" / "design.md", diagram)
+    elif not args.check:
+        print(diagram)
+    for src, dst, why in violations(graph):
+        note = KNOWN_VIOLATIONS.get((src, dst))
+        print(f"{'known' if note else 'NEW'} violation: {src} -> {dst} ({why})", file=sys.stderr)
+    problems = check(graph)
+    if args.strict:
+        problems += [
+            f"{s} -> {d} ({why})" for s, d, why in violations(graph) if (s, d) in KNOWN_VIOLATIONS
+        ]
+    for problem in problems:
+        print(f"layering: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

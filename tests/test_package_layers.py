@@ -1,0 +1,91 @@
+"""Imports go down the layers of docs/design.md §1.2: operator → sides → shared contracts.
+
+``tests/test_import_boundaries.py`` keeps the package rule (actors and learner never import
+each other; nothing in common/ imports a side). This adds the layers *inside* common/: a side
+must not import an operator module (launcher, warm start, reports...), and a shared contract
+must import neither. The check and the diagram in docs/design.md come from one script,
+``scripts/package_diagram.py``; the diagram there must be the one the imports give today.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "package_diagram.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("package_diagram", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pd = load_script()
+
+
+def test_imports_follow_the_layers():
+    problems = pd.check(pd.import_graph())
+    assert not problems, "\n".join(problems)
+
+
+def test_script_check_exits_zero():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_common_module_has_a_layer():
+    """A new common/ module lands in the shared layer unless OPERATOR names it: the operator
+    list must name only modules that exist, so a rename cannot silently move one."""
+    graph = pd.import_graph()
+    assert set(graph) >= pd.OPERATOR, sorted(pd.OPERATOR - set(graph))
+    layers = {pd.layer_of(m) for m in graph}
+    assert layers == {"operator", "actors", "learner", "shared"}
+
+
+def test_checker_catches_upward_and_sideways_imports():
+    graph = {
+        "common.cli": {"common.protocol", "actors.loop"},  # operator -> anything: fine
+        "actors.loop": {"common.protocol", "common.launcher", "learner.loss"},
+        "learner.loss": {"common.sampling"},
+        "common.protocol": {"common.report", "learner.loss"},
+        "common.report": set(),
+        "common.sampling": set(),
+        "common.launcher": set(),
+    }
+    found = {(s, d) for s, d, _ in pd.violations(graph)}
+    assert found == {
+        ("actors.loop", "common.launcher"),  # a side imports the operator layer
+        ("actors.loop", "learner.loss"),  # sideways
+        ("common.protocol", "common.report"),  # shared imports operator
+        ("common.protocol", "learner.loss"),  # shared imports a side
+    }
+    # A known violation that disappeared is reported too, so the list cannot go stale.
+    assert any("no longer imported" in p for p in pd.check({"common.sampling": set()}))
+
+
+def test_import_resolution(tmp_path):
+    (tmp_path / "common").mkdir()
+    mod = tmp_path / "common" / "x.py"
+    mod.write_text(
+        "import common.model\n"
+        "from common import tasks\n"
+        "from common.weights import WeightStore\n"
+        "def f():\n    from common.warm_start import ensure_model\n"
+    )
+    modules = {"common.model", "common.tasks", "common.weights", "common.warm_start", "common"}
+    assert pd.project_imports(mod, modules) == modules
+
+
+def test_design_doc_holds_the_current_diagram():
+    doc = (ROOT / "docs" / "design.md").read_text()
+    begin, end = doc.index(pd.BEGIN) + len(pd.BEGIN), doc.index(pd.END)
+    expected = f"\n```mermaid\n{pd.mermaid(pd.import_graph())}\n```\n"
+    assert doc[begin:end] == expected, "run: python scripts/package_diagram.py --write"
