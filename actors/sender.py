@@ -1,4 +1,4 @@
-"""The actor's end of the delivery contract (DESIGN §5): outbox, acks, resend, heartbeats.
+"""The actor's end of the delivery contract (docs/design.md §5.2): outbox, acks, resend, heartbeats.
 
 Delivery is at-least-once: a group stays in a bounded outbox from ``submit`` until the learner
 acks its ``(actor_id, seq)``; the learner drops duplicates. A full outbox blocks ``submit``,

@@ -44,7 +44,7 @@ def weights_channel(run_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Wire protocol (DESIGN §5 "Wire").
+# Wire protocol (docs/design.md §5.1).
 #
 # Every frame is one msgpack map carrying ``"v"`` (PROTOCOL_VERSION) and ``"type"``. Arrays
 # travel as packed little-endian ``bin`` values, never as lists of Python numbers. ``decode``

@@ -1,4 +1,4 @@
-"""actors and learner import common, never each other; common imports neither (DESIGN §1)."""
+"""actors and learner import common, never each other; common imports neither (docs/design.md §1.2)."""
 
 import ast
 from pathlib import Path

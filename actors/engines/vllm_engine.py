@@ -18,7 +18,7 @@ that fix does not verify).
 
 Weights that arrive mid-rollout: the engine is driven step by step so a weight source can be
 polled between steps. Every token keeps the version that produced it.
-- ``verify_on_swap``: delayed verification (DESIGN §3) from a bounded record of the old policy
+- ``verify_on_swap``: delayed verification (docs/design.md §3.4) from a bounded record of the old policy
   (the top ``verify_topk`` processed log-probs + the sampled token's; -1 = whole vocabulary,
   exact), see :mod:`actors.engines.vllm_verify`. In-flight requests are aborted, one
   prompt-log-prob prefill of the new weights scores ``prompt + tokens`` (its sampled token is the

@@ -1,4 +1,4 @@
-"""Delayed verification from bounded records (DESIGN §3), for engines that keep no old weights.
+"""Delayed verification from bounded records (docs/design.md §3.4), for engines that keep no old weights.
 
 vLLM drops the old weights when it reloads, so the old policy's distribution at every stale
 token must be recorded while sampling. Recording the whole vocabulary costs V log-probs per
