@@ -31,7 +31,6 @@ finite, and versions never went backwards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -54,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from benchmarks.hostile import (  # noqa: E402
     poisoned_frames,
     refused_seqs,
@@ -334,9 +334,8 @@ def unauthenticated(address: str, keys_dir: Path, vocab: int, cluster: Cluster) 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="shorter outage and run (< 3 min)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     args = parser.parse_args()
     outage_s = 15.0 if args.quick else 60.0

@@ -28,7 +28,6 @@ against an enumerable model's exact distribution.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
 from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import rl_model, workloads  # noqa: E402
 from common.config import SpecConfig, load_config  # noqa: E402
 from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
@@ -344,11 +344,8 @@ def preload_comparison(label: str, repeats: int, rounds: int) -> dict[str, objec
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--only", choices=("demo", "scratchpad"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="", help="comma-separated (default: 8,32; quick: 8)")
@@ -427,15 +424,11 @@ def main() -> int:
         summary["vllm_selfspec_over_vllm_plain_b8_demo"] = summary[
             "demo_vllm_selfspec_over_vllm_plain_b8"
         ]
-    summary["loadavg_end"] = list(os.getloadavg())
-    summary["seconds"] = round(time.perf_counter() - started, 1)
+    cli.finish(summary, None, started)
     print(
         json.dumps({k: v for k, v in summary.items() if not k.endswith("_tokens_per_s")}, indent=1)
     )
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(summary, indent=2, default=str))
-    return 0
+    return cli.finish(summary, opts.json)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ model, every output enumerable), for verify_on_swap and keep, measured in this r
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import random
 import sys
 import time
@@ -33,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.loop import make_groups  # noqa: E402
 from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
-from benchmarks.rollout import demo_model  # noqa: E402
+from benchmarks import cli  # noqa: E402
+from benchmarks.rollout import Workload, rl_model  # noqa: E402
 from common.config import INFLIGHT_MODES, LearnerConfig, SamplingConfig, load_config  # noqa: E402
 from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
@@ -159,18 +158,15 @@ def exactness_pvalues(samples: int) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", type=Path)
     opts = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     pvalues = exactness_pvalues(4000 if opts.quick else 8000)
     print(f"exactness after a mid-generation swap (chi-square vs the new policy): {pvalues}")
 
-    ckpt = demo_model(150 if opts.quick else 400)
+    ckpt = rl_model(Workload("demo", ["spec=early_exit"], 150 if opts.quick else 400, 32))
     model = load_pretrained(ckpt).eval()
     tokenizer = load_tokenizer(ckpt)
     task = task_from_config(load_config([]).task)
@@ -208,9 +204,7 @@ def main() -> int:
         f"\nsalvaged_frac = {summary['salvaged_frac']:.3f}, exact_pvalue = {summary['exact_pvalue']:.3g}, "
         f"keep_pvalue = {summary['keep_pvalue']:.3g}, {summary['seconds']} s"
     )
-    if opts.json:
-        opts.json.write_text(json.dumps(summary, indent=2))
-    return 0
+    return cli.finish(summary, opts.json)
 
 
 if __name__ == "__main__":

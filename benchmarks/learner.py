@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import cli  # noqa: E402
 from common.config import LearnerConfig, SamplingConfig  # noqa: E402
 from common.model import ModelArgs, Transformer  # noqa: E402
 from common.protocol import Completion, TrajectoryGroup  # noqa: E402
@@ -280,8 +281,7 @@ def plan_check(name: str, measured: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a smaller batch, fewer steps")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument(

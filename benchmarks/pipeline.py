@@ -64,6 +64,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import cli  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.warm_start import ensure_model  # noqa: E402
@@ -583,13 +584,10 @@ def compare(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     parser.add_argument(
         "--quick", action="store_true", help="120 steps, one repeat, 2 actors only (~2 min)"
     )
-    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument(
         "--steps", type=int, default=0, help="learner steps per run (400; quick 120)"
     )

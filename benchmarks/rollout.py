@@ -37,8 +37,6 @@ enough to enumerate (temperature 1, and 0.7 with top-p 0.9).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import random
@@ -56,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.lossless_check import peaky_model, sequence_pvalue  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from common.config import SpecConfig, load_config  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
 from common.tasks import PromptPool, task_from_config  # noqa: E402
@@ -372,15 +371,12 @@ def provenance() -> dict[str, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     parser.add_argument(
         "--quick",
         action="store_true",
         help="fewer prompts, one timed epoch, shorter RL runs (a few minutes once cached)",
     )
-    parser.add_argument("--json", type=Path, help="write flat figures here")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", choices=("demo", "scratchpad"), help="one workload only")
     opts = parser.parse_args()
@@ -453,10 +449,7 @@ def main() -> int:
         if key in summary:
             print(f"{key} = {summary[key]} ({summary[method]})")
     print(f"lossless = {lossless}, {summary['seconds']} s")
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
+    return cli.finish(summary, opts.json)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ Other benchmarks share the cores: run the measured figures under a lock, e.g.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -54,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender, unique_actor_id  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from common.config import ActorConfig  # noqa: E402
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode  # noqa: E402
 from common.transport import DEFAULT_HWM  # noqa: E402
@@ -247,11 +246,8 @@ def run_config(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer groups, 1 repeat (< 60 s)")
-    parser.add_argument("--json", type=Path, help="write flat figures here")
     parser.add_argument("--repeats", type=int, default=0, help="runs per setting (default 3)")
     parser.add_argument(
         "--tuned-outbox", type=int, default=256, help="GroupSender outbox_max of the tuned row"
@@ -323,9 +319,7 @@ def main() -> int:
         f"{flat['groups_per_s_small_run_outbox']:,.0f}, tuned: "
         f"{flat['groups_per_s_small_tuned']:,.0f}), median of {repeats}, {summary['seconds']} s"
     )
-    if opts.json:
-        opts.json.write_text(json.dumps(summary, indent=2))
-    return 0
+    return cli.finish(summary, opts.json)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,6 @@ Other benchmarks share the cores: run the measured figures under a lock, e.g.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import queue
 import statistics
@@ -77,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from benchmarks import cli  # noqa: E402
 from common.config import LearnerConfig, ModelConfig, RedisConfig  # noqa: E402
 from common.model import ModelArgs, Transformer  # noqa: E402
 from common.protocol import weights_chunk_key  # noqa: E402
@@ -549,14 +548,11 @@ def scaling_figures(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser(__doc__)
     parser.add_argument(
         "--quick", action="store_true", help="fewer versions and shorter scaling runs (smoke test)"
     )
     parser.add_argument("--full", action="store_true", help="also the 1 GB model in the table")
-    parser.add_argument("--json", type=Path, help="write flat figures here")
     parser.add_argument(
         "--chunk-mb",
         type=float,
@@ -631,10 +627,7 @@ def main() -> int:
         print(
             f"{key} = {scaling[key]:.4g} (goal {how} {goal}): {'met' if scaling[key + '_met'] else 'NOT met'}"
         )
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(summary, indent=2))
-    return 0
+    return cli.finish(summary, opts.json)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ reader/sender/receiver processes, real sockets, and the JSON keys other tools re
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -67,3 +68,13 @@ def test_transport_quick_writes_its_figures(
             assert figures[f"groups_per_s_{label}{suffix}"] > 0
             assert figures[f"mb_per_s_{label}{suffix}"] > 0
             assert figures[f"ack_rtt_ms_p50_{label}{suffix}"] > 0
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.stem for p in (Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+)
+def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> None:
+    # A benchmark broken by a change elsewhere (a renamed helper) fails here, not in a long run.
+    module = importlib.import_module(f"benchmarks.{script}")
+    if script not in ("__init__", "cli", "hostile"):
+        assert callable(module.main), script
