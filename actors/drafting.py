@@ -16,6 +16,7 @@ the engine and in :mod:`actors.speculative`.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,15 +120,24 @@ def index_ngrams(index: NgramIndex, seq: Sequence[int], min_n: int, max_n: int) 
 NGRAM_SOURCES = ("prompt", "group", "history")
 """What an :class:`NgramDrafter` copies from, each level adding to the one before: ``prompt`` =
 the row's own prompt and completion so far (vLLM's built-in ``ngram``); ``group`` = also the other
-rows of the batch with the same prompt (the GRPO group); ``history`` = also earlier completions
+rows of the call with the same prompt (the GRPO group); ``history`` = also earlier completions
 of the prompt (from earlier epochs over a training set)."""
 
 
 class NgramDrafter:
     """Longest-suffix match against the tokens of the same prompt: the row's own context, the
-    rows of the batch that share its prompt (the GRPO group) and a bounded memory of earlier
-    completions per prompt (``history_prompts`` prompts kept, LRU, the newest ``per_prompt`` to
-    ``2 * per_prompt`` completions each), as far as ``sources`` allows."""
+    rows that share its prompt (the GRPO group) and a bounded memory of earlier completions per
+    prompt (``history_prompts`` prompts kept, LRU, the newest ``per_prompt`` to ``2 * per_prompt``
+    completions each), as far as ``sources`` allows.
+
+    Rows are followed incrementally: :meth:`add_row` indexes a row's prompt once, :meth:`extend`
+    indexes only the tokens added, :meth:`truncate` (a rollback, rare) re-indexes that row alone,
+    and :meth:`propose_rows` looks up suffixes, so the work per step grows with the tokens added,
+    not with the context. Lookup rule, for the longest suffix first (``max_n`` down to ``min_n``):
+    the row's own latest occurrence, else the other rows of its prompt in row-id order (each its
+    latest occurrence), else the history. :meth:`propose` applies the same rule to contexts
+    indexed from scratch (``tests/unit/actors`` checks that both give the same drafts).
+    """
 
     def __init__(
         self,
@@ -146,16 +156,15 @@ class NgramDrafter:
         self.per_prompt = per_prompt
         # prompt key -> (earlier prompt + completion sequences, their n-gram index)
         self._history: OrderedDict[str, tuple[list[list[int]], NgramIndex]] = OrderedDict()
-        # The rows of the batch being decoded (see begin): row id -> the tokens indexed so far,
-        # and the incremental index they feed (per prompt key, or per row for "prompt").
-        self._live_rows: dict[int, list[int]] = {}
-        self._live_index: dict[str | int, NgramIndex] = {}
+        # Rows followed since begin(): id -> (prompt key, tokens so far, their n-gram index), and
+        # per prompt key the ids of its rows, ascending.
+        self._rows: dict[int, tuple[str, list[int], NgramIndex]] = {}
+        self._groups: dict[str, list[int]] = {}
 
     def begin(self) -> None:
-        """A new batch starts: forget the rows of the previous one (``propose`` with ``row_ids``
-        indexes each row's new tokens only, instead of every n-gram of every row every step)."""
-        self._live_rows = {}
-        self._live_index = {}
+        """A new call starts: forget the rows of the previous one."""
+        self._rows = {}
+        self._groups = {}
 
     def forget(self) -> None:
         """Drop every earlier completion (the next visit of any prompt is a first visit)."""
@@ -183,6 +192,68 @@ class NgramDrafter:
         while len(self._history) > self.history_prompts:
             self._history.popitem(last=False)
 
+    # ------------------------------------------------------------------ incremental rows
+
+    def add_row(self, row: int, prompt_key: str, context: Sequence[int]) -> None:
+        """Follow row ``row`` (its context so far, usually its prompt); a known row restarts."""
+        if row not in self._rows:
+            group = self._groups.setdefault(prompt_key, [])
+            insort(group, row)
+        self._rows[row] = (prompt_key, [], {})
+        self.extend(row, context)
+
+    def extend(self, row: int, tokens: Sequence[int]) -> None:
+        """Append tokens to a row: each gives a successor to the n-grams that end before it."""
+        _, seq, index = self._rows[row]
+        lo, hi = self.min_n, self.max_n
+        for token in tokens:
+            i = len(seq)
+            seq.append(int(token))
+            for n in range(lo, min(hi, i) + 1):
+                index[tuple(seq[i - n : i])] = (seq, i)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Roll a row back to its first ``length`` tokens (re-indexes that row only)."""
+        key, seq, _ = self._rows[row]
+        if length < len(seq):
+            kept = seq[:length]
+            self._rows[row] = (key, [], {})
+            self.extend(row, kept)
+
+    def context(self, row: int) -> list[int]:
+        return self._rows[row][1]
+
+    def propose_rows(self, rows: Sequence[int], k: int) -> list[list[int]]:
+        """Up to ``k`` draft tokens for each followed row (see the class docstring)."""
+        return [self._lookup_row(row, k) for row in rows]
+
+    def _sources_of(self, row: int) -> list[NgramIndex]:
+        key, _, own = self._rows[row]
+        indexes = [own]
+        if self.sources != "prompt":
+            indexes += [self._rows[r][2] for r in self._groups[key] if r != row]
+        if self.sources == "history":
+            history = self._history.get(key)
+            if history is not None:
+                indexes.append(history[1])
+        return indexes
+
+    def _lookup_row(self, row: int, k: int) -> list[int]:
+        context = self._rows[row][1]
+        indexes = None
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            suffix = tuple(context[-n:])
+            if indexes is None:
+                indexes = self._sources_of(row)
+            for index in indexes:
+                hit = index.get(suffix)
+                if hit is not None:
+                    seq, follow = hit
+                    return list(seq[follow : follow + k])
+        return []
+
+    # ------------------------------------------------------------------ whole contexts
+
     def propose(
         self,
         contexts: Sequence[Sequence[int]],
@@ -190,72 +261,23 @@ class NgramDrafter:
         k: int,
         row_ids: Sequence[int] | None = None,
     ) -> list[list[int]]:
-        """Up to ``k`` draft tokens per row: what followed the longest suffix of the row's context
-        (``max_n`` down to ``min_n`` tokens) in any source of the same prompt.
+        """Up to ``k`` draft tokens per context: the lookup rule of the class docstring over the
+        given contexts (a context's group: the other contexts with its prompt key, in order).
 
-        With ``row_ids`` (stable ids of the rows since :meth:`begin`) the batch's n-grams are
-        indexed incrementally; without them they are indexed afresh on every call."""
-        if row_ids is not None:
-            return self._propose_live(contexts, prompt_keys, k, row_ids)
-        if self.sources == "prompt":
-            drafts = []
-            for context in contexts:
-                own: NgramIndex = {}
-                index_ngrams(own, context, self.min_n, self.max_n)
-                drafts.append(self._lookup(context, (own,), k))
-            return drafts
-        # Per prompt: an index of the batch rows' n-grams, looked up before the cached index of
-        # earlier completions (the group's current tokens are the freshest evidence).
-        batch_index: dict[str, NgramIndex] = {}
-        for key, context in zip(prompt_keys, contexts, strict=True):
-            index_ngrams(batch_index.setdefault(key, {}), context, self.min_n, self.max_n)
-        empty: NgramIndex = {}
-        drafts = []
-        for key, context in zip(prompt_keys, contexts, strict=True):
-            history = self._history.get(key) if self.sources == "history" else None
-            indexes = (batch_index[key], history[1] if history is not None else empty)
-            drafts.append(self._lookup(context, indexes, k))
-        return drafts
-
-    def _propose_live(
-        self,
-        contexts: Sequence[Sequence[int]],
-        prompt_keys: Sequence[str],
-        k: int,
-        row_ids: Sequence[int],
-    ) -> list[list[int]]:
-        slots: list[str | int] = []
+        Without ``row_ids`` every context is indexed afresh (nothing is kept). With them (stable
+        ids since :meth:`begin`) the rows are followed incrementally: a context that extends what
+        the row held indexes only its new tokens; one that does not restarts the row."""
+        if row_ids is None:
+            scratch = NgramDrafter(self.max_n, self.min_n, sources=self.sources)
+            scratch._history = self._history
+            for i, (key, context) in enumerate(zip(prompt_keys, contexts, strict=True)):
+                scratch.add_row(i, key, context)
+            return scratch.propose_rows(range(len(contexts)), k)
         for row, key, context in zip(row_ids, prompt_keys, contexts, strict=True):
-            slot = row if self.sources == "prompt" else key
-            slots.append(slot)
-            index = self._live_index.setdefault(slot, {})
-            seen = self._live_rows.get(row)
-            if seen is None or len(context) < len(seen) or list(context[: len(seen)]) != seen:
-                # New row, or its tokens were rolled back (weights verified in flight): index it
-                # again. A row's own index starts afresh; in a group's, entries of the dropped
-                # tokens stay (they are only proposals, and the other rows' are still valid).
-                seen = self._live_rows[row] = []
-                if self.sources == "prompt":
-                    index.clear()
-            # Each new token gives a successor to the n-grams that end just before it.
-            for i in range(len(seen), len(context)):
-                seen.append(int(context[i]))
-                for n in range(self.min_n, min(self.max_n, i) + 1):
-                    index[tuple(seen[i - n : i])] = (seen, i)
-        empty: NgramIndex = {}
-        drafts = []
-        for slot, key, context in zip(slots, prompt_keys, contexts, strict=True):
-            history = self._history.get(key) if self.sources == "history" else None
-            indexes = (self._live_index[slot], history[1] if history is not None else empty)
-            drafts.append(self._lookup(context, indexes, k))
-        return drafts
-
-    def _lookup(self, context: Sequence[int], indexes: tuple[NgramIndex, ...], k: int) -> list[int]:
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            suffix = tuple(context[-n:])
-            for index in indexes:
-                hit = index.get(suffix)
-                if hit is not None:
-                    seq, follow = hit
-                    return list(seq[follow : follow + k])
-        return []
+            held = self._rows.get(row)
+            seen = held[1] if held is not None else None
+            if seen is None or held[0] != key or list(context[: len(seen)]) != seen:
+                self.add_row(row, key, context)
+            else:
+                self.extend(row, context[len(seen) :])
+        return self.propose_rows(row_ids, k)

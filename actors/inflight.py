@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class Verification:
     accepted: list[int]  # tokens of the old prefix kept, per row
     rejected: list[bool]  # whether the row was cut (then its last token is a residual sample)
     gaps: list[list[int]]  # per row: new_version - v_i for every verified token (for metrics)
-    cache: KVCache  # new-weights cache of the rows (prompt + verified tokens written)
+    cache: Any  # new-weights cache of the rows (prompt + verified tokens written)
     forward_tokens: int  # tokens pushed through verification forwards (its cost)
 
 
@@ -46,7 +47,7 @@ def verify_rows(
     versions: Sequence[Sequence[int]],
     temperature: float,
     top_p: float,
-    max_len: int,
+    cache: Any,
     generator: torch.Generator | None,
     bonus: bool,
     pad_id: int,
@@ -54,7 +55,9 @@ def verify_rows(
     """Verify every row's generated tokens against ``target`` (see the module docstring).
 
     ``old_models[v]`` must hold the weights of every version ``v < target_version`` that appears
-    in ``versions``. ``bonus``: when a row keeps every token, also sample its next token from
+    in ``versions``. ``cache``: where the new weights' k/v of the rows are written (the engine's
+    block pool bound to these rows, so no second cache is allocated), or None for a fresh
+    contiguous one in the target's dtype. ``bonus``: when a row keeps every token, also sample its next token from
     ``pi_new`` (swap-time verification continues decoding; finish-time verification does not).
     """
     device = next(target.parameters()).device
@@ -71,7 +74,9 @@ def verify_rows(
     # Scores of y_1..y_n (and of the next token) sit at positions len-1 .. len-1+n.
     at = ((lengths - 1)[:, None] + torch.arange(k + 1, device=device)).clamp(max=width - 1)
 
-    cache = KVCache(target.args, batch, max_len, device=device)
+    if cache is None:
+        dtype = next(target.parameters()).dtype
+        cache = KVCache(target.args, batch, width, device=device, dtype=dtype)
     target_lp = processed_logprobs(
         target(input_ids, positions, cache)[rows, at], temperature, top_p
     )

@@ -190,6 +190,55 @@ def make_groups(
     return groups
 
 
+GROUP_STAT_KEYS = ("actor/tokens_per_s", "spec/acceptance_rate", "spec/mean_accepted_len")
+
+
+class GroupSubmitter:
+    """``on_group`` callback of one batch: scores a group whose completions are all done and
+    submits it at once, while the engine decodes the other groups."""
+
+    def __init__(
+        self,
+        problems: list[Problem],
+        prompts: list[list[int]],
+        task: Task,
+        tokenizer: Tokenizer,
+        engine: RolloutEngine,
+        sender: GroupSender,
+        should_stop,
+        stats: ActorStats,
+        ledger: MetricsWriter | None,
+        actor_id: str,
+    ) -> None:
+        self.problems, self.prompts = problems, prompts
+        self.task, self.tokenizer, self.engine = task, tokenizer, engine
+        self.sender, self.should_stop, self.stats = sender, should_stop, stats
+        self.ledger, self.actor_id = ledger, actor_id
+        self.stopped = False
+
+    def __call__(self, index: int, rollouts: list[Rollout]) -> None:
+        if self.stopped:
+            return  # a stop came while waiting out backpressure: send nothing more
+        [group] = make_groups(
+            [self.problems[index]], [self.prompts[index]], [rollouts], self.task, self.tokenizer
+        )
+        # Per-group copies of the rollout figures so far (not reset): the learner averages them
+        # per step, which gives acceptance against policy version.
+        group.stats = {
+            k: v
+            for k, v in self.engine.stats(reset=False).items()
+            if k in GROUP_STAT_KEYS or k.startswith("verify/")
+        }
+        if not submit_until_stopped(self.sender, group, self.should_stop):
+            self.stopped = True
+            return
+        if self.ledger is not None:
+            self.ledger.write({"actor_id": self.actor_id, "seq": group.seq, "event": "submitted"})
+        self.stats.groups_sent += 1
+        self.stats.reward_sum += sum(c.reward for c in group.completions)
+        self.stats.completions += len(group.completions)
+
+
 def submit_until_stopped(sender: GroupSender, group: TrajectoryGroup, should_stop) -> bool:
     """Hand ``group`` to the outbox, waiting out backpressure; False if a stop came first."""
     while not should_stop():
@@ -329,35 +378,23 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             if update is not None:
                 engine.load_weights(*update)
             # Phase 2: generate G completions for each prompt of the batch; weights that arrive
-            # meanwhile reach the rollouts in flight (actor.inflight says how).
+            # meanwhile reach the rollouts in flight (actor.inflight says how). Phase 3 runs
+            # inside it: each group is scored and sent as soon as its G completions are done
+            # (blocking when the outbox is full).
             batch_version = engine.version
             problems = task.sample(rng, cfg.actor.prompts_per_batch)
             prompts = [encode(p.prompt) for p in problems]
-            rollouts = engine.generate(
+            submit = GroupSubmitter(
+                problems, prompts, task, tokenizer, engine, sender, stop, stats, ledger, actor_id
+            )
+            engine.generate(
                 prompts,
                 cfg.actor.group_size,
                 task.max_new_tokens,
                 weight_source=fetch,
+                on_group=submit,
             )
-            # Phase 3: score and send one group per prompt (blocks when the outbox is full).
-            groups = make_groups(problems, prompts, rollouts, task, tokenizer)
             engine_stats = engine.stats()
-            for group in groups:
-                # Per-group copies of the batch's rollout figures: the learner averages them per
-                # step, which gives acceptance against policy version.
-                group.stats = {
-                    k: v
-                    for k, v in engine_stats.items()
-                    if k in ("actor/tokens_per_s", "spec/acceptance_rate", "spec/mean_accepted_len")
-                    or k.startswith("verify/")
-                }
-                if not submit_until_stopped(sender, group, stop):
-                    break
-                if ledger is not None:
-                    ledger.write({"actor_id": actor_id, "seq": group.seq, "event": "submitted"})
-                stats.groups_sent += 1
-                stats.reward_sum += sum(c.reward for c in group.completions)
-                stats.completions += len(group.completions)
             # Synchronous mode: idle until the learner has trained on this batch's version.
             if cfg.actor.wait_for_new_version:
                 wait_started = time.perf_counter()

@@ -17,6 +17,9 @@ slot index, never by a stored length, which gives two properties the rollout sid
   row's next real token overwrites before any query of that row can attend to it;
 - truncation is free: to roll a row back to position j, decode again from j; stale entries past
   the query are masked and get overwritten.
+A cache is any object with ``attention_mask(positions, dtype)`` (validate, and the mask over the
+slots each query may see) and ``update(layer, k, v, positions, width)`` (write, then return the
+k/v of those slots); `KVCache` is the contiguous one, the torch engine's block pool another.
 """
 
 from __future__ import annotations
@@ -336,6 +339,36 @@ class KVCache:
         self.v = self.v.index_select(1, idx)
         self.batch_size = int(idx.numel())
 
+    def attention_mask(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """Bool mask [B, 1, T, S] over cache slots, S = max(positions) + 1; validates the cache."""
+        B = positions.shape[0]
+        if self.batch_size != B:
+            raise ValueError(f"cache.batch_size={self.batch_size} != batch size {B}")
+        if self.k.dtype != dtype or self.k.device != positions.device:
+            raise ValueError(
+                f"cache is {self.k.dtype} on {self.k.device}, model runs {dtype} on "
+                f"{positions.device}"
+            )
+        # One host sync per forward: the attended width must be a Python int.
+        lo, hi = torch.stack([positions.min(), positions.max()]).tolist()
+        if lo < 0 or hi >= self.max_seq_len:
+            raise ValueError(
+                f"positions span [{lo}, {hi}], outside the cache [0, {self.max_seq_len})"
+            )
+        slots = torch.arange(hi + 1, device=positions.device)  # [S]
+        return (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
+
+    def update(
+        self, layer: int, k: Tensor, v: Tensor, positions: Tensor, width: int
+    ) -> tuple[Tensor, Tensor]:
+        """Write k/v [B, H_kv, T, D] at `positions` [B, T] of `layer`; return its first `width`
+        slots [B, H_kv, S, D] (write first, then attend: a chunk's queries see their own keys)."""
+        B, H, T, D = k.shape
+        idx = positions[:, None, :, None].expand(B, H, T, D)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+        return self.k[layer, :, :, :width], self.v[layer, :, :, :width]
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back before the weight, exactly as HF Llama does."""
@@ -430,9 +463,9 @@ class Attention(nn.Module):
         cos: Tensor,  # [B, 1, T, D]
         sin: Tensor,  # [B, 1, T, D]
         mask: Tensor | None,  # [B, 1, T, S] bool, True = attend; None = plain causal over T
-        kv: tuple[Tensor, Tensor, Tensor] | None,
+        kv: tuple[Any, int, Tensor] | None,
     ) -> Tensor:
-        """kv: this layer's cache k, v [B, H_kv, S_max, D] and the positions [B, T] to write."""
+        """kv: the cache, this layer's index in it and the positions [B, T] to write."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
@@ -444,17 +477,24 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)  # [B, H_kv, T, D]
 
         if kv is not None:
-            cache_k, cache_v, positions = kv
-            # Write first, then attend: the queries of this chunk must see their own keys.
-            idx = positions[:, None, :, None].expand(B, self.num_kv_heads, T, self.head_dim)
-            cache_k.scatter_(2, idx, k)
-            cache_v.scatter_(2, idx, v)
-            S = mask.shape[-1]  # max(positions) + 1: slots beyond it are masked for every query
-            k, v = cache_k[:, :, :S], cache_v[:, :, :S]  # [B, H_kv, S, D]
+            cache, layer, positions = kv
+            # Write first, then attend: the queries of this chunk must see their own keys. Width
+            # max(positions) + 1: slots beyond it are masked for every query.
+            k, v = cache.update(layer, k, v, positions, mask.shape[-1])  # [B, H_kv, S, D]
 
         # Repeating kv heads (rather than enable_gqa) keeps every SDPA backend, incl. masked ones,
         # available; HF's repeat_kv uses the same interleaved head order.
         rep = self.num_heads // self.num_kv_heads
+        if rep > 1 and kv is not None and mask is not None:
+            # Over the cache (decoding): the `rep` query heads of each kv head attend as one
+            # longer query block instead of repeating the cached k/v `rep` times; query head h
+            # still reads kv head h // rep, the pairing of repeat_interleave below.
+            S = k.shape[2]
+            q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
+            mask = mask.expand(B, 1, T, S).repeat(1, 1, rep, 1)  # [B, 1, rep * T, S]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = out.view(B, self.num_heads, T, self.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
@@ -490,7 +530,7 @@ class DecoderLayer(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
-        kv: tuple[Tensor, Tensor, Tensor] | None,
+        kv: tuple[Any, int, Tensor] | None,
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -568,7 +608,7 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=x.device).expand(B, T)
         positions = positions.to(torch.long)  # [B, T]
         if cache is not None:
-            mask = self._cache_mask(positions, cache, x.dtype)  # [B, 1, T, S]
+            mask = cache.attention_mask(positions, x.dtype)  # [B, 1, T, S]
         elif default_positions:
             # A plain causal prefix: passing no mask lets SDPA pick a fused causal kernel.
             mask = None
@@ -579,7 +619,7 @@ class Transformer(nn.Module):
         )
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i in range(start, end):
-            kv = (cache.k[i], cache.v[i], positions) if cache is not None else None
+            kv = (cache, i, positions) if cache is not None else None
             if recompute and cache is None:
                 # Activation checkpointing: keep each layer's input, recompute inside in backward.
                 x = checkpoint(self.model.layers[i], x, cos, sin, mask, None, use_reentrant=False)
@@ -609,25 +649,6 @@ class Transformer(nn.Module):
             are written.
         """
         return self.lm_head(self.hidden_states(input_ids, positions, cache, num_layers)).float()
-
-    def _cache_mask(self, positions: Tensor, cache: KVCache, dtype: torch.dtype) -> Tensor:
-        """Bool mask [B, 1, T, S] over cache slots, S = max(positions) + 1; validates the cache."""
-        B = positions.shape[0]
-        if cache.batch_size != B:
-            raise ValueError(f"cache.batch_size={cache.batch_size} != batch size {B}")
-        if cache.k.dtype != dtype or cache.k.device != positions.device:
-            raise ValueError(
-                f"cache is {cache.k.dtype} on {cache.k.device}, model runs {dtype} on "
-                f"{positions.device}"
-            )
-        # One host sync per forward: the attended width must be a Python int.
-        lo, hi = torch.stack([positions.min(), positions.max()]).tolist()
-        if lo < 0 or hi >= cache.max_seq_len:
-            raise ValueError(
-                f"positions span [{lo}, {hi}], outside the cache [0, {cache.max_seq_len})"
-            )
-        slots = torch.arange(hi + 1, device=positions.device)  # [S]
-        return (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
 
 
 def init_weights(model: Transformer, seed: int | None = None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,11 +30,21 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        weight_source: Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None] | None = None,
+        on_group: Callable[[int, list[Rollout]], None] | None = None,
     ) -> list[list[Rollout]]:
-        """``n`` sampled completions for each prompt; result[i][j] is completion j of prompt i."""
+        """``n`` sampled completions for each prompt; result[i][j] is completion j of prompt i.
+
+        ``weight_source`` is polled for new weights while rollouts are in flight.
+        ``on_group(i, result[i])`` is called once per prompt, when its ``n`` completions are
+        done: as soon as they are (continuous batching), or at the latest before returning."""
         ...
 
-    def stats(self) -> dict[str, float]:
-        """Counters since the last call (namespaced, e.g. ``actor/tokens_per_s``); resets them."""
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        """Counters since the last reset (namespaced, e.g. ``actor/tokens_per_s``); resets them
+        unless ``reset`` is False (a mid-call read, e.g. from ``on_group``)."""
         ...

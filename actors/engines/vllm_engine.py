@@ -365,7 +365,10 @@ class VllmEngine:
         n: int,
         max_new_tokens: int,
         weight_source: Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None] | None = None,
+        on_group: Callable[[int, list[Rollout]], None] | None = None,
     ) -> list[list[Rollout]]:
+        """As the interface says; ``on_group(i, rollouts)`` is called once per prompt, when the
+        call ends (vLLM runs the call's requests together)."""
         engine = self.llm.llm_engine
         started = time.perf_counter()
         slots = [_Slot(list(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
@@ -394,7 +397,11 @@ class VllmEngine:
             for slot, r in zip(slots, rollouts, strict=True):
                 self.ngram.remember(_prompt_key(slot.prompt), slot.prompt + r.token_ids.tolist())
         self._tokens += sum(len(r.token_ids) for r in rollouts)
-        return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        groups = [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        if on_group is not None:
+            for i, group in enumerate(groups):
+                on_group(i, group)
+        return groups
 
     def _submit(self, slot: _Slot, by_request: dict, max_new_tokens: int) -> None:
         """(Re)start a slot's request: prompt plus the tokens it already holds."""
@@ -528,7 +535,8 @@ class VllmEngine:
                 totals[key] += float(metric.value)
         return totals
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        """Counters since the last reset (``reset=False``: read them and keep counting)."""
         out = {
             "actor/tokens": float(self._tokens),
             "actor/gen_time_s": self._gen_time_s,
@@ -537,7 +545,8 @@ class VllmEngine:
         if self.spec_enabled:
             now = self._spec_counters()
             delta = {k: now[k] - self._spec_base[k] for k in now}
-            self._spec_base = now
+            if reset:
+                self._spec_base = now
             out["spec/acceptance_rate"] = (
                 delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else 0.0
             )
@@ -559,7 +568,8 @@ class VllmEngine:
                     out["verify/record_bytes_per_token"] = (
                         self._record_bytes / self._recorded_tokens
                     )
-        self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
-        self._inflight, self._salvaged, self._verify_forward_tokens = 0, 0, 0
-        self._record_bytes, self._recorded_tokens = 0, 0
+        if reset:
+            self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
+            self._inflight, self._salvaged, self._verify_forward_tokens = 0, 0, 0
+            self._record_bytes, self._recorded_tokens = 0, 0
         return out

@@ -157,6 +157,6 @@ def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model(
     prompts = [[1, 2], [1, 3], [1, 4], [1, 5]]
     tokens = [[6, 7], [7, 8], [8, 9], [9, 6]]
     versions = [[1, 1], [1, 1], [1, 1], [0, 0]]  # only the last row has old-version tokens
-    out = verify_rows(new, 1, {0: old}, prompts, tokens, versions, 1.0, 1.0, 16, None, False, 0)
+    out = verify_rows(new, 1, {0: old}, prompts, tokens, versions, 1.0, 1.0, None, None, False, 0)
     assert out.accepted[:3] == [2, 2, 2]  # tokens of the new version: kept with probability 1
     assert len(out.tokens) == 4
