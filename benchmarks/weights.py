@@ -353,6 +353,7 @@ def hidden_fraction(
             tokenizer,
             dtype=torch.bfloat16,
             max_inflight=inflight,
+            optimizer=optimizer,  # as the learner does: async snapshots run on the thread
         )
         for mode, inflight in (("sync", 0), ("async", 1))
     }

@@ -610,6 +610,7 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
         max_inflight=cfg.learner.publish_max_inflight,
         should_stop=stop,
         on_published=lambda version: write_version_mark(version_mark, version),
+        optimizer=state.optimizer,  # the snapshot runs on the upload thread, before its next step
     )
 
     def publish() -> None:

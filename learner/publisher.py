@@ -1,10 +1,13 @@
 """Publishes the learner's policy as a new weights version in Redis, off the critical path.
 
-``publish(version)`` snapshots the weights (one bulk copy to CPU in the publish dtype, before
-the next optimizer step can change them) and hands the snapshot to a background thread, which
-serializes, hashes and uploads it while the next step trains; versions go out in order. The
-learner waits only when ``max_inflight`` snapshots are already queued or uploading (a bound on
-memory and on how far Redis may lag). ``max_inflight=0`` publishes on the caller's thread.
+``publish(version)`` hands the version to a background thread, which snapshots the weights (one
+bulk copy to CPU in the publish dtype), then serializes, hashes and uploads it while the next
+step trains; versions go out in order. Given the ``optimizer``, the snapshot too runs on that
+thread, during the next step's forward and backward: a pre-hook on ``optimizer.step`` waits until
+it is taken, so no update can reach a version being copied. Without one, ``publish`` takes the
+snapshot on the caller's thread. The learner waits only when ``max_inflight`` versions are
+already queued or uploading (a bound on memory and on how far Redis may lag), or, rarely, at
+that pre-hook. ``max_inflight=0`` publishes on the caller's thread.
 
 The work on the thread is torch bulk ops (delta encoding), hashlib and socket writes, which all
 release the GIL, so it overlaps a training step instead of taking turns with it.
@@ -64,6 +67,7 @@ class Publisher:
         max_inflight: int = 1,
         should_stop: Callable[[], bool] = lambda: False,
         on_published: Callable[[int], None] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
@@ -83,7 +87,13 @@ class Publisher:
         self.refused = 0
         """Versions refused for non-finite weights (never published)."""
         self._error: BaseException | None = None
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor] | None] | None] = queue.Queue()
+        self._snapshot_taken = threading.Event()
+        self._snapshot_taken.set()
+        self.snapshot_on_thread = optimizer is not None and max_inflight > 0
+        if self.snapshot_on_thread:
+            assert optimizer is not None
+            optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self._room = threading.Semaphore(max(1, max_inflight))
         self._thread: threading.Thread | None = None
         if max_inflight > 0:
@@ -111,8 +121,17 @@ class Publisher:
         else:
             self._room.acquire()  # waits only while max_inflight versions are in flight
             self._raise_error_releasing()
-            self._queue.put((version, self.snapshot()))
+            if self.snapshot_on_thread:
+                self._snapshot_taken.clear()  # set by the thread once it holds its copy
+                self._queue.put((version, None))
+            else:
+                self._queue.put((version, self.snapshot()))
         self.last_stall_s = time.perf_counter() - started
+
+    def wait_snapshot(self) -> None:
+        """Block until the last published version's snapshot is taken (the optimizer's step
+        pre-hook: the weights may change after this)."""
+        self._snapshot_taken.wait()
 
     @property
     def inflight(self) -> int:
@@ -152,7 +171,15 @@ class Publisher:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISH_NICENESS)
         while (item := self._queue.get()) is not None:
             try:
-                self._upload(*item)
+                version, state = item
+                if state is None:
+                    try:
+                        state = self.snapshot()
+                    finally:
+                        self._snapshot_taken.set()
+                self._upload(version, state)
+            except Exception as e:  # noqa: BLE001 - handed to the learner's thread, raised there
+                self._error = e
             finally:
                 self._room.release()
                 self._queue.task_done()
