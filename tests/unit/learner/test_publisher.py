@@ -4,6 +4,7 @@ thread from a snapshot, a bound on versions in flight, and non-finite weights ne
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
@@ -124,3 +125,42 @@ def test_upload_error_is_raised_on_the_learner_thread(redis_client: redis.Redis)
     with pytest.raises(WeightsError, match="only grow"):
         pub.flush()
     pub.close()
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, with_optimizer: bool
+) -> None:
+    """With the optimizer, publish only queues the version and the thread copies the weights;
+    the optimizer's step pre-hook must hold the update until that copy is taken. A slow copy
+    makes the race certain; without the optimizer the caller copies (negative control: the
+    same slow copy then stalls ``publish`` itself)."""
+    m = model()
+    optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
+    store = WeightStore(redis_client, RUN, chunk_bytes=1024)
+    slow = Publisher.snapshot
+
+    def slow_snapshot(self: Publisher) -> dict[str, torch.Tensor]:
+        time.sleep(0.3)
+        return slow(self)
+
+    monkeypatch.setattr(Publisher, "snapshot", slow_snapshot)
+    pub = Publisher(
+        store,
+        m,
+        CharTokenizer("abc"),
+        max_inflight=1,
+        optimizer=optimizer if with_optimizer else None,
+    )
+    before = m.lm_head.weight.detach().clone()
+    started = time.perf_counter()
+    pub.publish(1)
+    publish_s = time.perf_counter() - started
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # with the optimizer: blocks in the pre-hook until the copy is taken
+    pub.close()
+    assert torch.equal(WeightStore(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
+    assert not torch.equal(m.lm_head.weight, before)  # the step did happen, after the copy
+    assert pub.snapshot_on_thread is with_optimizer
+    assert (publish_s < 0.2) is with_optimizer
