@@ -15,6 +15,7 @@ COPY pyproject.toml README.md ./
 COPY actors actors
 COPY learner learner
 COPY common common
+COPY ops ops
 COPY configs configs
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG EXTRAS=vllm

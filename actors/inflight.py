@@ -64,7 +64,7 @@ def verify_rows(
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
     n = [len(t) for t in tokens]
-    k = max(n)
+    longest = max(n)  # the most tokens any row holds in flight
     width = max(len(p) + len(t) for p, t in zip(prompts, tokens, strict=True))
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
     for i, (p, t) in enumerate(zip(prompts, tokens, strict=True)):
@@ -72,7 +72,7 @@ def verify_rows(
     positions = torch.arange(width, device=device).expand(batch, -1)  # [B, W]
     rows = torch.arange(batch, device=device)[:, None]
     # Scores of y_1..y_n (and of the next token) sit at positions len-1 .. len-1+n.
-    at = ((lengths - 1)[:, None] + torch.arange(k + 1, device=device)).clamp(max=width - 1)
+    at = ((lengths - 1)[:, None] + torch.arange(longest + 1, device=device)).clamp(max=width - 1)
 
     if cache is None:
         dtype = next(target.parameters()).dtype
@@ -82,13 +82,13 @@ def verify_rows(
     )
     forward_tokens = batch * width  # [B, K+1, V] above
 
-    draft_tokens = torch.full((batch, k), pad_id, dtype=torch.long, device=device)
-    version_of = torch.full((batch, k), target_version, dtype=torch.long, device=device)
+    draft_tokens = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
+    version_of = torch.full((batch, longest), target_version, dtype=torch.long, device=device)
     for i, (t, v) in enumerate(zip(tokens, versions, strict=True)):
         draft_tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         version_of[i, : len(v)] = torch.tensor(v, dtype=torch.long)
     # q = p for tokens already of the target version: accepted with probability 1.
-    draft_lp = target_lp[:, :k].clone()  # [B, K, V]
+    draft_lp = target_lp[:, :longest].clone()  # [B, K, V]
     for version in sorted(set(version_of.unique().tolist()) - {target_version}):
         if version not in old_models:
             raise KeyError(f"no weights kept for version {version}; cannot verify exactly")
@@ -96,7 +96,9 @@ def verify_rows(
         sel = uses.nonzero().squeeze(-1)
         old_lp = processed_logprobs(
             # The old model scores only the selected rows: index its output by their rank.
-            old_models[version](input_ids[sel], positions[sel])[rows[: len(sel)], at[sel, :k]],
+            old_models[version](input_ids[sel], positions[sel])[
+                rows[: len(sel)], at[sel, :longest]
+            ],
             temperature,
             top_p,
         )  # [B_v, K, V]

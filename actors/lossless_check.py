@@ -8,10 +8,11 @@ then compared with a chi-square goodness-of-fit test.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
 from common.goodness_of_fit import chi_square_pvalue
 from common.model import ModelArgs, Transformer
@@ -68,6 +69,27 @@ def exact_sequence_logprobs(
     return outcomes
 
 
+def outcome_counts(
+    exact: Mapping[tuple[int, ...], float], rollouts: Iterable[Rollout]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often each complete output of ``exact`` (``exact_sequence_logprobs``) occurs among
+    ``rollouts``, and its exact probability, both in ``sorted(exact)`` order; an output outside
+    ``exact`` raises ``KeyError`` (the engine produced something impossible)."""
+    keys = sorted(exact)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys), dtype=torch.float64)
+    for rollout in rollouts:
+        counts[index[tuple(rollout.token_ids.tolist())]] += 1
+    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    return counts, probs
+
+
+def rollouts_pvalue(exact: Mapping[tuple[int, ...], float], rollouts: Iterable[Rollout]) -> float:
+    """Chi-square p-value of ``rollouts`` against the exact distribution ``exact``: the one
+    enumerate / sample / chi-square check every lossless test and benchmark runs."""
+    return chi_square_pvalue(*outcome_counts(exact, rollouts))
+
+
 def sequence_pvalue(
     engine: TorchEngine, prompt: Sequence[int], max_new: int, samples: int, calls: int = 2
 ) -> float:
@@ -79,11 +101,9 @@ def sequence_pvalue(
     exact = exact_sequence_logprobs(
         engine.model, prompt, max_new, engine.temperature, engine.top_p, engine.eos_id
     )
-    keys = sorted(exact)
-    index = {k: i for i, k in enumerate(keys)}
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
-    counts = torch.zeros(len(keys), dtype=torch.float64)
-    for _ in range(calls):
-        for rollout in engine.generate([list(prompt)], samples // calls, max_new)[0]:
-            counts[index[tuple(rollout.token_ids.tolist())]] += 1
-    return chi_square_pvalue(counts, probs)
+    rollouts = [
+        r
+        for _ in range(calls)
+        for r in engine.generate([list(prompt)], samples // calls, max_new)[0]
+    ]
+    return rollouts_pvalue(exact, rollouts)

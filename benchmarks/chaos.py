@@ -21,7 +21,7 @@ of the actors' keys; ``run.ledger=true``), lets training run, and injects in tur
    without CURVE try to push groups;
 7. ``learner_unreachable``: the learner is frozen (SIGSTOP) for a minute (15 s with --quick).
 
-Then it stops everything cleanly and reads the ledger (common/ledger.py): every ``(actor_id,
+Then it stops everything cleanly and reads the ledger (ops/ledger.py): every ``(actor_id,
 seq)`` an actor produced must be consumed exactly once (trained, or dropped as stale), or be
 accounted for as still unacked in a stopped actor's spool or carried in the learner's final
 checkpoint. Also checked: the learner counted exactly the bad frames sent and the poisoned
@@ -62,7 +62,6 @@ from benchmarks.hostile import (  # noqa: E402
 )
 from common.config import load_config  # noqa: E402
 from common.curve_keys import CurveKeys, actor_keys, learner_keys, write_keys  # noqa: E402
-from common.ledger import read_ledger  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.model import load_pretrained  # noqa: E402
 from common.protocol import (  # noqa: E402
@@ -71,10 +70,11 @@ from common.protocol import (  # noqa: E402
     TrajectoryGroup,
     encode,
 )
-from common.redis_server import RedisServer, child_preexec, find_free_port  # noqa: E402
 from common.transport import connect_dealer  # noqa: E402
 from common.warm_start import ensure_model  # noqa: E402
 from learner.checkpoint import latest_checkpoint  # noqa: E402
+from ops.ledger import read_ledger  # noqa: E402
+from ops.redis_server import RedisServer, child_preexec, find_free_port  # noqa: E402
 
 FLOOD_ID = "flooder"
 

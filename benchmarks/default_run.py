@@ -3,7 +3,7 @@ working directory (no cached warm-start model), timed end to end.
 
     python benchmarks/default_run.py [--json PATH] [overrides ...]
 
-Runs ``python -m common.cli run run.name=readme-default`` (what ``bash scripts/run.sh`` runs after
+Runs ``python -m ops.cli run run.name=readme-default`` (what ``bash scripts/run.sh`` runs after
 its set-up) in a new temporary directory, so the warm start of the built-in model is part of the
 run, then reads the run's ``summary.json`` and writes its figures with the command, the command's
 own wall time and the load average. Extra arguments are passed on as Hydra overrides.
@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for specrl run")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="specrl-default-run-") as cwd:
-        cmd = [sys.executable, "-m", "common.cli", "run", "run.name=readme-default"]
+        cmd = [sys.executable, "-m", "ops.cli", "run", "run.name=readme-default"]
         cmd += opts.overrides
         env = os.environ | {"PYTHONPATH": str(ROOT)}
         print(f"in a fresh directory {cwd}: {' '.join(cmd[1:])}", flush=True)

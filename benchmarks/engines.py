@@ -49,11 +49,14 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
-from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
+from actors.lossless_check import (  # noqa: E402
+    exact_sequence_logprobs,
+    peaky_model,
+    rollouts_pvalue,
+)
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import rl_model, workloads  # noqa: E402
 from common.config import SpecConfig, load_config  # noqa: E402
-from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
 from common.model import ModelArgs, Transformer, load_pretrained, save_pretrained  # noqa: E402
 from common.sampling import processed_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
@@ -287,12 +290,7 @@ def lossless(quick: bool) -> dict[str, float]:
         out += engine.generate([prompt], 100, 3)[0]
     acceptance = engine.stats()["spec/acceptance_rate"]
     del engine
-    keys = sorted(exact)
-    counts = torch.zeros(len(keys))
-    for r in out:
-        counts[keys.index(tuple(r.token_ids.tolist()))] += 1
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
-    p = chi_square_pvalue(counts, probs)
+    p = rollouts_pvalue(exact, out)
     return {
         "vllm_selfspec_lossless_pvalue": round(p, 4),
         "vllm_selfspec_lossless": p >= 0.01,

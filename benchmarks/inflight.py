@@ -30,11 +30,14 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.loop import make_groups  # noqa: E402
-from actors.lossless_check import exact_sequence_logprobs, peaky_model  # noqa: E402
+from actors.lossless_check import (  # noqa: E402
+    exact_sequence_logprobs,
+    peaky_model,
+    rollouts_pvalue,
+)
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import Workload, rl_model  # noqa: E402
 from common.config import INFLIGHT_MODES, LearnerConfig, SamplingConfig, load_config  # noqa: E402
-from common.goodness_of_fit import chi_square_pvalue  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
 from common.sampling import token_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
@@ -138,9 +141,6 @@ def exactness_pvalues(samples: int) -> dict[str, float]:
     old, new = peaky_model(6, 1, 6.0), peaky_model(6, 2, 6.0)
     prompt, no_eos = [1, 4, 5, 4], 99
     exact = exact_sequence_logprobs(new, prompt, 3, 1.0, 1.0, no_eos)
-    keys = sorted(exact)
-    index = {k: i for i, k in enumerate(keys)}
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
     out = {}
     for mode in ("verify_on_swap", "verify_on_finish", "keep"):
         engine = TorchEngine(copy.deepcopy(old), no_eos, 0, seed=11, version=0, inflight=mode)
@@ -150,10 +150,8 @@ def exactness_pvalues(samples: int) -> dict[str, float]:
             calls["n"] += 1
             return (1, new.state_dict()) if calls["n"] == 2 else None
 
-        counts = torch.zeros(len(keys))
-        for r in engine.generate([prompt], samples, 3, weight_source=source)[0]:
-            counts[index[tuple(r.token_ids.tolist())]] += 1
-        out[mode] = chi_square_pvalue(counts, probs)
+        rollouts = engine.generate([prompt], samples, 3, weight_source=source)[0]
+        out[mode] = rollouts_pvalue(exact, rollouts)
     return out
 
 

@@ -124,7 +124,7 @@ def old_step(model: Transformer, optimizer, batch: TrainBatch, cfg: LearnerConfi
         batch.advantages,
         usable.float(),
         cfg.clip_eps,
-        cfg.is_cap,
+        cfg.dual_clip,
     )
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
@@ -227,7 +227,7 @@ def child_ranks(model_name: str, world: int, groups: int) -> dict:
 
     import torch.multiprocessing as mp
 
-    from common.redis_server import find_free_port
+    from ops.redis_server import find_free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         args = (world, find_free_port(), model_name, tmp, groups)
@@ -255,9 +255,9 @@ def _run_child(*argv: str) -> dict:
 
 
 def plan_check(name: str, measured: dict) -> dict:
-    """``specrl plan``'s estimate (common/memory_plan.py) for this model and the new settings,
+    """``specrl plan``'s estimate (ops/memory_plan.py) for this model and the new settings,
     next to what was measured: state (1 and 2 ranks) and the new path's peak."""
-    from common.memory_plan import Shape, learner_plan
+    from ops.memory_plan import Shape, learner_plan
 
     model = build_model(name)
     shape = Shape.from_hf_config(model.args.to_hf_config())

@@ -4,7 +4,7 @@
                                   [--target REWARD] [--window STEPS] [--actors 2,1]
                                   [--set KEY=VALUE ...]
 
-Each mode is one `specrl run` (`python -m common.cli run`): a private Redis, the learner and N
+Each mode is one `specrl run` (`python -m ops.cli run`): a private Redis, the learner and N
 actor processes, on this machine. Both modes share every setting (task, model, seed, actors,
 batch sizes, learner hyper-parameters, steps budget) except the two switches:
 
@@ -360,7 +360,7 @@ def run_mode(
         f"run.dir={run_dir}",
         f"learner.address=tcp://127.0.0.1:{free_port()}",
     ]
-    cmd = [sys.executable, "-m", "common.cli", "run", *overrides]
+    cmd = [sys.executable, "-m", "ops.cli", "run", *overrides]
     log_path = run_dir.parent / f"{run_dir.name}.log"
     print(f"[{mode} #{repeat + 1}] specrl run ... ({log_path})", flush=True)
     started = time.monotonic()
@@ -388,7 +388,7 @@ def run_mode(
     figures.update(proc_figures(monitor, opts.steps, cores))
     figures["command_wall_s"] = wall_s
     figures["run_dir"] = str(run_dir)
-    figures["command"] = " ".join(["python", "-m", "common.cli", "run", *overrides])
+    figures["command"] = " ".join(["python", "-m", "ops.cli", "run", *overrides])
     t = figures.get("time_to_target_s")
     idle = figures.get("actor_idle_frac")
     print(

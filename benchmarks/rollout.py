@@ -138,7 +138,7 @@ def rl_model(work: Workload) -> Path:
     cmd = [
         sys.executable,
         "-m",
-        "common.cli",
+        "ops.cli",
         "run",
         f"run.name=bench-{work.label}-{work.rl_steps}",
         f"run.dir={run_dir}",

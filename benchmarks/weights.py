@@ -27,7 +27,7 @@ Scaling figures (all in one run, on the same Redis):
                              t_fetch; the ratio of throughputs t_plain / t_fetch, medians of
                              interleaved repeats on the 100mb model (goal >= 0.8).
 
-A private redis-server (common.redis_server.RedisServer, as the tests use) holds the versions;
+A private redis-server (ops.redis_server.RedisServer, as the tests use) holds the versions;
 the learner side is this process, with a real `common.weights.WeightStore`. Models are random
 fp32 tensors shaped like a Llama-style transformer (untied embedding and LM head, per layer
 q/k/v/o with grouped KV, a gated MLP and two norms), of about 10 MB, 100 MB and 1 GB
@@ -79,11 +79,11 @@ from benchmarks import cli  # noqa: E402
 from common.config import LearnerConfig, ModelConfig, RedisConfig  # noqa: E402
 from common.model import ModelArgs, Transformer  # noqa: E402
 from common.protocol import weights_chunk_key  # noqa: E402
-from common.redis_server import RedisServer  # noqa: E402
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
 from common.weight_cache import HostCache  # noqa: E402
 from common.weights import WeightStore, weights_digest  # noqa: E402
 from learner.publisher import Publisher  # noqa: E402
+from ops.redis_server import RedisServer  # noqa: E402
 
 MB = 10**6
 GB = 10**9

@@ -388,7 +388,7 @@ class LearnerConfig:
     """Groups with ``learner_version - group.version`` above this are dropped (and counted)."""
     clip_eps: float = 0.2
     """PPO ratio clip."""
-    is_cap: float = 3.0
+    dual_clip: float = 3.0
     """Dual-clip bound c: for negative advantages the surrogate is bounded below by c * A, which
     truncates importance ratios pi_theta / pi_behaviour above c (stale-token correction)."""
     kl_coef: float = 0.0
@@ -495,7 +495,7 @@ class LearnerConfig:
             self.max_staleness >= 0, f"learner.max_staleness must be >= 0, got {self.max_staleness}"
         )
         _require(0 < self.clip_eps < 1, f"learner.clip_eps must be in (0, 1), got {self.clip_eps}")
-        _require(self.is_cap > 1, f"learner.is_cap must be > 1, got {self.is_cap}")
+        _require(self.dual_clip > 1, f"learner.dual_clip must be > 1, got {self.dual_clip}")
         _require(self.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {self.kl_coef}")
         _require(
             self.publish_every >= 1, f"learner.publish_every must be >= 1, got {self.publish_every}"

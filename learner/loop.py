@@ -264,7 +264,7 @@ class _StepTerms:
             advantages=advantages,
             mask=usable.float()[:, None],
             clip_eps=cfg.clip_eps,
-            is_cap=cfg.is_cap,
+            dual_clip=cfg.dual_clip,
             ref_logprobs=ref_lp,
             kl_coef=cfg.kl_coef,
             num_tokens=self.n_valid,
@@ -553,21 +553,28 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
             gather_checkpoint(state, dist)  # rank 0's final checkpoint
             return last
         batch = collate(groups, version, state.tokenizer.pad_id, dist.device)
-        last = train_step(
-            state.model,
-            state.optimizer,
-            batch,
-            cfg.learner,
-            cfg.sampling,
-            state.ref_model,
-            cfg.spec,
-            dist,
-        )
+        last = train_on(state, batch, cfg, dist)
         state.step += 1
         if state.step % cfg.learner.publish_every == 0 and not last["learner/skipped"]:
             view.refresh()
         if state.step % cfg.learner.checkpoint_every == 0:
             gather_checkpoint(state, dist)
+
+
+def train_on(
+    state: LearnerState, batch: TrainBatch, cfg: SpecRLConfig, dist: DistContext | None
+) -> dict[str, float]:
+    """One optimizer step on ``batch``: the same call on rank 0 and on the other ranks."""
+    return train_step(
+        state.model,
+        state.optimizer,
+        batch,
+        cfg.learner,
+        cfg.sampling,
+        state.ref_model,
+        cfg.spec,
+        dist,
+    )
 
 
 def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
@@ -709,16 +716,7 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
             if dist is not None:
                 dist.send_step(groups, state.version)
             batch = collate(groups, state.version, state.tokenizer.pad_id, device)
-            step_metrics = train_step(
-                state.model,
-                state.optimizer,
-                batch,
-                cfg.learner,
-                cfg.sampling,
-                state.ref_model,
-                cfg.spec,
-                dist,
-            )
+            step_metrics = train_on(state, batch, cfg, dist)
             skipped = step_metrics["learner/skipped"] > 0
             skipped_steps += skipped
             for group in groups:

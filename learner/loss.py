@@ -8,7 +8,7 @@ Terms, defined once:
 - PPO-clip surrogate: ``min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)``. For ``A > 0`` it stops
   pushing once the ratio exceeds ``1 + eps``; for ``A < 0`` once it falls below ``1 - eps``.
 - Truncated importance weight (dual clip, Ye et al. 2020): for ``A < 0`` the surrogate is bounded
-  below by ``is_cap * A``, so a stale token that the current policy now finds far more likely than
+  below by ``dual_clip * A``, so a stale token that the current policy now finds far more likely than
   its sampler did cannot dominate the update with an unbounded ratio.
 - ``advantages``: GRPO, rewards normalised within the group of one prompt.
 
@@ -53,12 +53,12 @@ def ppo_clip_loss(
     advantages: torch.Tensor,  # [B] one advantage per sequence
     mask: torch.Tensor,  # [B, T] 1 for generated tokens, 0 for padding
     clip_eps: float,
-    is_cap: float,
+    dual_clip: float,
     ref_logprobs: torch.Tensor | None = None,  # [B, T] log pi_ref(y_t), for the KL penalty
     kl_coef: float = 0.0,
     num_tokens: float | torch.Tensor | None = None,
 ) -> PolicyLoss:
-    """Token-mean PPO-clip loss on the ratio to the behaviour policy, dual-clipped at ``is_cap``.
+    """Token-mean PPO-clip loss on the ratio to the behaviour policy, dual-clipped at ``dual_clip``.
 
     ``num_tokens``: the denominator of every mean (default: ``mask.sum()``). A micro-batch or a
     rank's shard passes the token count of the whole batch, so the sums of its terms over the
@@ -72,8 +72,8 @@ def ppo_clip_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
     surrogate = torch.minimum(unclipped, clipped)  # [B, T]
-    truncated = (adv < 0) & (surrogate < is_cap * adv)
-    surrogate = torch.where(truncated, is_cap * adv, surrogate)
+    truncated = (adv < 0) & (surrogate < dual_clip * adv)
+    surrogate = torch.where(truncated, dual_clip * adv, surrogate)
     pg_loss = -(surrogate * mask).sum() / n_tokens
 
     if ref_logprobs is not None and kl_coef > 0:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from common.redis_server import RedisServer
+from ops.redis_server import RedisServer
 
 REDIS_TEST_PASSWORD = "specrl-test"
 

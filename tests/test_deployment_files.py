@@ -129,7 +129,7 @@ def check_app_stage(stage: list[tuple[str, str]], name: str) -> None:
     app = next(i for i in workdirs if stage[i][1] == "/app")
     copies = {args: i for i, (k, args) in enumerate(stage) if k == "COPY"}
     needed = ["pyproject.toml README.md ./"] + [
-        f"{part} {part}" for part in ("actors", "learner", "common", "configs", "docker")
+        f"{part} {part}" for part in ("actors", "learner", "common", "ops", "configs", "docker")
     ]
     for args in needed:
         assert args in copies, f"{name}: no instruction COPY {args}"

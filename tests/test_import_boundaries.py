@@ -1,4 +1,5 @@
-"""actors and learner import common, never each other; common imports neither (docs/design.md §1.2)."""
+"""actors and learner import common, never each other nor ops; common imports none of them
+(docs/design.md §1.2)."""
 
 import ast
 from pathlib import Path
@@ -6,7 +7,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {"actors": {"learner"}, "learner": {"actors"}, "common": {"actors", "learner"}}
+FORBIDDEN = {
+    "actors": {"learner", "ops"},
+    "learner": {"actors", "ops"},
+    "common": {"actors", "learner", "ops"},
+}
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -83,7 +88,7 @@ def test_every_listener_defaults_to_loopback():
     cfg = SpecRLConfig()
     assert cfg.learner.resolved_bind().startswith("tcp://127.0.0.1:")
     assert cfg.security.metrics_host == "127.0.0.1"
-    from common.redis_server import RedisServer
+    from ops.redis_server import RedisServer
 
     assert RedisServer.__init__.__defaults__ is not None
     assert "127.0.0.1" in RedisServer.__init__.__defaults__  # the private Redis's bind

@@ -190,7 +190,7 @@ class TorchEngine:
             if self.spec.method in ("ngram", "hybrid")
             else None
         )
-        self._c = _Counters()
+        self._counters = _Counters()
         self._live: tuple[float, _Call] | None = None  # the call in progress: start, state
         self.admission_log: dict[int, float] | None = None
         """When set to a dict: the time (``time.perf_counter``) each prompt index's first
@@ -269,7 +269,7 @@ class TorchEngine:
             for row in rows:
                 self.cache.release(row.id)
             self._live = None
-            self._c.gen_time_s += time.perf_counter() - started - call.callback_s
+            self._counters.gen_time_s += time.perf_counter() - started - call.callback_s
         return [r if r is not None else [] for r in call.results]
 
     # ------------------------------------------------------------------ admission
@@ -308,7 +308,7 @@ class TorchEngine:
                 copies.append((donor.id, row.id, len(row.prompt) - 1))
         if prefill:
             self._write_cache(prefill, [r.prompt[:-1] for r in prefill])
-            self._c.full_forwards += 1
+            self._counters.full_forwards += 1
         self.cache.copy_prefix(copies)
         self._enter(new, active)
 
@@ -393,7 +393,7 @@ class TorchEngine:
         positions = torch.arange(width, device=self.device).expand(len(unique), -1)
         cache = self.cache.bind([active[first[seq]].id for seq in unique])
         logits = self.model(ids, positions, cache)  # [U, W, V] fp32
-        self._c.full_forwards += 1
+        self._counters.full_forwards += 1
         self.cache.copy_prefix(
             [
                 (active[first[seq]].id, row.id, len(seq))
@@ -429,7 +429,7 @@ class TorchEngine:
 
     def _plain_step(self, cache: PagedKVCache, last: torch.Tensor, pos: torch.Tensor) -> list:
         logits = self.model(last[:, None], pos[:, None], cache)[:, 0]  # [B, V] fp32
-        self._c.full_forwards += 1
+        self._counters.full_forwards += 1
         tokens, token_lp = sample_tokens(
             processed_logprobs(logits, self.temperature, self.top_p), self.generator
         )
@@ -450,8 +450,8 @@ class TorchEngine:
         target = processed_logprobs(
             self.early_exit.verify_logits(draft, pos, cache), self.temperature, self.top_p
         )  # [B, K+1, V]
-        self._c.draft_layer_passes += (k + 1) * self.early_exit.exit_layer
-        self._c.full_forwards += 1
+        self._counters.draft_layer_passes += (k + 1) * self.early_exit.exit_layer
+        self._counters.full_forwards += 1
         result = rejection_sample(target, draft.tokens, draft.logprobs, generator=self.generator)
         num_drafts = torch.full_like(result.accepted, k)
         return self._spec_emitted(result, num_drafts)
@@ -469,26 +469,26 @@ class TorchEngine:
         target = processed_logprobs(
             self.model(inputs, positions, cache), self.temperature, self.top_p
         )  # [B, K+1, V]
-        self._c.full_forwards += 1
+        self._counters.full_forwards += 1
         result = rejection_sample(target, draft_tokens, None, num_drafts, generator=self.generator)
         return self._spec_emitted(result, num_drafts)
 
     def _spec_emitted(self, result, num_drafts: torch.Tensor) -> list:
         """Per-row (tokens, logprobs) from a SpecResult, and the acceptance counters."""
-        self._c.verify_steps += len(num_drafts)
+        self._counters.verify_steps += len(num_drafts)
         accepted = result.accepted.tolist()
         proposed = num_drafts.tolist()
         kmax = max(proposed) if proposed else 0
-        if len(self._c.proposed_at) < kmax:
-            grow = kmax - len(self._c.proposed_at)
-            self._c.proposed_at += [0] * grow
-            self._c.accepted_at += [0] * grow
+        if len(self._counters.proposed_at) < kmax:
+            grow = kmax - len(self._counters.proposed_at)
+            self._counters.proposed_at += [0] * grow
+            self._counters.accepted_at += [0] * grow
         for a, m in zip(accepted, proposed, strict=True):
-            self._c.proposed += m
-            self._c.accepted += a
+            self._counters.proposed += m
+            self._counters.accepted += a
             for i in range(m):
-                self._c.proposed_at[i] += 1
-                self._c.accepted_at[i] += int(a > i)
+                self._counters.proposed_at[i] += 1
+                self._counters.accepted_at[i] += int(a > i)
         emitted_n = result.num_emitted.tolist()
         tokens = result.tokens.tolist()
         logprobs = result.logprobs.tolist()
@@ -529,7 +529,7 @@ class TorchEngine:
         for row in rows:
             if self.ngram is not None:
                 self.ngram.remember(row.key, row.prompt + row.tokens)
-            self._c.tokens += len(row.tokens)  # delivered, not counting discarded
+            self._counters.tokens += len(row.tokens)  # delivered, not counting discarded
             rollouts.append(
                 Rollout(
                     token_ids=np.asarray(row.tokens, dtype=np.int32),
@@ -571,8 +571,8 @@ class TorchEngine:
         version, state_dict = update
         old_model, old_version = self.model, self.version
         self._set_model(self._new_model(state_dict), version)
-        self._c.swaps += 1
-        self._c.inflight_tokens += sum(len(r.tokens) for r in active)
+        self._counters.swaps += 1
+        self._counters.inflight_tokens += sum(len(r.tokens) for r in active)
         if self.inflight == "keep":
             # PipelineRL-style baseline: stale tokens (and their stale KV) stay; the learner's
             # truncated importance weights are left to correct them.
@@ -581,7 +581,7 @@ class TorchEngine:
         if self.inflight == "abort":
             # Back to the head of the queue, in order: they start again with the new weights.
             for row in reversed(active):
-                self._c.wasted_tokens += len(row.tokens)
+                self._counters.wasted_tokens += len(row.tokens)
                 row.replace([], [], version, self.eos_id)
                 self.cache.release(row.id)
                 pending.appendleft(row)
@@ -599,7 +599,7 @@ class TorchEngine:
             for row in active:
                 row.unverified = True
                 row.kv_version = version
-            self._c.verify_forward_tokens += self._write_cache(
+            self._counters.verify_forward_tokens += self._write_cache(
                 active, [r.prompt + r.tokens[:-1] for r in active]
             )
             return
@@ -636,7 +636,7 @@ class TorchEngine:
     ) -> list[_Row]:
         """Replace the rows' tokens with the verified ones. Rows still going are (or go back)
         in ``active``; the rows that are done are returned."""
-        self._c.verify_forward_tokens += verified.forward_tokens
+        self._counters.verify_forward_tokens += verified.forward_tokens
         done = []
         going = {id(r) for r in active}
         for j, row in enumerate(rows):
@@ -644,11 +644,13 @@ class TorchEngine:
             # Tokens already of the new version are accepted by construction; only stale ones
             # measure drift and count as salvaged. Everything after a cut is discarded.
             stale = [(i, gap) for i, gap in enumerate(verified.gaps[j]) if gap > 0]
-            self._c.salvaged_tokens += sum(i < accepted for i, _ in stale)
-            self._c.wasted_tokens += len(verified.gaps[j]) - accepted
+            self._counters.salvaged_tokens += sum(i < accepted for i, _ in stale)
+            self._counters.wasted_tokens += len(verified.gaps[j]) - accepted
             for i, gap in stale:
-                self._c.gap_proposed[gap] = self._c.gap_proposed.get(gap, 0) + 1
-                self._c.gap_accepted[gap] = self._c.gap_accepted.get(gap, 0) + int(i < accepted)
+                self._counters.gap_proposed[gap] = self._counters.gap_proposed.get(gap, 0) + 1
+                self._counters.gap_accepted[gap] = self._counters.gap_accepted.get(gap, 0) + int(
+                    i < accepted
+                )
             row.kv_version = self.version
             if row.replace(verified.tokens[j], verified.logprobs[j], self.version, self.eos_id):
                 done.append(row)
@@ -691,7 +693,7 @@ class TorchEngine:
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Counters since the last reset: throughput and acceptance figures. ``reset=False``
         reads them without resetting (also from an ``on_group`` callback, mid-call)."""
-        c = self._c
+        c = self._counters
         gen_time_s = c.gen_time_s
         if self._live is not None:
             started, call = self._live
@@ -727,7 +729,7 @@ class TorchEngine:
             for gap, proposed in sorted(c.gap_proposed.items()):
                 out[f"verify/acceptance_gap{gap}"] = c.gap_accepted.get(gap, 0) / proposed
         if reset:
-            self._c = _Counters()
+            self._counters = _Counters()
         return out
 
 

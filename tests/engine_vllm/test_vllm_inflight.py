@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.lossless_check import exact_sequence_logprobs, peaky_model
+from actors.lossless_check import exact_sequence_logprobs, outcome_counts, peaky_model
 from common.goodness_of_fit import chi_square_pvalue
 from common.model import save_pretrained
 
@@ -53,12 +53,7 @@ def swapped_counts(path, old, new, exact, mode: str, topk: int = -1):
             return (1, new.state_dict()) if calls["n"] == 2 else None
 
         out += engine.generate([PROMPT], PER_CALL, 3, weight_source=source)[0]
-    keys = sorted(exact)
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys))
-    for r in out:
-        counts[index[tuple(r.token_ids.tolist())]] += 1
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
+    counts, probs = outcome_counts(exact, out)
     return counts, probs, engine.stats(), out
 
 
@@ -106,4 +101,7 @@ def test_top_k_residual_is_an_approximation_whose_distance_is_small(models):
         for _ in range(200)
     )[197]
     assert tv[-1] <= noise, (tv[-1], noise)
-    assert tv[2] < tv_keep
+    # The top-2 record is an approximation, but it must remove most of what keeping the stale
+    # tokens costs: at most a quarter of keep's distance beyond noise is left (measured: full
+    # 0.057, top-2 0.089, keep 0.498, so 0.089 <= noise + 0.11).
+    assert tv[2] <= noise + 0.25 * (tv_keep - noise), (tv[2], noise, tv_keep)

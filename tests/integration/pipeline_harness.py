@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import load_config
-from common.ledger import Ledger, read_ledger  # noqa: F401  (re-exported for the tests)
-from common.redis_server import find_free_port
 from common.warm_start import warm_start
+from ops.ledger import Ledger, read_ledger  # noqa: F401  (re-exported for the tests)
+from ops.redis_server import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common.redis_server import RedisServer
+from ops.redis_server import RedisServer
 from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
 from tests.integration.test_pipeline import wait_exit
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.redis_server import find_free_port
+from ops.redis_server import find_free_port
 from tests.integration.pipeline_harness import ROOT, warm_model
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,7 @@ def launch(
     args = [
         sys.executable,
         "-m",
-        "common.cli",
+        "ops.cli",
         "run",
         f"run.name=launch-{run_dir.name}",
         f"run.dir={run_dir}",

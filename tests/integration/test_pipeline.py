@@ -12,9 +12,9 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.sender import GroupSender
-from common.cli import main as cli_main
 from common.weights import WeightStore
 from learner.checkpoint import latest_checkpoint
+from ops.cli import main as cli_main
 from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
 from tests.unit.learner.test_train_step import make_groups
 

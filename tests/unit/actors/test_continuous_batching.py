@@ -13,9 +13,8 @@ import torch
 
 from actors.drafting import NgramDrafter
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, peaky_model
+from actors.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
 from common.config import SpecConfig
-from common.goodness_of_fit import chi_square_pvalue
 from common.sampling import token_logprobs
 
 EOS = 2
@@ -35,13 +34,7 @@ def _id(spec: SpecConfig) -> str:
 
 def pvalue(model, prompt, rollouts, max_new, eos, temperature=1.0, top_p=1.0) -> float:
     exact = exact_sequence_logprobs(model, prompt, max_new, temperature, top_p, eos)
-    keys = sorted(exact)
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys), dtype=torch.float64)
-    for r in rollouts:
-        counts[index[tuple(r.token_ids.tolist())]] += 1
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
-    return chi_square_pvalue(counts, probs)
+    return rollouts_pvalue(exact, rollouts)
 
 
 # ---------------------------------------------------------------- refill: exactness

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, peaky_model
+from actors.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
 from common.config import SpecConfig
-from common.goodness_of_fit import chi_square_pvalue
 from common.model import Transformer
 from common.sampling import token_logprobs
 
@@ -45,13 +44,7 @@ def sample(
 
 def pvalue_against(target: Transformer, rollouts, max_new: int) -> float:
     exact = exact_sequence_logprobs(target, PROMPT, max_new, 1.0, 1.0, NO_EOS)
-    keys = sorted(exact)
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys))
-    for r in rollouts:
-        counts[index[tuple(r.token_ids.tolist())]] += 1
-    probs = torch.tensor([exact[k] for k in keys], dtype=torch.float64).exp()
-    return chi_square_pvalue(counts, probs)
+    return rollouts_pvalue(exact, rollouts)
 
 
 @pytest.mark.parametrize("mode", ["verify_on_swap", "verify_on_finish", "abort"])

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from common import config as config_module
-from common.cli import main as cli_main
 from common.config import SpecRLConfig, load_config
 from common.entrypoint import parse
+from ops.cli import main as cli_main
 
 
 def test_defaults_and_overrides():

@@ -11,9 +11,9 @@ from pathlib import Path
 import redis
 import torch
 
-from common.redis_server import RedisServer
 from common.weight_cache import HostCache
 from common.weights import WeightStore, weights_digest
+from ops.redis_server import RedisServer
 
 RUN = "cache-run"
 CHUNK = 64 * 1024

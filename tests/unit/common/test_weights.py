@@ -18,7 +18,6 @@ from common.protocol import (
     weights_manifest_key,
     weights_versions_key,
 )
-from common.redis_server import RedisServer
 from common.weights import (
     VersionWatcher,
     WeightsCorrupt,
@@ -26,6 +25,7 @@ from common.weights import (
     WeightStore,
     serialize_state_dict,
 )
+from ops.redis_server import RedisServer
 
 RUN = "test-run"
 

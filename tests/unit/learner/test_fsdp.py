@@ -20,7 +20,6 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from common.config import LearnerConfig, SamplingConfig
-from common.redis_server import find_free_port
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -32,6 +31,7 @@ from learner.distributed import (
     shutdown,
 )
 from learner.loop import LearnerState, gather_checkpoint, make_optimizer, train_step
+from ops.redis_server import find_free_port
 from tests.unit.learner.test_train_step import make_groups, tiny_model
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)

@@ -1,4 +1,4 @@
-"""End-of-run figures from the learner's metrics JSONL (``summary.json``; ``common.report`` draws them)."""
+"""End-of-run figures from the learner's metrics JSONL (``summary.json``; ``ops.report`` draws them)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from common.launcher import PreflightError, run
+        from ops.launcher import PreflightError, run
 
         # A fresh run id per invocation unless one is given, so a second `specrl run` starts
         # over instead of resuming a finished run.
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(rest) != 1 or rest[0] in ("-h", "--help"):
             print("usage: specrl report RUN_DIR", file=sys.stderr)
             return 0 if rest and rest[0] in ("-h", "--help") else 2
-        from common.report import ReportError, write_report
+        from ops.report import ReportError, write_report
 
         try:
             paths = write_report(Path(rest[0]))
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if command == "plan":
-        from common.memory_plan import main as plan_main
+        from ops.memory_plan import main as plan_main
 
         return plan_main(rest)
     if command in ("learner", "actor"):

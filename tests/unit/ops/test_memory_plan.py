@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from common.cli import main as cli_main
-from common.memory_plan import Shape, actor_plan, learner_plan
 from common.model import ModelArgs, Transformer
+from ops.cli import main as cli_main
+from ops.memory_plan import Shape, actor_plan, learner_plan
 
 
 @pytest.mark.parametrize("bias,tied", [(False, False), (True, False), (False, True)])

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common import launcher
 from common.config import load_config
+from ops import launcher
 
 
 def fake_libs(tmp_path: Path) -> tuple[Path, Path]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.ledger import read_ledger
+from ops.ledger import read_ledger
 
 
 def write(path: Path, rows: list[dict]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.metrics import read_metrics
-from common.run_summary import learner_wall_s, staleness_counts, step_rows, summarize
+from ops.run_summary import learner_wall_s, staleness_counts, step_rows, summarize
 
 PNG_NAME = "report.png"
 MD_NAME = "report.md"

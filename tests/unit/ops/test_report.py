@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main as cli_main
-from common.report import ReportError, write_report
-from common.run_summary import summarize
+from ops.cli import main as cli_main
+from ops.report import ReportError, write_report
+from ops.run_summary import summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -13,8 +13,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common import redis_server as redis_server_module
-from common.redis_server import RedisServer, RedisServerError, find_redis_server_binary
+from ops import redis_server as redis_server_module
+from ops.redis_server import RedisServer, RedisServerError, find_redis_server_binary
 
 
 def process_alive(pid: int) -> bool:
@@ -99,7 +99,7 @@ def test_server_dies_with_its_parent() -> None:
     script = textwrap.dedent(
         """
         import sys, time
-        from common.redis_server import RedisServer
+        from ops.redis_server import RedisServer
         server = RedisServer()
         server.start()
         print(server.pid, flush=True)

@@ -34,12 +34,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from common.config import SpecRLConfig, to_yaml
 from common.metrics import read_metrics
 from common.model import ModelArgs
-from common.redis_server import RedisServer, child_preexec, find_free_port
-from common.report import write_report
-from common.run_summary import summarize
 from common.tasks import task_from_config
 from common.tokenizer import directory_has_chat_template
 from common.warm_start import default_model_dir, ensure_model
+from ops.redis_server import RedisServer, child_preexec, find_free_port
+from ops.report import write_report
+from ops.run_summary import summarize
 
 log = logging.getLogger(__name__)
 
