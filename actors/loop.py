@@ -95,6 +95,7 @@ def build_engine(
         seed=seed,
         spec=cfg.spec,
         inflight=cfg.actor.inflight,
+        max_rows=cfg.engine.max_rows or None,
     )
     engine.load_weights(fetched, state)
     return engine, tokenizer, args

