@@ -8,6 +8,7 @@ import random
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,6 +305,100 @@ def curve_from_config(cfg: SpecRLConfig):
     return actor_keys(Path(cfg.security.curve_dir), cfg.security.actor_key)
 
 
+@dataclass
+class ActorPhases:
+    """The phases of one actor's loop and what they share (built once by :func:`run`)."""
+
+    cfg: SpecRLConfig
+    engine: RolloutEngine
+    store: WeightStore
+    watcher: VersionWatcher
+    stats: ActorStats
+    exporter: ActorExporter
+    task: Task
+    encode: Callable[[str], list[int]]
+    rng: random.Random
+    tokenizer: Tokenizer
+    ledger: MetricsWriter | None
+    actor_id: str
+    stop: StopFlag
+
+    def fetch(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """A newer weights version, if one is published (waiting up to ``timeout_s``)."""
+        update = fetch_update(
+            self.store, self.watcher, self.engine.version, self.stats, timeout_s=timeout_s
+        )
+        if update is not None:
+            self.exporter.observe_weight_fetch(self.stats.weight_fetch_s)
+        return update
+
+    def sync_weights(self) -> None:
+        """Phase 1: pick up the newest weights."""
+        update = self.fetch()
+        if update is not None:
+            self.engine.load_weights(*update)
+
+    def generate_and_send(self, sender: GroupSender) -> int:
+        """Phases 2 and 3: generate G completions for each prompt of a batch; weights that arrive
+        meanwhile reach the rollouts in flight (``actor.inflight`` says how), and each group is
+        scored and sent as soon as its G completions are done (blocking while the outbox is
+        full). Returns the version the batch started on."""
+        cfg = self.cfg
+        batch_version = self.engine.version
+        problems = self.task.sample(self.rng, cfg.actor.prompts_per_batch)
+        prompts = [self.encode(p.prompt) for p in problems]
+        submit = GroupSubmitter(
+            problems,
+            prompts,
+            self.task,
+            self.tokenizer,
+            self.engine,
+            sender,
+            self.stop,
+            self.stats,
+            self.ledger,
+            self.actor_id,
+        )
+        self.engine.generate(
+            prompts,
+            cfg.actor.group_size,
+            self.task.max_new_tokens,
+            weight_source=self.fetch,
+            on_group=submit,
+        )
+        return batch_version
+
+    def wait_for_learner(self, batch_version: int) -> None:
+        """Synchronous mode (``actor.wait_for_new_version``): idle until the learner has trained
+        on the batch's version."""
+        if not self.cfg.actor.wait_for_new_version:
+            return
+        wait_started = time.perf_counter()
+        while self.engine.version <= batch_version and not self.stop():
+            update = self.fetch(timeout_s=0.5)
+            if update is not None:
+                self.engine.load_weights(*update)
+        self.stats.wait_s += time.perf_counter() - wait_started
+
+    def report(self, sender: GroupSender, engine_stats: dict[str, float]) -> None:
+        """Phase 4: the batch's figures to the learner (heartbeat status) and to Prometheus."""
+        stats = self.stats
+        stats.batches += 1
+        stats.tokens += int(engine_stats["actor/tokens"])
+        status = {
+            **engine_stats,
+            **sender.stats(),
+            "actor/weight_fetch_s": stats.weight_fetch_s,
+            "actor/wait_s": stats.wait_s,
+            "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
+        }
+        sender.set_status(self.engine.version, status)
+        self.exporter.update(
+            {**status, "actor/batches": stats.batches, "actor/groups_sent": stats.groups_sent},
+            version=self.engine.version,
+        )
+
+
 def run(cfg: SpecRLConfig) -> ActorStats:
     torch.set_num_threads(cfg.run.torch_threads)
     if cfg.actor.nice:
@@ -341,12 +436,6 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     actor_id = unique_actor_id(name)
     exporter = ActorExporter.start(cfg, cfg.run.resolved_dir(), actor_id)
 
-    def fetch(timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
-        update = fetch_update(store, watcher, engine.version, stats, timeout_s=timeout_s)
-        if update is not None:
-            exporter.observe_weight_fetch(stats.weight_fetch_s)
-        return update
-
     # The model's vocabulary (it may be padded past the tokenizer's), as the learner validates.
     limits = DecodeLimits(vocab_size=model_args.vocab_size)
     log.info("actor %s: version %d, learner %s", actor_id, engine.version, cfg.learner.address)
@@ -359,6 +448,21 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     spool = Spool(spool_root(cfg) / name / actor_id) if cfg.actor.spool else None
     recovery = Recovery(cfg, name, actor_id, limits) if cfg.actor.spool else None
 
+    phases = ActorPhases(
+        cfg=cfg,
+        engine=engine,
+        store=store,
+        watcher=watcher,
+        stats=stats,
+        exporter=exporter,
+        task=task,
+        encode=encode,
+        rng=rng,
+        tokenizer=tokenizer,
+        ledger=ledger,
+        actor_id=actor_id,
+        stop=stop,
+    )
     with GroupSender(
         cfg.learner.address,
         actor_id,
@@ -374,51 +478,11 @@ def run(cfg: SpecRLConfig) -> ActorStats:
                 recovery.poll()
             if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
                 break
-            # Phase 1: pick up the newest weights.
-            update = fetch()
-            if update is not None:
-                engine.load_weights(*update)
-            # Phase 2: generate G completions for each prompt of the batch; weights that arrive
-            # meanwhile reach the rollouts in flight (actor.inflight says how). Phase 3 runs
-            # inside it: each group is scored and sent as soon as its G completions are done
-            # (blocking when the outbox is full).
-            batch_version = engine.version
-            problems = task.sample(rng, cfg.actor.prompts_per_batch)
-            prompts = [encode(p.prompt) for p in problems]
-            submit = GroupSubmitter(
-                problems, prompts, task, tokenizer, engine, sender, stop, stats, ledger, actor_id
-            )
-            engine.generate(
-                prompts,
-                cfg.actor.group_size,
-                task.max_new_tokens,
-                weight_source=fetch,
-                on_group=submit,
-            )
+            phases.sync_weights()  # Phase 1
+            batch_version = phases.generate_and_send(sender)  # Phases 2 and 3
             engine_stats = engine.stats()
-            # Synchronous mode: idle until the learner has trained on this batch's version.
-            if cfg.actor.wait_for_new_version:
-                wait_started = time.perf_counter()
-                while engine.version <= batch_version and not stop():
-                    update = fetch(timeout_s=0.5)
-                    if update is not None:
-                        engine.load_weights(*update)
-                stats.wait_s += time.perf_counter() - wait_started
-            # Phase 4: report.
-            stats.batches += 1
-            stats.tokens += int(engine_stats["actor/tokens"])
-            status = {
-                **engine_stats,
-                **sender.stats(),
-                "actor/weight_fetch_s": stats.weight_fetch_s,
-                "actor/wait_s": stats.wait_s,
-                "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
-            }
-            sender.set_status(engine.version, status)
-            exporter.update(
-                {**status, "actor/batches": stats.batches, "actor/groups_sent": stats.groups_sent},
-                version=engine.version,
-            )
+            phases.wait_for_learner(batch_version)  # synchronous mode only
+            phases.report(sender, engine_stats)  # Phase 4
         sender.close(timeout_s=5.0)  # waits for the last acks once (leaving the block won't)
         unacked = sender.unacked_seqs()
         if ledger is not None:
