@@ -577,198 +577,235 @@ def train_on(
     )
 
 
-def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
-    run_dir = cfg.run.resolved_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if dist is not None:
-        device = dist.device
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    checkpoint_root = run_dir / "checkpoints"
-    version_mark = run_dir / "published_version"
-    stop = StopFlag("learner")
+@dataclass
+class StepTimes:
+    """When the phases of one step started and ended (``time.perf_counter``)."""
 
-    state = setup(cfg, checkpoint_root, device, dist)
-    admission = make_admission(cfg, state.args)
-    limits, frame_bytes = wire_limits(state.args.vocab_size, admission, cfg.learner.max_frame_bytes)
-    readmission = Readmission(limits, admission)
-    wal_dir = run_dir / "wal"
-    replayed = replay_wal(wal_dir, state, cfg, readmission)
-    store = store_from_config(cfg.redis, cfg.run.name)
-    # Versions only grow, across restarts too: continue after the newest of the checkpoint, what
-    # Redis holds, and what this run ever published (a private Redis may have lost everything).
-    latest = retry_redis("learner", "reading the latest version", store.latest_version, stop)
-    state.version = (
-        max(state.version, latest if latest is not None else -1, read_version_mark(version_mark))
-        + 1
-    )
-    # Groups an earlier learner acked, admitted again against this one's bounds and version.
-    state.pending = readmission.admit(state.pending, state.version)
-    replayed = readmission.admit(replayed, state.version)
-    # Uploads run on a background thread while the next step trains (Redis outages are retried
-    # there); the version mark is written once a version is in Redis.
-    view = PolicyView(state.model, state.args, dist)
-    view.refresh()  # a collective under FSDP: every rank gathers, rank 0 keeps the result
-    publisher = Publisher(
-        store,
-        view,
-        state.tokenizer,
-        dtype=publish_dtype(view, cfg.learner.publish_dtype),
-        max_inflight=cfg.learner.publish_max_inflight,
-        should_stop=stop,
-        on_published=lambda version: write_version_mark(version_mark, version),
-        optimizer=state.optimizer,  # the snapshot runs on the upload thread, before its next step
-    )
+    started: float
+    collected: float = 0.0
+    trained: float = 0.0
+    published: float = 0.0
 
-    def publish() -> None:
-        view.refresh()
-        publisher.publish(state.version)
 
-    publisher.publish(state.version)
-    # Republishing re-sends the last gathered state: rank 0 alone, no collective.
-    republisher = Republisher(
-        store, lambda: publisher.publish(state.version), busy=lambda: publisher.inflight > 0
-    )
-    log.info(
-        "learner: published version %d; waiting for actors at %s",
-        state.version,
-        cfg.learner.resolved_bind(),
-    )
+class Learner:
+    """One learner process: what :func:`_run` wires up once, and the phases of its loop
+    (collect, train, publish, log, checkpoint) as methods over that shared state."""
 
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
-    exporter = LearnerExporter.start(cfg, run_dir)
-    ledger = MetricsWriter(run_dir / "ledger" / "learner.jsonl") if cfg.run.ledger else None
-    if ledger is not None:
-        # Outcomes a killed learner logged after its last checkpoint are void: the model lost
-        # those steps and the groups come back from the write-ahead log.
-        ledger.write({"event": "start", "resumed_step": state.step})
-    record_refused(ledger, readmission.refused, state)
-    buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, ledger)
-    buffer.carry([*state.pending, *replayed])
-    curve = None
-    authorized = None
-    if cfg.security.curve_dir:
-        curve = learner_keys(Path(cfg.security.curve_dir))
-        authorized = Path(
-            cfg.security.authorized_keys or authorized_dir(Path(cfg.security.curve_dir))
+    def __init__(self, cfg: SpecRLConfig, dist: DistContext | None) -> None:
+        self.cfg, self.dist = cfg, dist
+        run_dir = cfg.run.resolved_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if dist is not None:
+            self.device = dist.device
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.checkpoint_root = run_dir / "checkpoints"
+        self.version_mark = run_dir / "published_version"
+        self.stop = StopFlag("learner")
+
+        self.state = state = setup(cfg, self.checkpoint_root, self.device, dist)
+        admission = make_admission(cfg, state.args)
+        limits, frame_bytes = wire_limits(
+            state.args.vocab_size, admission, cfg.learner.max_frame_bytes
         )
-    receiver = GroupReceiver(
-        cfg.learner.resolved_bind(),
-        limits,
-        queue_max=cfg.learner.queue_max,
-        curve=curve,
-        authorized_keys=authorized,
-        wal=WalWriter(wal_dir, fsync=cfg.learner.wal_fsync) if cfg.learner.wal else None,
-        hwm=max(2, min(DEFAULT_HWM, cfg.learner.recv_buffer_bytes // frame_bytes)),
-        admission=admission,
-        latest_version=lambda: state.version,
-    )
-    exporter.watch(lambda: {**receiver.stats(), "learner/wal_skipped": readmission.skipped})
-    skipped_steps = 0
-    trainer = TrainerState(step=state.step, version=state.version)
-    last: dict[str, float] = {}
+        self.readmission = Readmission(limits, admission)
+        self.wal_dir = run_dir / "wal"
+        replayed = replay_wal(self.wal_dir, state, cfg, self.readmission)
+        store = store_from_config(cfg.redis, cfg.run.name)
+        # Versions only grow, across restarts too: continue after the newest of the checkpoint,
+        # what Redis holds, and what this run ever published (a private Redis may have lost
+        # everything).
+        latest = retry_redis(
+            "learner", "reading the latest version", store.latest_version, self.stop
+        )
+        state.version = (
+            max(
+                state.version,
+                latest if latest is not None else -1,
+                read_version_mark(self.version_mark),
+            )
+            + 1
+        )
+        # Groups an earlier learner acked, admitted again against this one's bounds and version.
+        state.pending = self.readmission.admit(state.pending, state.version)
+        replayed = self.readmission.admit(replayed, state.version)
+        # Uploads run on a background thread while the next step trains (Redis outages are
+        # retried there); the version mark is written once a version is in Redis.
+        self.view = PolicyView(state.model, state.args, dist)
+        self.view.refresh()  # a collective under FSDP: every rank gathers, rank 0 keeps it
+        self.publisher = Publisher(
+            store,
+            self.view,
+            state.tokenizer,
+            dtype=publish_dtype(self.view, cfg.learner.publish_dtype),
+            max_inflight=cfg.learner.publish_max_inflight,
+            should_stop=self.stop,
+            on_published=lambda version: write_version_mark(self.version_mark, version),
+            optimizer=state.optimizer,  # the snapshot runs on the upload thread, before a step
+        )
+        self.publisher.publish(state.version)
+        # Republishing re-sends the last gathered state: rank 0 alone, no collective.
+        self.republisher = Republisher(
+            store,
+            lambda: self.publisher.publish(state.version),
+            busy=lambda: self.publisher.inflight > 0,
+        )
+        log.info(
+            "learner: published version %d; waiting for actors at %s",
+            state.version,
+            cfg.learner.resolved_bind(),
+        )
 
-    def checkpoint(pending: list[TrajectoryGroup]) -> None:
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        self.exporter = LearnerExporter.start(cfg, run_dir)
+        self.ledger = (
+            MetricsWriter(run_dir / "ledger" / "learner.jsonl") if cfg.run.ledger else None
+        )
+        if self.ledger is not None:
+            # Outcomes a killed learner logged after its last checkpoint are void: the model
+            # lost those steps and the groups come back from the write-ahead log.
+            self.ledger.write({"event": "start", "resumed_step": state.step})
+        record_refused(self.ledger, self.readmission.refused, state)
+        self.buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, self.ledger)
+        self.buffer.carry([*state.pending, *replayed])
+        curve = None
+        authorized = None
+        if cfg.security.curve_dir:
+            curve = learner_keys(Path(cfg.security.curve_dir))
+            authorized = Path(
+                cfg.security.authorized_keys or authorized_dir(Path(cfg.security.curve_dir))
+            )
+        self.receiver = GroupReceiver(
+            cfg.learner.resolved_bind(),
+            limits,
+            queue_max=cfg.learner.queue_max,
+            curve=curve,
+            authorized_keys=authorized,
+            wal=WalWriter(self.wal_dir, fsync=cfg.learner.wal_fsync) if cfg.learner.wal else None,
+            hwm=max(2, min(DEFAULT_HWM, cfg.learner.recv_buffer_bytes // frame_bytes)),
+            admission=admission,
+            latest_version=lambda: state.version,
+        )
+        self.exporter.watch(
+            lambda: {**self.receiver.stats(), "learner/wal_skipped": self.readmission.skipped}
+        )
+        self.skipped_steps = 0
+        self.trainer = TrainerState(step=state.step, version=state.version)
+        self.last: dict[str, float] = {}
+        self.receiver.load_dedupe_state(state.dedupe)
+        self.receiver.mark_seen(replayed)
+        self.receiver.start()
+        self.wall_start = time.perf_counter()
+
+    def collect(self) -> list[TrajectoryGroup]:
+        """Phase 1: fresh groups for the next step (stale ones are dropped and counted); fewer
+        than a step's worth when a stop came first."""
+        state, learner_cfg = self.state, self.cfg.learner
+        self.buffer.step = state.step + 1
+        self.republisher.check(state.version)
+        return self.buffer.collect(
+            self.receiver.get,
+            learner_cfg.groups_per_step,
+            state.version,
+            learner_cfg.group_timeout_s,
+            should_stop=self.stop,
+            on_idle=lambda: self.republisher.check(state.version),
+        )
+
+    def train(self, groups: list[TrajectoryGroup]) -> tuple[TrainBatch, dict[str, float]]:
+        """Phase 2: one optimizer step (every rank trains its shard of the same batch)."""
+        state = self.state
+        if self.dist is not None:
+            self.dist.send_step(groups, state.version)
+        batch = collate(groups, state.version, state.tokenizer.pad_id, self.device)
+        step_metrics = train_on(state, batch, self.cfg, self.dist)
+        skipped = step_metrics["learner/skipped"] > 0
+        self.skipped_steps += skipped
+        for group in groups:
+            self.buffer.record(group, "skipped" if skipped else "trained", state.version)
+        record_refused(self.ledger, self.receiver.take_refused(), state)
+        state.step += 1
+        return batch, step_metrics
+
+    def publish(self, skipped: bool) -> None:
+        """Phase 3: publish the new policy (every ``publish_every`` steps, not after a skip)."""
+        if self.state.step % self.cfg.learner.publish_every == 0 and not skipped:
+            self.state.version += 1
+            self.view.refresh()
+            self.publisher.publish(self.state.version)
+
+    def log(
+        self,
+        batch: TrainBatch,
+        groups: list[TrajectoryGroup],
+        step_metrics: dict[str, float],
+        times: StepTimes,
+    ) -> None:
+        """Phase 4: the step's figures to metrics.jsonl and Prometheus."""
+        state, receiver = self.state, self.receiver
+        self.last = {
+            "learner/step": state.step,
+            "learner/version": state.version,
+            **step_metrics,
+            **_batch_metrics(batch, groups),
+            **_actor_metrics(receiver),
+            **receiver.stats(),
+            "learner/dropped_stale": self.buffer.dropped_stale,
+            "learner/republished": self.republisher.republished,
+            "learner/rejected_groups": self.buffer.rejected,
+            "learner/skipped_steps": self.skipped_steps,
+            "learner/wal_skipped": self.readmission.skipped,
+            "learner/wait_s": times.collected - times.started,
+            "learner/train_s": times.trained - times.collected,
+            "learner/publish_s": times.published - times.trained,
+            "learner/publish_upload_s": self.publisher.last_publish_s,
+            "learner/publish_refused": self.publisher.refused,
+            "learner/wall_s": times.published - self.wall_start,
+        }
+        self.exporter.update(self.last, batch.staleness)
+        if state.step % self.cfg.learner.metrics_every == 0 or state.step == self.cfg.run.steps:
+            self.metrics.write(self.last)
+
+    def checkpoint(self, pending: list[TrajectoryGroup]) -> None:
+        """Phase 5 (every ``checkpoint_every`` steps, and at exit): model, optimizer and every
+        acked group not yet trained."""
+        state, trainer = self.state, self.trainer
         trainer.step, trainer.version = state.step, state.version
         # One cut: every acked group is in the checkpoint's pending list, already trained, or
         # in a log segment from wal_from on.
-        trainer.dedupe, queued, wal_from = receiver.checkpoint_cut()
+        trainer.dedupe, queued, wal_from = self.receiver.checkpoint_cut()
         trainer.wal_from = wal_from if wal_from is not None else 0
-        trainer.metrics = {k: v for k, v in last.items() if isinstance(v, int | float)}
+        trainer.metrics = {k: v for k, v in self.last.items() if isinstance(v, int | float)}
         path = save_checkpoint(
-            checkpoint_root,
-            gather_checkpoint(state, dist),
+            self.checkpoint_root,
+            gather_checkpoint(state, self.dist),
             state.tokenizer,
             None,
             trainer,
-            pending=[*buffer.pending(), *queued, *pending],
+            pending=[*self.buffer.pending(), *queued, *pending],
         )
         if wal_from is not None:
-            trim(wal_dir, wal_from)
-        if ledger is not None:
-            ledger.write({"event": "checkpoint", "step": state.step})
+            trim(self.wal_dir, wal_from)
+        if self.ledger is not None:
+            self.ledger.write({"event": "checkpoint", "step": state.step})
         log.info("learner: checkpoint %s", path)
 
-    receiver.load_dedupe_state(state.dedupe)
-    receiver.mark_seen(replayed)
-    receiver.start()
-    wall_start = time.perf_counter()
-    unfinished: list[TrajectoryGroup] = []
-    try:
-        while state.step < cfg.run.steps and not stop():
-            # Phase 1: collect fresh groups (stale ones are dropped and counted).
-            t0 = time.perf_counter()
-            buffer.step = state.step + 1
-            republisher.check(state.version)
-            groups = buffer.collect(
-                receiver.get,
-                cfg.learner.groups_per_step,
-                state.version,
-                cfg.learner.group_timeout_s,
-                should_stop=stop,
-                on_idle=lambda: republisher.check(state.version),
-            )
-            if len(groups) < cfg.learner.groups_per_step:
-                unfinished = groups  # a stop came first: keep them for the next run
-                break
-            t1 = time.perf_counter()
-            # Phase 2: one optimizer step (every rank trains its shard of the same batch).
-            if dist is not None:
-                dist.send_step(groups, state.version)
-            batch = collate(groups, state.version, state.tokenizer.pad_id, device)
-            step_metrics = train_on(state, batch, cfg, dist)
-            skipped = step_metrics["learner/skipped"] > 0
-            skipped_steps += skipped
-            for group in groups:
-                buffer.record(group, "skipped" if skipped else "trained", state.version)
-            record_refused(ledger, receiver.take_refused(), state)
-            state.step += 1
-            t2 = time.perf_counter()
-            # Phase 3: publish the new policy.
-            if state.step % cfg.learner.publish_every == 0 and not skipped:
-                state.version += 1
-                publish()
-            t3 = time.perf_counter()
-            # Phase 4: log.
-            last = {
-                "learner/step": state.step,
-                "learner/version": state.version,
-                **step_metrics,
-                **_batch_metrics(batch, groups),
-                **_actor_metrics(receiver),
-                **receiver.stats(),
-                "learner/dropped_stale": buffer.dropped_stale,
-                "learner/republished": republisher.republished,
-                "learner/rejected_groups": buffer.rejected,
-                "learner/skipped_steps": skipped_steps,
-                "learner/wal_skipped": readmission.skipped,
-                "learner/wait_s": t1 - t0,
-                "learner/train_s": t2 - t1,
-                "learner/publish_s": t3 - t2,
-                "learner/publish_upload_s": publisher.last_publish_s,
-                "learner/publish_refused": publisher.refused,
-                "learner/wall_s": t3 - wall_start,
-            }
-            exporter.update(last, batch.staleness)
-            if state.step % cfg.learner.metrics_every == 0 or state.step == cfg.run.steps:
-                metrics.write(last)
-            # Phase 5: checkpoint.
-            if state.step % cfg.learner.checkpoint_every == 0:
-                checkpoint([])
-    finally:
+    def close(self, unfinished: list[TrajectoryGroup]) -> None:
+        """Stop receiving, let the last version reach Redis, and checkpoint what is left."""
+        state, receiver = self.state, self.receiver
         receiver.close()
-        exporter.close()
-        publisher.close()  # the last version reaches Redis before the final checkpoint
+        self.exporter.close()
+        self.publisher.close()  # the last version reaches Redis before the final checkpoint
         # Acked but not trained on: carried in the checkpoint so a resumed learner trains them
         # (acked means the actor has forgotten them; this is the only copy).
         leftover = [*unfinished, *receiver.drain()]
-        for group in [*buffer.pending(), *leftover]:
-            buffer.record(group, "pending_at_exit", state.version)
-        record_refused(ledger, receiver.take_refused(), state)
-        if dist is not None:
-            dist.send_stop()  # the other ranks join the final checkpoint's gather
-        checkpoint(leftover)
-        metrics.write(
+        for group in [*self.buffer.pending(), *leftover]:
+            self.buffer.record(group, "pending_at_exit", state.version)
+        record_refused(self.ledger, receiver.take_refused(), state)
+        if self.dist is not None:
+            self.dist.send_stop()  # the other ranks join the final checkpoint's gather
+        self.checkpoint(leftover)
+        self.metrics.write(
             {
                 "event": "learner_exit",
                 "learner/step": state.step,
@@ -776,10 +813,33 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
                 **receiver.stats(),
             }
         )
-        metrics.close()
-        if ledger is not None:
-            ledger.close()
-    return last
+        self.metrics.close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+
+def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
+    learner = Learner(cfg, dist)
+    state = learner.state
+    unfinished: list[TrajectoryGroup] = []
+    try:
+        while state.step < cfg.run.steps and not learner.stop():
+            times = StepTimes(started=time.perf_counter())
+            groups = learner.collect()
+            if len(groups) < cfg.learner.groups_per_step:
+                unfinished = groups  # a stop came first: keep them for the next run
+                break
+            times.collected = time.perf_counter()
+            batch, step_metrics = learner.train(groups)
+            times.trained = time.perf_counter()
+            learner.publish(skipped=step_metrics["learner/skipped"] > 0)
+            times.published = time.perf_counter()
+            learner.log(batch, groups, step_metrics, times)
+            if state.step % cfg.learner.checkpoint_every == 0:
+                learner.checkpoint([])
+    finally:
+        learner.close(unfinished)
+    return learner.last
 
 
 def record_refused(
