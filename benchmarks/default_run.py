@@ -60,10 +60,10 @@ def main() -> int:
         "command": "specrl run run.name=readme-default " + " ".join(opts.overrides),
         "command_seconds": round(seconds, 1),
         "cpu_count": os.cpu_count(),
-        "loadavg_end": list(os.getloadavg()),
     }
+    status = cli.finish(figures, opts.json)  # adds the load average at the end
     print(json.dumps(figures, indent=1))
-    return cli.finish(figures, opts.json)
+    return status
 
 
 if __name__ == "__main__":

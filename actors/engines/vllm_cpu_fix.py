@@ -22,13 +22,12 @@ temperature > 0 there. On a GPU build the Triton kernel runs and nothing is touc
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 log = logging.getLogger(__name__)
-
-_STATE: dict[str, bool] = {}
 
 
 def expand_batch_to_tokens(
@@ -60,12 +59,11 @@ def _expands_floats(expand) -> bool:
     return bool(got.shape == want.shape and torch.equal(got.float(), want))
 
 
+@functools.cache
 def ensure_exact_spec_sampling() -> bool:
     """True when vLLM's rejection sampler expands float sampling parameters correctly on this
     (CPU) build, after replacing ``expand_batch_to_tokens`` where it did not; see the module
-    docstring. Idempotent; call before the ``LLM`` is built."""
-    if "exact" in _STATE:
-        return _STATE["exact"]
+    docstring. Runs once per process; call before the ``LLM`` is built."""
     import vllm.v1.sample.rejection_sampler as rejection_sampler
 
     exact = _expands_floats(rejection_sampler.expand_batch_to_tokens)
@@ -78,5 +76,4 @@ def ensure_exact_spec_sampling() -> bool:
             "version (%s)",
             "verified" if exact else "STILL WRONG",
         )
-    _STATE["exact"] = exact
     return exact
