@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +33,18 @@ def finish(figures: dict[str, Any], path: Path | None, started: float | None = N
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
     return 0
+
+
+def target(name: str, value: float, goal: float) -> dict[str, Any]:
+    """A headline figure with its goal (a floor): ``name``, ``target_name``, ``target_met``."""
+    return {name: value, f"target_{name}": goal, "target_met": value >= goal}
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1) -> str:
+    """A Markdown table: the first ``left`` columns aligned left, the others right (numbers)."""
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append(
+        "| " + " | ".join("---" if i < left else "---:" for i in range(len(header))) + " |"
+    )
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

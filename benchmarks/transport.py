@@ -286,25 +286,22 @@ def main() -> int:
             )
 
     print()
-    print(
-        "| groups | outbox_max | receiver hwm | N | frame KB | groups/s | MB/s "
-        "| ack RTT ms p50 / p99 | loaded ack ms | resent | CPU us/group sender / receiver |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, outbox_max, hwm, count, f in table:
-        print(
-            f"| {label} | {outbox_max} | {hwm or DEFAULT_HWM} | {count} | {f['frame_kb']:.1f} "
-            f"| {f['groups_per_s']:,.0f} | {f['mb_per_s']:,.1f} "
-            f"| {f['ack_rtt_ms_p50']:.2f} / {f['ack_rtt_ms_p99']:.2f} "
-            f"| {f['loaded_ack_ms']:.1f} | {f['resent']:.0f} "
-            f"| {f['sender_cpu_us_per_group']:,.0f} / {f['receiver_cpu_us_per_group']:,.0f} |"
-        )
+    header = ["groups", "outbox_max", "receiver hwm", "N", "frame KB", "groups/s", "MB/s"]
+    header += ["ack RTT ms p50 / p99", "loaded ack ms", "resent"]
+    header += ["CPU us/group sender / receiver"]
+    rows = [
+        [label, outbox_max, hwm or DEFAULT_HWM, count, f"{f['frame_kb']:.1f}"]
+        + [f"{f['groups_per_s']:,.0f}", f"{f['mb_per_s']:,.1f}"]
+        + [f"{f['ack_rtt_ms_p50']:.2f} / {f['ack_rtt_ms_p99']:.2f}"]
+        + [f"{f['loaded_ack_ms']:.1f}", f"{f['resent']:.0f}"]
+        + [f"{f['sender_cpu_us_per_group']:,.0f} / {f['receiver_cpu_us_per_group']:,.0f}"]
+        for label, outbox_max, hwm, count, f in table
+    ]
+    print(cli.table(header, rows))
 
     small = flat["groups_per_s_small"]
     summary = {
-        "groups_per_s_small": small,
-        "target_groups_per_s_small": TARGET_GROUPS_PER_S_SMALL,
-        "target_met": small >= TARGET_GROUPS_PER_S_SMALL,
+        **cli.target("groups_per_s_small", small, TARGET_GROUPS_PER_S_SMALL),
         "outbox_max": ActorConfig().outbox_max,
         "tuned_outbox_max": opts.tuned_outbox,
         "tuned_receiver_hwm": opts.tuned_hwm,

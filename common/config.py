@@ -399,9 +399,13 @@ class LearnerConfig:
     """dtype of published weights (``bfloat16``, ``float16``, ``float32``); empty: the training
     dtype (the parameters'). Recorded in the manifest."""
     publish_max_inflight: int = 1
-    """Versions snapshotted but not yet uploaded; the upload runs on a background thread while the
+    """Versions snapshotted but not yet uploaded; the upload runs in the background while the
     next step trains, and the learner waits only when this many are in flight. 0: publish
     synchronously on the learner's thread."""
+    publish_upload: str = "process"
+    """Where background uploads run: ``process`` (a child process reading the snapshot from
+    shared memory: serializing never takes the learner's GIL; needs ``/dev/shm`` room for
+    ``publish_max_inflight`` copies of the weights) or ``thread`` (a thread of the learner)."""
     checkpoint_every: int = 50
     """Write a checkpoint every N steps (and always at exit)."""
     resume: bool = True
@@ -508,6 +512,10 @@ class LearnerConfig:
         _require(
             self.publish_max_inflight >= 0,
             f"learner.publish_max_inflight must be >= 0, got {self.publish_max_inflight}",
+        )
+        _require(
+            self.publish_upload in ("process", "thread"),
+            f"learner.publish_upload must be 'process' or 'thread', got {self.publish_upload!r}",
         )
         _require(
             self.checkpoint_every >= 1,

@@ -334,6 +334,30 @@ class WeightStore:
         self.last_publish_bytes = 0
         """Bytes written for the last published version (a delta's, or the full size)."""
 
+    def recipe(self) -> dict[str, Any]:
+        """What another process needs to build an equal store (``WeightStore.from_recipe``): the
+        Redis connection's class and arguments and this store's settings. The host cache and
+        what the store remembers (delta bases) stay behind."""
+        pool = self.client.connection_pool
+        return {
+            "connection_class": pool.connection_class,
+            "connection_kwargs": _portable_kwargs(pool.connection_kwargs),
+            "run_id": self.run_id,
+            "chunk_bytes": self.chunk_bytes,
+            "retention": self.retention,
+            "pending_ttl_s": self.pending_ttl_s,
+            "keyframe_every": self.keyframe_every,
+        }
+
+    @classmethod
+    def from_recipe(cls, recipe: Mapping[str, Any]) -> WeightStore:
+        settings = dict(recipe)
+        pool = redis.ConnectionPool(
+            connection_class=settings.pop("connection_class"),
+            **settings.pop("connection_kwargs"),
+        )
+        return cls(redis.Redis(connection_pool=pool), **settings)
+
     # ------------------------------------------------------------------------------- publish
 
     def publish(
@@ -740,15 +764,62 @@ class WeightStore:
         return VersionWatcher(self.client, self.run_id, last_seen, poll_interval_s)
 
 
+_CONNECTION_ARGS = (
+    "host",
+    "port",
+    "path",
+    "db",
+    "username",
+    "password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "client_name",
+    "health_check_interval",
+)
+
+
+def _portable_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a connection pool that say where and how to connect (address, db,
+    credentials, timeouts, TLS settings), with plain values only: the objects redis-py keeps
+    among them (registries with locks, sentinels, handlers) belong to one pool, and a new pool
+    makes its own."""
+    plain = (str, int, float, bool, type(None))
+    return {
+        key: value
+        for key, value in kwargs.items()
+        if (key in _CONNECTION_ARGS or key.startswith("ssl_")) and isinstance(value, plain)
+    }
+
+
+_HUGE_PAGES_FROM = 8 * 2**20
+"""Buffers at least this large ask for transparent huge pages (2 MiB on x86-64)."""
+
+
 def _new_buffer(nbytes: int) -> torch.Tensor:
-    """Writable uint8 memory for one fetch, its pages mapped up front where the OS can
-    (MAP_POPULATE: one pass in the kernel instead of a page fault per 4 KiB as the data lands,
-    about a tenth of a fetch's time)."""
+    """Writable uint8 memory for one fetch, its pages mapped up front where the OS can, so the
+    data does not land through a page fault per 4 KiB.
+
+    Large buffers ask for transparent huge pages (``MADV_HUGEPAGE``) and then map them in one
+    call (``MADV_POPULATE_WRITE``, Linux >= 5.14): for 100 MB about 5 ms instead of 27 ms with
+    ``MAP_POPULATE`` of small pages, a fifth of a fetch's time. Where either advice is refused
+    the pages are mapped as the data lands."""
     populate = getattr(mmap, "MAP_POPULATE", 0)
     if nbytes == 0 or not populate:
         return torch.empty(nbytes, dtype=torch.uint8)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    huge = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes >= _HUGE_PAGES_FROM and huge is not None:
+        memory = mmap.mmap(-1, nbytes, flags=anonymous)
+        with contextlib.suppress(OSError):
+            memory.madvise(huge)
+            memory.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE))
+    else:
+        memory = mmap.mmap(-1, nbytes, flags=anonymous | populate)
     return torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
+
+
+_MADV_POPULATE_WRITE = 23  # Linux's value; Python 3.11's mmap does not name it
 
 
 def _sha256(data: memoryview) -> bytes:

@@ -639,6 +639,7 @@ class Learner:
             state.tokenizer,
             dtype=publish_dtype(self.view, cfg.learner.publish_dtype),
             max_inflight=cfg.learner.publish_max_inflight,
+            upload=cfg.learner.publish_upload,
             should_stop=self.stop,
             on_published=lambda version: write_version_mark(self.version_mark, version),
             optimizer=state.optimizer,  # the snapshot runs on the upload thread, before a step

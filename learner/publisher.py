@@ -1,21 +1,27 @@
 """Publishes the learner's policy as a new weights version in Redis, off the critical path.
 
-``publish(version)`` hands the version to a background thread, which snapshots the weights (one
-bulk copy to CPU in the publish dtype), then serializes, hashes and uploads it while the next
-step trains; versions go out in order. Given the ``optimizer``, the snapshot too runs on that
-thread, during the next step's forward and backward: a pre-hook on ``optimizer.step`` waits until
-it is taken, so no update can reach a version being copied. Without one, ``publish`` takes the
-snapshot on the caller's thread. The learner waits only when ``max_inflight`` versions are
-already queued or uploading (a bound on memory and on how far Redis may lag), or, rarely, at
-that pre-hook. ``max_inflight=0`` publishes on the caller's thread.
+``publish(version)`` takes a snapshot of the weights (one bulk copy per tensor, to CPU in the
+publish dtype), then serializes, hashes and uploads it while the next step trains; versions go out
+in order. Where the upload runs is ``upload``:
 
-The work on the thread is torch bulk ops (delta encoding), hashlib and socket writes, which all
-release the GIL, so it overlaps a training step instead of taking turns with it.
+- ``"process"`` (the learner's default): a child process (spawned, niced) holds its own
+  ``WeightStore`` and uploads from a snapshot in shared memory, one slot per version in flight.
+  Serializing, delta-encoding and hashing are many small torch and Python calls; in a child they
+  never take the learner's GIL, which on a thread cost the step about a quarter of the upload's
+  time (``benchmarks/weights.py``, ``publish_hidden_frac``).
+- ``"thread"``: a background thread of the learner's process does the same work.
+
+Given the ``optimizer``, the snapshot runs on a background thread too, during the next step's
+forward and backward: a pre-hook on ``optimizer.step`` waits until it is taken, so no update can
+reach a version being copied. Without one, ``publish`` takes the snapshot on the caller's thread.
+The learner waits only when ``max_inflight`` versions are already queued or uploading (a bound on
+memory and on how far Redis may lag), or, rarely, at that pre-hook. ``max_inflight=0`` publishes
+on the caller's thread.
 
 A version with a non-finite weight is refused by the store before anything is written: it is
 logged and counted in ``refused``, and never becomes visible to actors. Redis outages are
-retried (``retry_redis``) on the thread; any other failure is raised on the learner's thread at
-its next ``publish``/``flush``.
+retried (``retry_redis``) where the upload runs, until ``should_stop``; any other failure, and the
+death of the upload process, is raised on the learner's thread at its next ``publish``/``flush``.
 
 Design: docs/design.md §6.6.
 """
@@ -25,12 +31,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import queue
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.multiprocessing
 
 from common.model import Transformer
 from common.policy_meta import policy_meta
@@ -40,7 +52,11 @@ from common.weights import WeightsNonFinite, WeightStore, retry_redis
 log = logging.getLogger(__name__)
 
 PUBLISH_NICENESS = 10
-"""Nice value of the upload thread: a lower scheduling priority than the learner's threads."""
+"""Nice value of the upload thread or process: a lower priority than the learner's threads."""
+
+UPLOAD_MODES = ("process", "thread")
+
+_ALIGN = 64  # bytes: each tensor of a shared-memory slot starts on a cache line
 
 
 def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
@@ -57,6 +73,47 @@ def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
     return torch.float32
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor of the state dict lies in a shared-memory slot."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[_Entry]:
+    entries, offset = [], 0
+    for name, t in state_dict.items():
+        cast = dtype if t.is_floating_point() else t.dtype
+        nbytes = t.numel() * cast.itemsize
+        entries.append(_Entry(name, cast, tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return entries
+
+
+def _slot_bytes(layout: list[_Entry]) -> int:
+    return max(1, sum(-(-e.nbytes // _ALIGN) * _ALIGN for e in layout))
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes in ``/dev/shm``, where shared-memory tensors live (None: no such mount)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _views(slot: torch.Tensor, layout: list[_Entry]) -> dict[str, torch.Tensor]:
+    """The tensors of a slot (views into its bytes, no copy)."""
+    return {
+        e.name: slot[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout
+    }
+
+
 class Publisher:
     def __init__(
         self,
@@ -68,9 +125,12 @@ class Publisher:
         should_stop: Callable[[], bool] = lambda: False,
         on_published: Callable[[int], None] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        upload: str = "process",
     ) -> None:
         if max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
+        if upload not in UPLOAD_MODES:
+            raise ValueError(f"upload must be one of {UPLOAD_MODES}, got {upload!r}")
         self.store = store
         self.model = model
         self.meta = policy_meta(model.args, tokenizer)
@@ -78,8 +138,12 @@ class Publisher:
         self.max_inflight = max_inflight
         self.should_stop = should_stop
         self.on_published = on_published
+        self.upload = upload if max_inflight > 0 else "caller"
+        """Where uploads run: ``process``, ``thread``, or ``caller`` (``max_inflight=0``)."""
         self.last_publish_s = 0.0
         """Duration of the last upload (serialize, hash, write, commit), wherever it ran."""
+        self.last_publish_bytes = 0
+        """Bytes the last upload wrote (a delta's, or the full size)."""
         self.last_stall_s = 0.0
         """How long the last ``publish`` call held up its caller (snapshot + waiting for room)."""
         self.published_version = -1
@@ -87,7 +151,7 @@ class Publisher:
         self.refused = 0
         """Versions refused for non-finite weights (never published)."""
         self._error: BaseException | None = None
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor] | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self._snapshot_taken = threading.Event()
         self._snapshot_taken.set()
         self.snapshot_on_thread = optimizer is not None and max_inflight > 0
@@ -95,12 +159,33 @@ class Publisher:
             assert optimizer is not None
             optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self._room = threading.Semaphore(max(1, max_inflight))
+        self._child: _UploadProcess | None = None
+        if self.upload == "process":
+            need = max_inflight * _slot_bytes(_layout(model.state_dict(), self.dtype))
+            free = shm_free_bytes()
+            if free is not None and need > free:
+                log.warning(
+                    "learner: uploading on a thread, not a process: %d snapshot slot(s) need "
+                    "%.2f GB of shared memory and /dev/shm has %.2f GB free (raise the "
+                    "container's shm_size, or set learner.publish_upload=thread)",
+                    max_inflight,
+                    need / 1e9,
+                    free / 1e9,
+                )
+                self.upload = "thread"
+            else:
+                self._child = _UploadProcess(self, store, max_inflight)
         self._thread: threading.Thread | None = None
         if max_inflight > 0:
             self._thread = threading.Thread(
                 target=self._worker, name="weights-publisher", daemon=True
             )
             self._thread.start()
+
+    @property
+    def upload_pid(self) -> int | None:
+        """The upload process's pid (``upload="process"``), else None."""
+        return self._child.pid if self._child is not None else None
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A private CPU copy of the weights in the publish dtype (floating tensors only are
@@ -112,9 +197,18 @@ class Publisher:
                 out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
         return out
 
+    def _take(self) -> Any:
+        """The snapshot in the form the upload takes: a shared-memory slot's index for the
+        upload process, else a private copy."""
+        if self._child is None:
+            return self.snapshot()
+        return self._child.fill(self.model.state_dict())
+
     def publish(self, version: int) -> None:
         started = time.perf_counter()
         self._raise_error()
+        if self._child is not None:
+            self._child.check_alive()
         if self._thread is None:
             self._upload(version, self.snapshot())
             self._raise_error()
@@ -125,7 +219,7 @@ class Publisher:
                 self._snapshot_taken.clear()  # set by the thread once it holds its copy
                 self._queue.put((version, None))
             else:
-                self._queue.put((version, self.snapshot()))
+                self._queue.put((version, self._take()))
         self.last_stall_s = time.perf_counter() - started
 
     def wait_snapshot(self) -> None:
@@ -145,11 +239,13 @@ class Publisher:
         self._raise_error()
 
     def close(self) -> None:
-        """Upload what is queued, then stop the thread."""
+        """Upload what is queued, then stop the thread (and the upload process)."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.join()
             self._queue.put(None)
             self._thread.join()
+        if self._child is not None:
+            self._child.close()
         self._raise_error()
 
     # ------------------------------------------------------------------------------ internals
@@ -170,19 +266,28 @@ class Publisher:
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISH_NICENESS)
         while (item := self._queue.get()) is not None:
+            version, payload = item
+            handed_over = False
             try:
-                version, state = item
-                if state is None:
+                if payload is None:
                     try:
-                        state = self.snapshot()
+                        payload = self._take()
                     finally:
                         self._snapshot_taken.set()
-                self._upload(version, state)
+                if self._child is not None:
+                    self._child.send(version, payload)  # the reply finishes this version
+                    handed_over = True
+                else:
+                    self._upload(version, payload)
             except Exception as e:  # noqa: BLE001 - handed to the learner's thread, raised there
                 self._error = e
             finally:
-                self._room.release()
-                self._queue.task_done()
+                if not handed_over:
+                    self._done()
+        self._queue.task_done()
+
+    def _done(self) -> None:
+        self._room.release()
         self._queue.task_done()
 
     def _upload(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -195,16 +300,186 @@ class Publisher:
         try:
             done = retry_redis("learner", f"publishing version {version}", upload, self.should_stop)
         except WeightsNonFinite as e:
-            self.refused += 1
-            log.error("learner: version %d NOT published: %s", version, e)
+            self._finished(version, "refused", str(e))
             return
         except Exception as e:  # noqa: BLE001 - handed to the learner's thread, raised there
             self._error = e
             return
-        if done is None:
-            return  # a stop came while Redis was away
+        if done is not None:
+            self.last_publish_bytes = self.store.last_publish_bytes
+            self._finished(version, "published", time.perf_counter() - started)
+
+    def _finished(self, version: int, outcome: str, detail: Any) -> None:
+        """One version's upload ended: ``published`` (detail: seconds) or ``refused``."""
+        if outcome == "refused":
+            self.refused += 1
+            log.error("learner: version %d NOT published: %s", version, detail)
+            return
         self.published_version = version
-        self.last_publish_s = time.perf_counter() - started
-        log.debug("published version %d in %.3fs", version, self.last_publish_s)
+        self.last_publish_s = detail
+        log.debug("published version %d in %.3fs", version, detail)
         if self.on_published is not None:
             self.on_published(version)
+
+
+class _UploadProcess:
+    """The upload side of a ``Publisher`` in a spawned child process.
+
+    Snapshots go through ``max_inflight`` shared-memory slots (one flat byte buffer each, laid
+    out once from the state dict); the publisher's thread fills a free slot and sends
+    ``(version, slot)`` down a pipe. The child publishes from the slot with its own
+    ``WeightStore`` (so it also keeps the base of the next delta) and answers each version in
+    order; a thread here takes the answers, frees the slots and reports to the ``Publisher``.
+    """
+
+    def __init__(self, publisher: Publisher, store: WeightStore, slots: int) -> None:
+        self.publisher = publisher
+        with torch.no_grad():
+            self.layout = _layout(publisher.model.state_dict(), publisher.dtype)
+        size = _slot_bytes(self.layout)
+        self.slots = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(slots)]
+        self.views = [_views(slot, self.layout) for slot in self.slots]
+        self.free: queue.Queue[int] = queue.Queue()
+        for i in range(slots):
+            self.free.put(i)
+        self.sent: deque[tuple[int, int]] = deque()  # (version, slot) awaiting an answer
+        self.lock = threading.Lock()
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_upload_main,
+            args=(child_conn, store.recipe(), self.slots, self.layout, publisher.meta, self.stop),
+            name="weights-upload",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self.pid = self.process.pid
+        self.closing = False
+        self.replies = threading.Thread(
+            target=self._replies, name="weights-publisher-replies", daemon=True
+        )
+        self.replies.start()
+
+    def fill(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+        """Copy the weights into a free slot (there is one: the publisher holds room for it)."""
+        slot = self.free.get()
+        views = self.views[slot]
+        with torch.no_grad():
+            for name, t in state_dict.items():
+                views[name].copy_(t.detach())
+        return slot
+
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(self._died())
+
+    def send(self, version: int, slot: int) -> None:
+        with self.lock:
+            if not self.process.is_alive():
+                self.free.put(slot)
+                raise RuntimeError(self._died())
+            self.sent.append((version, slot))
+        self.conn.send((version, slot))
+
+    def _died(self) -> str:
+        return (
+            f"the weights upload process (pid {self.pid}) died with exit code "
+            f"{self.process.exitcode}; versions in flight were not published"
+        )
+
+    def _replies(self) -> None:
+        publisher = self.publisher
+        while True:
+            try:
+                ready = self.conn.poll(0.2)
+                reply = self.conn.recv() if ready else None
+            except (EOFError, OSError):
+                reply, ready = None, False
+                self.process.join(timeout=5)
+            if publisher.should_stop():
+                self.stop.set()  # the child gives up retrying an unreachable Redis
+            if reply is not None:
+                version, slot, outcome, detail, nbytes = reply
+                with self.lock:
+                    self.sent.popleft()
+                self.free.put(slot)
+                if outcome == "error":
+                    publisher._error = detail
+                elif outcome != "stopped":
+                    publisher.last_publish_bytes = nbytes or publisher.last_publish_bytes
+                    publisher._finished(version, outcome, detail)
+                publisher._done()
+                continue
+            if not ready and self.process.is_alive():
+                continue
+            # The child exited: on close, after its last answer; otherwise it died.
+            with self.lock:
+                lost = list(self.sent)
+                self.sent.clear()
+            if not self.closing or lost:
+                publisher._error = RuntimeError(self._died())
+                log.error("learner: %s", self._died())
+            for _, slot in lost:
+                self.free.put(slot)
+                publisher._done()
+            return
+
+    def close(self) -> None:
+        self.closing = True
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            self.process.join(timeout=30)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
+        self.replies.join(timeout=5)
+        self.conn.close()
+
+
+def _upload_main(conn, recipe, slots, layout, meta, stop) -> None:
+    """The upload process: publish each ``(version, slot)`` it is sent, answer in order."""
+    with contextlib.suppress(OSError):
+        os.nice(PUBLISH_NICENESS)
+    torch.set_num_threads(1)
+    store = WeightStore.from_recipe(recipe)
+    views = [_views(slot, layout) for slot in slots]
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the learner is gone
+        if message is None:
+            return
+        version, slot = message
+        started = time.perf_counter()
+
+        def upload(version: int = version, slot: int = slot) -> bool:
+            # The store keeps a copy as the next delta's base: the slot is refilled later.
+            store.publish(version, views[slot], meta=meta, snapshot=True)
+            return True
+
+        try:
+            done = retry_redis("learner", f"publishing version {version}", upload, stop.is_set)
+            if done is None:
+                reply = (version, slot, "stopped", None, 0)
+            else:
+                seconds = time.perf_counter() - started
+                reply = (version, slot, "published", seconds, store.last_publish_bytes)
+        except WeightsNonFinite as e:
+            reply = (version, slot, "refused", str(e), 0)
+        except Exception as e:  # noqa: BLE001 - reported to the learner, raised there
+            reply = (version, slot, "error", _portable(e), 0)
+        conn.send(reply)
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` if it crosses a pipe intact, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to pickle
+        detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+        return RuntimeError(detail)

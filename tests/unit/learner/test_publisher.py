@@ -1,15 +1,22 @@
-"""The learner's publisher: versions in the publish dtype, uploaded in order on a background
-thread from a snapshot, a bound on versions in flight, and non-finite weights never published."""
+"""The learner's publisher: versions in the publish dtype, uploaded in order from a snapshot on a
+background thread or in a child process, a bound on versions in flight, non-finite weights never
+published, and an upload process that dies or cannot reach Redis never hangs the learner."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
 import torch
 
+import learner.publisher as publisher_module
 from common.model import ModelArgs, Transformer
 from common.tokenizer import CharTokenizer
 from common.weights import WeightsError, WeightStore
@@ -37,11 +44,40 @@ def make(client: redis.Redis, **kwargs) -> tuple[Transformer, Publisher, WeightS
     return m, Publisher(store, m, CharTokenizer("abc"), **kwargs), store
 
 
-@pytest.mark.parametrize("max_inflight", [0, 1, 2])
-def test_versions_in_order_from_a_snapshot(redis_client: redis.Redis, max_inflight: int) -> None:
+@contextlib.contextmanager
+def uploads_held(pub: Publisher, store: WeightStore) -> Iterator[None]:
+    """Every upload waits until the block exits: a gate in the store's publish on the thread,
+    the upload process stopped (SIGSTOP) in the child."""
+    if pub.upload_pid is not None:
+        os.kill(pub.upload_pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pub.upload_pid, signal.SIGCONT)
+        return
+    gate = threading.Event()
+    real = store.publish
+    store.publish = lambda *a, **k: (gate.wait(timeout=10), real(*a, **k))[1]  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize(
+    ("max_inflight", "upload"),
+    [(0, "thread"), (1, "thread"), (2, "thread"), (1, "process"), (2, "process")],
+)
+def test_versions_in_order_from_a_snapshot(
+    redis_client: redis.Redis, max_inflight: int, upload: str
+) -> None:
     marks: list[int] = []
     m, pub, store = make(
-        redis_client, dtype=torch.bfloat16, max_inflight=max_inflight, on_published=marks.append
+        redis_client,
+        dtype=torch.bfloat16,
+        max_inflight=max_inflight,
+        on_published=marks.append,
+        upload=upload,
     )
     expected = {}
     for v in range(1, 6):
@@ -54,56 +90,52 @@ def test_versions_in_order_from_a_snapshot(redis_client: redis.Redis, max_inflig
             m.lm_head.weight.add_(expected[v].float())  # ...(restored: one step at a time)
     pub.close()
     assert marks == [1, 2, 3, 4, 5] and pub.published_version == 5
+    assert pub.last_publish_bytes > 0 and pub.last_publish_s > 0
     reader = WeightStore(redis_client, RUN)
+    kinds = []
     for v in range(1, 6):
         manifest = reader.manifest(v)
         assert manifest is not None and manifest["dtype"] == "bfloat16"
+        kinds.append(manifest["kind"])
         assert torch.equal(reader.fetch(v)[1]["lm_head.weight"], expected[v])
+    assert kinds == ["full", "delta", "delta", "full", "delta"]  # the uploader keeps the base
 
 
-def test_snapshot_is_taken_before_the_next_step(redis_client: redis.Redis) -> None:
-    m, pub, store = make(redis_client, max_inflight=1)
-    gate = threading.Event()
-    real = store.publish
-
-    def slow_publish(*args, **kwargs):
-        gate.wait(timeout=10)
-        return real(*args, **kwargs)
-
-    store.publish = slow_publish  # type: ignore[method-assign]
+@pytest.mark.parametrize("upload", ["thread", "process"])
+def test_snapshot_is_taken_before_the_next_step(redis_client: redis.Redis, upload: str) -> None:
+    m, pub, store = make(redis_client, max_inflight=1, upload=upload)
     before = m.lm_head.weight.detach().clone()
-    pub.publish(1)
-    with torch.no_grad():
-        m.lm_head.weight.add_(1.0)  # the next optimizer step, while the upload waits
-    gate.set()
-    pub.flush()
+    with uploads_held(pub, store):
+        pub.publish(1)
+        with torch.no_grad():
+            m.lm_head.weight.add_(1.0)  # the next optimizer step, while the upload waits
+    pub.close()
     assert torch.equal(WeightStore(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
 
 
+@pytest.mark.parametrize("upload", ["thread", "process"])
 def test_learner_waits_only_when_max_inflight_versions_are_in_flight(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, upload: str
 ) -> None:
-    _, pub, store = make(redis_client, max_inflight=2)
-    gate = threading.Event()
-    real = store.publish
-    store.publish = lambda *a, **k: (gate.wait(timeout=10), real(*a, **k))[1]  # type: ignore[method-assign]
-    pub.publish(1)
-    pub.publish(2)  # two in flight: both returned without waiting for the upload
-    assert pub.inflight == 2 and store.latest_version() is None
-    third = threading.Thread(target=pub.publish, args=(3,))
-    third.start()
-    third.join(timeout=0.5)
-    assert third.is_alive()  # blocked: the bound holds
-    gate.set()
+    _, pub, store = make(redis_client, max_inflight=2, upload=upload)
+    with uploads_held(pub, store):
+        pub.publish(1)
+        pub.publish(2)  # two in flight: both returned without waiting for the upload
+        assert pub.inflight == 2 and store.latest_version() is None
+        third = threading.Thread(target=pub.publish, args=(3,))
+        third.start()
+        third.join(timeout=0.5)
+        assert third.is_alive()  # blocked: the bound holds
     third.join(timeout=10)
     assert not third.is_alive()
     pub.close()
     assert store.latest_version() == 3
 
 
-def test_non_finite_weights_are_refused_and_counted(redis_client: redis.Redis) -> None:
+@pytest.mark.parametrize("upload", ["thread", "process"])
+def test_non_finite_weights_are_refused_and_counted(redis_client: redis.Redis, upload: str) -> None:
     marks: list[int] = []
-    m, pub, store = make(redis_client, max_inflight=1, on_published=marks.append)
+    m, pub, store = make(redis_client, max_inflight=1, on_published=marks.append, upload=upload)
     pub.publish(1)
     with torch.no_grad():
         m.lm_head.weight[0, 0] = float("nan")
@@ -118,8 +150,11 @@ def test_non_finite_weights_are_refused_and_counted(redis_client: redis.Redis) -
     assert store.latest_version() == 3
 
 
-def test_upload_error_is_raised_on_the_learner_thread(redis_client: redis.Redis) -> None:
-    _, pub, store = make(redis_client, max_inflight=1)
+@pytest.mark.parametrize("upload", ["thread", "process"])
+def test_upload_error_is_raised_on_the_learner_thread(
+    redis_client: redis.Redis, upload: str
+) -> None:
+    _, pub, store = make(redis_client, max_inflight=1, upload=upload)
     pub.publish(5)
     pub.publish(3)  # versions only grow: the store refuses on the upload thread
     with pytest.raises(WeightsError, match="only grow"):
@@ -127,9 +162,10 @@ def test_upload_error_is_raised_on_the_learner_thread(redis_client: redis.Redis)
     pub.close()
 
 
+@pytest.mark.parametrize("upload", ["thread", "process"])
 @pytest.mark.parametrize("with_optimizer", [True, False])
 def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
-    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, with_optimizer: bool
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, with_optimizer: bool, upload: str
 ) -> None:
     """With the optimizer, publish only queues the version and the thread copies the weights;
     the optimizer's step pre-hook must hold the update until that copy is taken. A slow copy
@@ -138,19 +174,20 @@ def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
     m = model()
     optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
     store = WeightStore(redis_client, RUN, chunk_bytes=1024)
-    slow = Publisher.snapshot
+    slow = Publisher._take
 
-    def slow_snapshot(self: Publisher) -> dict[str, torch.Tensor]:
+    def slow_take(self: Publisher):
         time.sleep(0.3)
         return slow(self)
 
-    monkeypatch.setattr(Publisher, "snapshot", slow_snapshot)
+    monkeypatch.setattr(Publisher, "_take", slow_take)
     pub = Publisher(
         store,
         m,
         CharTokenizer("abc"),
         max_inflight=1,
         optimizer=optimizer if with_optimizer else None,
+        upload=upload,
     )
     before = m.lm_head.weight.detach().clone()
     started = time.perf_counter()
@@ -164,3 +201,64 @@ def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
     assert not torch.equal(m.lm_head.weight, before)  # the step did happen, after the copy
     assert pub.snapshot_on_thread is with_optimizer
     assert (publish_s < 0.2) is with_optimizer
+
+
+def test_a_killed_upload_process_is_an_error_on_the_learner_thread(
+    redis_client: redis.Redis,
+) -> None:
+    """The version in flight when the child dies is not published, and the learner hears of it
+    (it never waits forever for an answer that cannot come)."""
+    _, pub, store = make(redis_client, max_inflight=1, upload="process")
+    pub.publish(1)
+    pub.flush()
+    assert pub.upload_pid is not None
+    os.kill(pub.upload_pid, signal.SIGSTOP)
+    pub.publish(2)
+    os.kill(pub.upload_pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="upload process .* died"):
+        pub.flush()
+    assert store.latest_version() == 1 and pub.inflight == 0
+    with pytest.raises(RuntimeError, match="died"):
+        pub.publish(3)  # the next version goes nowhere either: the learner must stop and restart
+    pub.close()
+
+
+@pytest.mark.parametrize("upload", ["thread", "process"])
+def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str) -> None:
+    """Redis down: the upload retries (a restart must not kill the learner) until the learner
+    stops; then flush and close return and nothing is published."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    stop = threading.Event()
+    m = model()
+    store = WeightStore(redis.Redis(host="127.0.0.1", port=port), RUN)
+    pub = Publisher(
+        store, m, CharTokenizer("abc"), max_inflight=1, should_stop=stop.is_set, upload=upload
+    )
+    pub.publish(1)
+    time.sleep(1.0)
+    assert pub.inflight == 1  # still retrying
+    stop.set()
+    done = threading.Thread(target=pub.close)
+    done.start()
+    done.join(timeout=15)
+    assert not done.is_alive()
+    assert pub.published_version == -1
+
+
+def test_too_little_shared_memory_falls_back_to_a_thread(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot slot larger than the free /dev/shm would crash the learner (SIGBUS) on the
+    first copy: the publisher uploads on a thread instead, and says why."""
+    monkeypatch.setattr(publisher_module, "shm_free_bytes", lambda: 100)
+    _, pub, store = make(redis_client, max_inflight=1, upload="process")
+    assert pub.upload == "thread" and pub.upload_pid is None
+    pub.publish(1)
+    pub.close()
+    assert store.latest_version() == 1
+    monkeypatch.setattr(publisher_module, "shm_free_bytes", lambda: 10**12)
+    _, pub, _ = make(redis_client, max_inflight=1, upload="process")
+    assert pub.upload == "process" and pub.upload_pid is not None
+    pub.close()
