@@ -31,11 +31,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import queue
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,10 +42,11 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
+import common.weights as weights_module
 from common.model import Transformer
 from common.policy_meta import policy_meta
 from common.tokenizer import Tokenizer
-from common.weights import WeightsNonFinite, WeightStore, retry_redis
+from common.weights import WeightsError, WeightsNonFinite, WeightStore, retry_redis
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +405,7 @@ class _UploadProcess:
                     self.sent.popleft()
                 self.free.put(slot)
                 if outcome == "error":
-                    publisher._error = detail
+                    publisher._error = _rebuilt(detail)
                 elif outcome != "stopped":
                     publisher.last_publish_bytes = nbytes or publisher.last_publish_bytes
                     publisher._finished(version, outcome, detail)
@@ -475,11 +474,16 @@ def _upload_main(conn, recipe, slots, layout, meta, stop) -> None:
         conn.send(reply)
 
 
-def _portable(error: Exception) -> Exception:
-    """``error`` if it crosses a pipe intact, else a RuntimeError that names it."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - any failure to pickle
-        detail = "".join(traceback.format_exception_only(type(error), error)).strip()
-        return RuntimeError(detail)
+def _portable(error: Exception) -> tuple[str, str]:
+    """``error`` as its class name and message, to be rebuilt on the learner's side."""
+    return type(error).__name__, str(error)
+
+
+def _rebuilt(detail: tuple[str, str]) -> Exception:
+    """The upload process's error on the learner's side: the same ``WeightsError`` class where
+    it is one, else a RuntimeError that names it."""
+    name, message = detail
+    cls = getattr(weights_module, name, None)
+    if isinstance(cls, type) and issubclass(cls, WeightsError):
+        return cls(message)
+    return RuntimeError(f"{name}: {message}")
