@@ -369,6 +369,10 @@ class ActorConfig:
         _require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
 
 
+PUBLISH_UPLOADS = ("process", "thread")
+"""Where ``learner.publish_upload`` may run background uploads (``learner/publisher.py``)."""
+
+
 @dataclass
 class LearnerConfig:
     address: str = "tcp://127.0.0.1:5555"
@@ -514,8 +518,8 @@ class LearnerConfig:
             f"learner.publish_max_inflight must be >= 0, got {self.publish_max_inflight}",
         )
         _require(
-            self.publish_upload in ("process", "thread"),
-            f"learner.publish_upload must be 'process' or 'thread', got {self.publish_upload!r}",
+            self.publish_upload in PUBLISH_UPLOADS,
+            f"learner.publish_upload must be one of {PUBLISH_UPLOADS}, got {self.publish_upload!r}",
         )
         _require(
             self.checkpoint_every >= 1,

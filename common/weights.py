@@ -795,6 +795,8 @@ def _portable_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 _HUGE_PAGES_FROM = 8 * 2**20
 """Buffers at least this large ask for transparent huge pages (2 MiB on x86-64)."""
 
+_MADV_POPULATE_WRITE = 23  # Linux's value; Python 3.11's mmap does not name it
+
 
 def _new_buffer(nbytes: int) -> torch.Tensor:
     """Writable uint8 memory for one fetch, its pages mapped up front where the OS can, so the
@@ -817,9 +819,6 @@ def _new_buffer(nbytes: int) -> torch.Tensor:
     else:
         memory = mmap.mmap(-1, nbytes, flags=anonymous | populate)
     return torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
-
-
-_MADV_POPULATE_WRITE = 23  # Linux's value; Python 3.11's mmap does not name it
 
 
 def _sha256(data: memoryview) -> bytes:

@@ -43,6 +43,7 @@ import torch
 import torch.multiprocessing
 
 import common.weights as weights_module
+from common.config import PUBLISH_UPLOADS
 from common.model import Transformer
 from common.policy_meta import policy_meta
 from common.tokenizer import Tokenizer
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 PUBLISH_NICENESS = 10
 """Nice value of the upload thread or process: a lower priority than the learner's threads."""
 
-UPLOAD_MODES = ("process", "thread")
 
 _ALIGN = 64  # bytes: each tensor of a shared-memory slot starts on a cache line
 
@@ -83,18 +83,15 @@ class _Entry:
     nbytes: int
 
 
-def _layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[_Entry]:
+def _layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> tuple[list[_Entry], int]:
+    """Where each tensor goes in a slot (floating ones in ``dtype``), and the slot's size."""
     entries, offset = [], 0
     for name, t in state_dict.items():
         cast = dtype if t.is_floating_point() else t.dtype
         nbytes = t.numel() * cast.itemsize
         entries.append(_Entry(name, cast, tuple(t.shape), offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    return entries
-
-
-def _slot_bytes(layout: list[_Entry]) -> int:
-    return max(1, sum(-(-e.nbytes // _ALIGN) * _ALIGN for e in layout))
+    return entries, max(1, offset)
 
 
 def shm_free_bytes() -> int | None:
@@ -128,8 +125,8 @@ class Publisher:
     ) -> None:
         if max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
-        if upload not in UPLOAD_MODES:
-            raise ValueError(f"upload must be one of {UPLOAD_MODES}, got {upload!r}")
+        if upload not in PUBLISH_UPLOADS:
+            raise ValueError(f"upload must be one of {PUBLISH_UPLOADS}, got {upload!r}")
         self.store = store
         self.model = model
         self.meta = policy_meta(model.args, tokenizer)
@@ -160,7 +157,8 @@ class Publisher:
         self._room = threading.Semaphore(max(1, max_inflight))
         self._child: _UploadProcess | None = None
         if self.upload == "process":
-            need = max_inflight * _slot_bytes(_layout(model.state_dict(), self.dtype))
+            layout, slot_bytes = _layout(model.state_dict(), self.dtype)
+            need = max_inflight * slot_bytes
             free = shm_free_bytes()
             if free is not None and need > free:
                 log.warning(
@@ -173,7 +171,7 @@ class Publisher:
                 )
                 self.upload = "thread"
             else:
-                self._child = _UploadProcess(self, store, max_inflight)
+                self._child = _UploadProcess(self, store, layout, slot_bytes, max_inflight)
         self._thread: threading.Thread | None = None
         if max_inflight > 0:
             self._thread = threading.Thread(
@@ -331,13 +329,19 @@ class _UploadProcess:
     order; a thread here takes the answers, frees the slots and reports to the ``Publisher``.
     """
 
-    def __init__(self, publisher: Publisher, store: WeightStore, slots: int) -> None:
+    def __init__(
+        self,
+        publisher: Publisher,
+        store: WeightStore,
+        layout: list[_Entry],
+        slot_bytes: int,
+        slots: int,
+    ) -> None:
         self.publisher = publisher
-        with torch.no_grad():
-            self.layout = _layout(publisher.model.state_dict(), publisher.dtype)
-        size = _slot_bytes(self.layout)
-        self.slots = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(slots)]
-        self.views = [_views(slot, self.layout) for slot in self.slots]
+        self.slots = [
+            torch.empty(slot_bytes, dtype=torch.uint8).share_memory_() for _ in range(slots)
+        ]
+        self.views = [_views(slot, layout) for slot in self.slots]
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(slots):
             self.free.put(i)
@@ -348,7 +352,7 @@ class _UploadProcess:
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=_upload_main,
-            args=(child_conn, store.recipe(), self.slots, self.layout, publisher.meta, self.stop),
+            args=(child_conn, store.recipe(), self.slots, layout, publisher.meta, self.stop),
             name="weights-upload",
             daemon=True,
         )
