@@ -15,28 +15,18 @@ import torch
 from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
 from common.goodness_of_fit import chi_square_pvalue
-from common.model import ModelArgs, Transformer
+from common.model import Transformer, random_model
 from common.sampling import processed_logprobs
 
 
 def peaky_model(vocab: int, seed: int, scale: float, layers: int = 3) -> Transformer:
     """A random model whose next-token distributions are far from uniform (and far from its own
     early exit and from another seed's), so a wrong sampling rule shows in the statistics."""
-    torch.manual_seed(seed)
-    model = Transformer(
-        ModelArgs(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
+    model = random_model(vocab, seed, num_hidden_layers=layers)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
         model.model.embed_tokens.weight.mul_(scale / 2)
-    return model.eval()
+    return model
 
 
 @torch.no_grad()

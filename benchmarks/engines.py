@@ -57,7 +57,7 @@ from actors.lossless_check import (  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import rl_model, workloads  # noqa: E402
 from common.config import SpecConfig, load_config  # noqa: E402
-from common.model import ModelArgs, Transformer, load_pretrained, save_pretrained  # noqa: E402
+from common.model import Transformer, load_pretrained, random_model, save_pretrained  # noqa: E402
 from common.sampling import processed_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
@@ -168,17 +168,7 @@ def record_size() -> dict[str, float]:
     """Bytes recorded per in-flight token by verify_on_swap at Qwen's vocabulary (random model,
     2 small layers), through the engine with a swap mid-rollout."""
     vocab = 151_936
-    args = ModelArgs(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    old, new = Transformer(args).eval(), Transformer(args).eval()
+    old, new = (random_model(vocab, seed, max_position_embeddings=64) for seed in (0, 1))
     path = Path(tempfile.mkdtemp(prefix="specrl-bigvocab-"))
     save_pretrained(old, path)
     engine = make_vllm(path, -1, 64, inflight="verify_on_swap", version=0)

@@ -5,6 +5,7 @@ next to a tiny Qwen2 model with random weights made by ``transformers`` itself."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 #: ChatML, as Qwen2 instruct tokenizers carry it (no BOS; the system turn only when given).
 CHAT_TEMPLATE = (
@@ -51,6 +52,17 @@ def build_tokenizer(directory: Path, chat_template: bool = True):
     return tokenizer
 
 
+def tiny_hf_config(kind: str = "qwen2", **fields: Any):
+    """A transformers config of ``kind`` ("llama" or "qwen2") in the small shape of the built-in
+    test models (``common.model.SMALL_SHAPE``), with untied embeddings and any field overridden."""
+    import transformers
+
+    from common.model import SMALL_SHAPE
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    return cls(**{**SMALL_SHAPE, "tie_word_embeddings": False, **fields})
+
+
 def build_model(directory: Path, seed: int = 0) -> Path:
     """A tiny Qwen2 (hidden 64, 2 layers, head_dim 32) with random weights and the tokenizer
     above, saved with ``save_pretrained`` into ``directory`` (a local HF model directory)."""
@@ -59,16 +71,10 @@ def build_model(directory: Path, seed: int = 0) -> Path:
 
     tokenizer = build_tokenizer(directory)
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
+    config = tiny_hf_config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         head_dim=32,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from common.model import ModelArgs, Transformer, save_pretrained
+from common.model import Transformer, random_model, save_pretrained
 from common.sampling import token_logprobs
 from common.weights import WeightStore
 
@@ -19,22 +19,10 @@ from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 
 EOS = 2
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 11, 12, 13, 14]]
-ARGS = ModelArgs(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    bos_token_id=1,
-    eos_token_id=EOS,
-    pad_token_id=0,
-)
 
 
 def weights(seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(ARGS).eval()
+    return random_model(64, seed, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
 
 
 def greedy_torch(model: Transformer, n: int = 1) -> list[list[int]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors.engines.vllm_verify import verified_token_distribution
-from common.model import ModelArgs, Transformer, save_pretrained
+from common.model import random_model, save_pretrained
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -20,17 +20,7 @@ VOCAB = 151_936
 
 
 def test_record_is_bounded_at_real_vocabulary(tmp_path):
-    args = ModelArgs(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    old, new = Transformer(args).eval(), Transformer(args).eval()
+    old, new = (random_model(VOCAB, seed, max_position_embeddings=64) for seed in (0, 1))
     save_pretrained(old, tmp_path)
     engine = VllmEngine(
         tmp_path, -1, seed=0, version=0, inflight="verify_on_swap", verify_topk=8, max_model_len=64

@@ -14,6 +14,7 @@ from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.checkpoint import latest_checkpoint
 from tests.integration.pipeline_harness import Pipeline, spawn
 from tests.integration.test_pipeline import wait_exit
+from tests.own_model import tiny_hf_config
 
 pytestmark = pytest.mark.integration
 
@@ -21,15 +22,9 @@ pytestmark = pytest.mark.integration
 def qwen2_dir(path: Path) -> Path:
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
+    config = tiny_hf_config(
         vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )

@@ -135,18 +135,9 @@ def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model(
     """Regression: rows whose tokens come from an old version were scored by indexing the old
     model's output (which holds only those rows) with their row numbers in the whole batch."""
     from actors.inflight import verify_rows
-    from common.model import ModelArgs, Transformer
+    from common.model import random_model
 
-    args = ModelArgs(
-        vocab_size=12,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    torch.manual_seed(0)
-    new, old = Transformer(args).eval(), Transformer(args).eval()
+    new, old = (random_model(12, s, intermediate_size=64, num_hidden_layers=1) for s in (0, 1))
     prompts = [[1, 2], [1, 3], [1, 4], [1, 5]]
     tokens = [[6, 7], [7, 8], [8, 9], [9, 6]]
     versions = [[1, 1], [1, 1], [1, 1], [0, 0]]  # only the last row has old-version tokens

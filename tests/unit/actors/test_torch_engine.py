@@ -4,24 +4,14 @@ import numpy as np
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from common.model import ModelArgs, Transformer
+from common.model import Transformer, random_model
 from common.sampling import token_logprobs
 
 EOS = 2
 
 
 def model(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(
-        ModelArgs(
-            vocab_size=12,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    ).eval()
+    return random_model(12, seed)
 
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10, 11]]

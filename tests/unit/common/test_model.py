@@ -16,6 +16,7 @@ from common.model import (
     Transformer,
     init_weights,
     load_pretrained,
+    random_model,
     save_pretrained,
 )
 
@@ -330,16 +331,7 @@ def test_init_is_deterministic():
 
 def test_split_layer_execution_equals_forward():
     # Early-exit drafting runs layers [0, E) and verification resumes at E: the split must be exact.
-    torch.manual_seed(0)
-    args = ModelArgs(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = Transformer(args).eval()
+    model = random_model(32, intermediate_size=96, num_hidden_layers=4)
     ids = torch.randint(0, 32, (2, 7))
     with torch.no_grad():
         x = model.model.embed_tokens(ids)

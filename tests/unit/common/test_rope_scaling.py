@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from common.model import ModelArgs, load_pretrained
+from tests.own_model import tiny_hf_config
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
@@ -23,22 +24,15 @@ SCALINGS = {
 
 def hf_model(kind: str, scaling: dict, tmp_path: Path) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    common = dict(
+    config = tiny_hf_config(
+        kind,
         vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         rope_theta=10000.0,
         rope_scaling=dict(scaling),
-        tie_word_embeddings=False,
     )
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common)
-    else:
-        config = transformers.Qwen2Config(**common)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(tmp_path)
     return model

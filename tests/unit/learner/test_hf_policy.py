@@ -17,6 +17,7 @@ from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
 from learner.loop import PolicyView, make_optimizer, train_step
 from learner.policy import load_policy, model_args
+from tests.own_model import tiny_hf_config
 from tests.unit.learner.test_train_step import make_groups
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
@@ -33,21 +34,16 @@ LLAMA3 = {
 
 def hf_dir(kind: str, tmp_path: Path) -> Path:
     torch.manual_seed(0)
-    common = dict(
+    config = tiny_hf_config(
+        kind,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
         pad_token_id=TOKENIZER.pad_id,
+        **({"rope_scaling": dict(LLAMA3)} if kind == "llama" else {}),
     )
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common, rope_scaling=dict(LLAMA3))
-    else:
-        config = transformers.Qwen2Config(**common)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger than the init std, so logits (and the test) are not ~0
         for p in model.parameters():

@@ -17,7 +17,7 @@ import redis
 import torch
 
 import learner.publisher as publisher_module
-from common.model import ModelArgs, Transformer
+from common.model import Transformer, random_model
 from common.tokenizer import CharTokenizer
 from common.weights import WeightsError, WeightStore
 from learner.publisher import Publisher
@@ -26,16 +26,7 @@ RUN = "publisher-run"
 
 
 def model() -> Transformer:
-    torch.manual_seed(0)
-    args = ModelArgs(
-        vocab_size=16,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return Transformer(args)
+    return random_model(16, hidden_size=16, intermediate_size=32, num_hidden_layers=1).train()
 
 
 def make(client: redis.Redis, **kwargs) -> tuple[Transformer, Publisher, WeightStore]:

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from common.config import LearnerConfig, SamplingConfig
-from common.model import ModelArgs, Transformer
+from common.model import Transformer, random_model
 from common.protocol import Completion, TrajectoryGroup
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
@@ -19,16 +19,7 @@ from learner.loop import make_optimizer, train_step
 
 
 def tiny_model(vocab: int) -> Transformer:
-    torch.manual_seed(0)
-    args = ModelArgs(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return Transformer(args)
+    return random_model(vocab).train()
 
 
 def make_groups(vocab: int, n: int = 3, g: int = 4, version: int = 0) -> list[TrajectoryGroup]:
