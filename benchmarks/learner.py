@@ -172,16 +172,10 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def _rank_worker(rank: int, world: int, port: int, model_name: str, out: str, groups: int) -> None:
-    from learner.distributed import init_from_env, shard, shutdown
+    from learner.distributed import init_from_env, local_rank_env, shard, shutdown
     from learner.loop import make_optimizer, train_step
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
     ctx = init_from_env(timeout_s=600) if world > 1 else None
     try:

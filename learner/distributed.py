@@ -96,6 +96,18 @@ class DistContext:
         dist.barrier()
 
 
+def local_rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for rank ``rank`` of ``world`` ranks on this host, meeting at
+    127.0.0.1:``port``: for ranks that a test or benchmark spawns without torchrun."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+    }
+
+
 def init_from_env(timeout_s: float = 3600.0) -> DistContext | None:
     """The process group from torchrun's environment, or None for a single process. The timeout
     bounds how long ranks wait for rank 0 (which may wait ``group_timeout_s`` for groups)."""

@@ -24,34 +24,47 @@ METHODS = [
 ]
 
 
-@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
-def test_greedy_speculative_equals_greedy_plain(spec):
+def greedy_matches_plain(spec: SpecConfig) -> tuple[dict[str, float], int]:
+    """Greedy decoding with ``spec`` gives plain greedy decoding's outputs, token for token, on
+    two calls in a row (the second also drafts from earlier completions of the same prompts).
+    Returns the speculative engine's stats and the tokens of its last call."""
     model = peaky_model(vocab=16, seed=0, scale=30.0)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9], [1, 3]]
     plain = TorchEngine(model, EOS, 0, temperature=0.0).generate(prompts, 2, 12)
     engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec)
-    # Twice: the second call also drafts from earlier completions of the same prompts (n-gram).
     for _ in range(2):
         fast = engine.generate(prompts, 2, 12)
         for group_plain, group_fast in zip(plain, fast, strict=True):
             for a, b in zip(group_plain, group_fast, strict=True):
                 assert a.token_ids.tolist() == b.token_ids.tolist()
                 assert a.finished == b.finished
-    stats = engine.stats()
+    return engine.stats(), sum(len(r.token_ids) for g in fast for r in g)
+
+
+def sampled_pvalue(spec: SpecConfig, temperature: float, top_p: float) -> tuple[float, float]:
+    """Chi-square p-value of 6,000 complete sequences sampled with ``spec`` against the exact
+    plain distribution, and the engine's draft acceptance rate."""
+    model = peaky_model(vocab=6, seed=1, scale=8.0)
+    engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
+    p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
+    return p_value, engine.stats().get("spec/acceptance_rate", 0.0)
+
+
+@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
+def test_greedy_speculative_equals_greedy_plain(spec):
+    stats, tokens = greedy_matches_plain(spec)
     if spec.method != "none":
         assert stats["spec/acceptance_rate"] > 0, stats
-        assert stats["actor/forward_passes"] < sum(len(r.token_ids) for g in fast for r in g)
+        assert stats["actor/forward_passes"] < tokens
 
 
 @pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.3, 1.0), (0.7, 0.9)])
 def test_sampled_sequences_follow_plain_distribution(spec, temperature, top_p):
-    model = peaky_model(vocab=6, seed=1, scale=8.0)
-    engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
-    p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
+    p_value, acceptance = sampled_pvalue(spec, temperature, top_p)
     assert p_value > 1e-3, f"{spec.method}: p = {p_value:.2e}"
     if spec.method != "none":
-        assert engine.stats()["spec/acceptance_rate"] > 0.05
+        assert acceptance > 0.05
 
 
 def test_statistical_check_detects_a_different_distribution():

@@ -27,6 +27,7 @@ from learner.distributed import (
     full_model_state,
     init_from_env,
     load_optimizer_state,
+    local_rank_env,
     shard,
     shutdown,
 )
@@ -48,13 +49,7 @@ def _batches():
 
 
 def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
     ctx = init_from_env(timeout_s=120)
     try:
