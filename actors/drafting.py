@@ -1,4 +1,4 @@
-"""Draft proposers for self-speculative decoding (DESIGN §2).
+"""Draft proposers for self-speculative decoding (docs/design.md §2).
 
 - :class:`EarlyExitDrafter`: the policy's own first ``exit_layer`` layers + final norm + LM head
   draft ``k`` tokens. Their KV-cache slots are the full model's slots for those layers (same

@@ -1,4 +1,4 @@
-"""Delayed verification (DESIGN §3): in-flight tokens sampled under older weights, treated as a
+"""Delayed verification (docs/design.md §3): in-flight tokens sampled under older weights, treated as a
 draft of the old policy for the new one.
 
 For rows with prompt ``x`` and generated tokens ``y_1..y_n`` (token ``i`` sampled from

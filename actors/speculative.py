@@ -1,4 +1,4 @@
-"""Speculative-sampling verification: one pure, batched rejection sampler (DESIGN §2, §3).
+"""Speculative-sampling verification: one pure, batched rejection sampler (docs/design.md §2.2, §3).
 
 Terms (used with these meanings everywhere in this module):
 
