@@ -99,7 +99,7 @@ def mermaid(graph: dict[str, set[str]]) -> str:
     for side in ("actors", "learner"):
         node.update({m: side for m in graph if m.split(".")[0] == side})
     lines = ["flowchart TB"]
-    titles = {"operator": "operator layer (common/)", "shared": "shared layer (common/)"}
+    titles = {"operator": "operator layer (ops/)", "shared": "shared layer (common/)"}
     for layer in ("operator", "sides", "shared"):
         if layer == "sides":
             lines += [
