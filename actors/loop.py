@@ -399,11 +399,16 @@ class ActorPhases:
         )
 
 
+def actor_seed(cfg: SpecRLConfig) -> int:
+    """The seed of this actor's prompts and sampling (``actor.seed``, or one per index)."""
+    return cfg.actor.seed if cfg.actor.seed >= 0 else cfg.run.seed * 1_000 + cfg.actor.index
+
+
 def run(cfg: SpecRLConfig) -> ActorStats:
     torch.set_num_threads(cfg.run.torch_threads)
     if cfg.actor.nice:
         os.nice(cfg.actor.nice)  # on a machine shared with the learner, its steps come first
-    seed = cfg.run.seed * 1_000 + cfg.actor.index
+    seed = actor_seed(cfg)
     stop = StopFlag("actor")
     store = store_from_config(cfg.redis, cfg.run.name)
     watcher = store.watch(poll_interval_s=cfg.redis.poll_interval_s)

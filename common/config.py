@@ -300,7 +300,12 @@ class ActorConfig:
     num_actors: int = 2
     """``specrl run`` only: actor processes to launch."""
     index: int = 0
-    """This actor's index (seeds its prompts; part of its id)."""
+    """This actor's index: part of its default id and of its /metrics port; seeds its prompts and
+    sampling unless ``seed`` is set."""
+    seed: int = -1
+    """Seed of this actor's prompts and sampling, in [0, 2**32); -1: ``run.seed * 1000 + index``.
+    Replicas that share one command (compose) draw it from their container id
+    (docker/actor.sh), so no two of them sample alike."""
     actor_id: str = ""
     """Identity on the wire; empty: ``{hostname}-{index}``. A restart appends a fresh incarnation."""
     group_size: int = 8
@@ -366,6 +371,10 @@ class ActorConfig:
             value = getattr(self, name)
             _require(value > 0, f"actor.{name} must be > 0, got {value}")
         _check_port("actor.metrics_port", self.metrics_port)
+        _require(self.index >= 0, f"actor.index must be >= 0, got {self.index}")
+        _require(
+            -1 <= self.seed < 2**32, f"actor.seed must be -1 or in [0, 2**32), got {self.seed}"
+        )
         _require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
 
 

@@ -3,10 +3,10 @@
 # then execs specrl-actor with the compose file's addresses and any extra overrides ("$@").
 #
 # Replicas of one compose service share their command, so `actor.index` (which seeds the actor's
-# prompts and sampling) would be 0 in all of them and every replica would roll out the same
-# completions. The container's id is unique per replica and survives a restart of the same
-# container, so it names the actor (a restarted actor finds its spool under the same name) and
-# picks its index (0-999).
+# prompts and sampling by default) would be 0 in all of them and every replica would roll out the
+# same completions. The container's id is unique per replica and survives a restart of the same
+# container, so it names the actor (a restarted actor finds its spool under the same name), picks
+# its index (0-999) and its seed (28 bits).
 set -eu
 cid=$(sed -n 's#.*/containers/\([0-9a-f]\{64\}\)/hostname .*#\1#p' /proc/self/mountinfo | head -n 1)
 if [ -z "$cid" ]; then
@@ -16,16 +16,19 @@ if [ -z "$cid" ]; then
 fi
 short=$(printf '%.12s' "$cid")
 index=$((0x$(printf '%.4s' "$cid") % 1000))
+# The seed of its prompts and sampling: 28 bits of the id (index alone would collide 1 in 1,000).
+seed=$((0x$(printf '%.7s' "$cid")))
 # Metrics: actor i serves on actor.metrics_port + i; keep every replica on SPECRL_ACTOR_METRICS_PORT
 # (its own network namespace). 0 (host networking) means any free port.
 metrics_port=${SPECRL_ACTOR_METRICS_PORT:-9401}
 [ "$metrics_port" = 0 ] || metrics_port=$((metrics_port - index))
-echo "actor.sh: container ${short}: actor.actor_id=actor-${short} actor.index=${index}"
+echo "actor.sh: container ${short}: actor.actor_id=actor-${short} actor.index=${index} actor.seed=${seed}"
 exec specrl-actor \
   "run.name=${RUN_NAME}" "run.dir=/runs/${RUN_NAME}" \
   "redis.url=redis://:${REDIS_PASSWORD}@${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0" \
   "learner.address=tcp://${SPECRL_LEARNER_HOST}:${SPECRL_LEARNER_PORT}" \
   "actor.device=${SPECRL_ACTOR_DEVICE:-cpu}" \
-  "actor.actor_id=actor-${short}" "actor.index=${index}" \
+  "actor.actor_id=actor-${short}" "actor.index=${index}" "actor.seed=${seed}" \
   "actor.metrics_port=${metrics_port}" "security.metrics_host=${SPECRL_METRICS_HOST}" \
+  "redis.host_cache_dir=${SPECRL_HOST_CACHE_DIR:-/dev/shm}" \
   "$@"

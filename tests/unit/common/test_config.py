@@ -32,6 +32,9 @@ def test_defaults_and_overrides():
         ("learner.metrics_every=0", "0"),
         ("learner.queue_max=0", "0"),
         ("actor.heartbeat_interval_s=0", "0"),
+        ("actor.index=-1", "-1"),
+        ("actor.seed=-2", "-2"),
+        ("actor.seed=4294967296", "4294967296"),
     ],
 )
 def test_bad_values_fail_with_the_value_quoted(override, quoted):
