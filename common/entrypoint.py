@@ -11,7 +11,9 @@ from common.config import SpecRLConfig, load_config
 OVERRIDES_HELP = """\
 Overrides are Hydra's KEY=VALUE (see configs/ and common/config.py for every field). Main ones:
   actor.num_actors=N        actors launched by `specrl run` (default 2)
-  task=reverse|addition     built-in task; task=jsonl task.path=F.jsonl model.path=HF_DIR for your own
+  task=reverse|addition     built-in task and tiny model (task=scratchpad model=small: long answers)
+  task=dataset task.path=FILE model.path=HF_DIR   your own JSONL/Parquet data and HF model
+                            (README "Train your own model")
   run.steps=N               learner optimizer steps (default 400)
   run.name=NAME             run id (Redis key prefix, run directory runs/NAME)
   learner.max_staleness=K   drop groups more than K versions behind (0 = on-policy)

@@ -159,9 +159,9 @@ learner_at_least() { # VERSION GROUPS
 
 # ---- 4. Training: versions advance, groups are trained
 [ "$(containers actor | wc -l)" = "$ACTORS" ] || fail "expected $ACTORS actor containers, found $(containers actor | wc -l)"
-# Each replica its own actor.index (seeds): docker/actor.sh.
-indices=$(for c in $(containers actor); do docker logs "$c" 2>&1 | sed -n 's/.*actor\.index=\([0-9]*\).*/\1/p' | head -n 1; done | sort -u | wc -l)
-[ "$indices" = "$ACTORS" ] || fail "the $ACTORS actors do not have distinct actor.index values"
+# Each replica its own seed of prompts and sampling (actor.seed): docker/actor.sh.
+seeds=$(for c in $(containers actor); do docker logs "$c" 2>&1 | sed -n 's/.*actor\.seed=\([0-9]*\).*/\1/p' | head -n 1; done | sort -u | wc -l)
+[ "$seeds" = "$ACTORS" ] || fail "the $ACTORS actors do not have distinct actor.seed values"
 # Redis refuses a client without the password.
 redis=$(containers redis)
 docker exec "$redis" redis-cli -p "$REDIS_PORT" get "weights:$RUN_NAME:latest" 2>&1 | grep -q NOAUTH \
@@ -173,6 +173,17 @@ wait_for 240 "version past $v1 and groups trained" learner_at_least "$((${v1%.*}
 v1=$(metric specrl_learner_version)
 g1=$(metric specrl_learner_groups_trained_total)
 log "training: version $v1, groups trained $g1, live actors $(metric specrl_learner_live_actors)"
+# One fetch per host: every replica mounts the same in-memory weights cache, and it holds versions.
+cache_volumes=$(for c in $(containers actor); do
+  docker inspect -f '{{range .Mounts}}{{if eq .Destination "/weights-cache"}}{{.Name}}{{end}}{{end}}' "$c"
+done | sort -u)
+[ "$(echo "$cache_volumes" | grep -c .)" = 1 ] || fail "the actors do not share one /weights-cache volume: ${cache_volumes:-none}"
+cached_versions() {
+  docker exec "$(containers actor | head -n 1)" sh -c 'ls /weights-cache/specrl-weights-*/*/ 2>/dev/null' | grep -c '^v.*\.safetensors$'
+}
+has_cached() { gt "$(cached_versions)" 0; }
+wait_for 60 "a weights version in the actors' shared cache" has_cached
+log "actors share the weights cache (volume $cache_volumes, $(cached_versions) versions held)"
 # Every listening socket of the stack is on the loopback (host networking shares the host's).
 if command -v ss >/dev/null; then
   for port in "$REDIS_PORT" "$LEARNER_PORT" "$METRICS_PORT"; do

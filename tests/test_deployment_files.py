@@ -49,6 +49,10 @@ def test_shared_stack_wiring():
     assert actor["restart"] == "on-failure" and learner["restart"] == "on-failure"
     assert "replicas" in actor["deploy"]
     assert "runs:/runs" in learner["volumes"] and "runs" in compose["volumes"]
+    # One fetch per host: the replicas share one in-memory folder as redis.host_cache_dir.
+    assert f"weights-cache:{env['SPECRL_HOST_CACHE_DIR']}" in actor["volumes"]
+    cache = compose["volumes"]["weights-cache"]["driver_opts"]
+    assert cache["type"] == "tmpfs" and "size=${ACTOR_WEIGHTS_CACHE_SIZE:-40g}" in cache["o"]
 
 
 def test_gpu_override_reserves_gpus_and_publishes_ports():
@@ -58,6 +62,9 @@ def test_gpu_override_reserves_gpus_and_publishes_ports():
         gpu = services[name]["deploy"]["resources"]["reservations"]["devices"][0]
         assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["actor"]["environment"]["SPECRL_ACTOR_DEVICE"] == "cuda"
+    # Docker's 64 MB /dev/shm is too small for vLLM's engine processes and the learner's snapshot.
+    assert services["actor"]["shm_size"] == "${ACTOR_SHM_SIZE:-8gb}"
+    assert services["learner"]["shm_size"] == "${LEARNER_SHM_SIZE:-40gb}"
     assert any(p.endswith(":5555") for p in services["learner"]["ports"])
     assert any(p.startswith("127.0.0.1:") for p in services["learner"]["ports"])
     assert any(p.endswith(":6379") for p in services["redis"]["ports"])
@@ -90,10 +97,12 @@ def test_actor_entry_point_gives_each_replica_an_identity():
     for part in (
         "exec specrl-actor",
         "actor.index=",
+        "actor.seed=",
         "actor.actor_id=",
         "redis.url=redis://:${REDIS_PASSWORD}@${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0",
         "learner.address=tcp://${SPECRL_LEARNER_HOST}:${SPECRL_LEARNER_PORT}",
         "actor.device=${SPECRL_ACTOR_DEVICE:-cpu}",
+        "redis.host_cache_dir=${SPECRL_HOST_CACHE_DIR:-/dev/shm}",
     ):
         assert part in text, part
 
