@@ -339,3 +339,14 @@ def test_split_layer_execution_equals_forward():
         split = model.head(model.run_layers(h, None, None, 1, 4))
         torch.testing.assert_close(split, model(ids))
         torch.testing.assert_close(model.head(h), model(ids, num_layers=1))
+
+
+def test_random_model_is_the_seeded_small_shape_with_overrides():
+    a, b, c = random_model(151_936, 0), random_model(151_936, 0), random_model(151_936, 1)
+    assert a.args.head_dim == 32 and a.args.num_hidden_layers == 2 and not a.training
+    assert a.lm_head.weight.shape == (151_936, 64)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    wide = random_model(12, num_hidden_layers=3, intermediate_size=96, eos_token_id=2)
+    assert (wide.args.num_hidden_layers, wide.args.intermediate_size) == (3, 96)
+    assert wide.args.eos_token_id == 2
