@@ -7,7 +7,8 @@
 #      when present);
 #   3. `compose up`: Redis with a password, the learner and 2 actors, host networking, every
 #      service on 127.0.0.1 on free ports, the run directory in a temporary folder;
-#   4. the learner's /metrics: versions advance and groups are trained;
+#   4. the learner's /metrics: versions advance and groups are trained; each actor has its own
+#      seed, and the actors mount one weights-cache volume that holds versions;
 #   5. one actor container's process is killed (SIGKILL, as the OOM killer would): training goes
 #      on, the `restart: on-failure` policy brings the container back, and the new incarnation
 #      gets groups acked (its own /metrics);
