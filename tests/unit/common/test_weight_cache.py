@@ -94,17 +94,19 @@ class InPlaceCache(HostCache):
         return True
 
 
-def cache_writer(root: str, versions: int, in_place: bool) -> None:
+def cache_writer(root: str, versions: int, in_place: bool, start) -> None:
     cache = (InPlaceCache if in_place else HostCache)(root, keep=versions)
+    start.wait(timeout=120)  # the readers are spinning: no version is written before they look
     for v in range(versions):
         data = content(v)
         cache.put(RUN, v, hashlib.sha256(data).hexdigest(), data)
 
 
-def cache_reader(root: str, versions: int, results) -> None:
+def cache_reader(root: str, versions: int, results, start) -> None:
     """Reads every version as early as its file can be seen; reports how many were torn."""
     cache = HostCache(root, keep=versions)
     torn = 0
+    start.wait(timeout=120)
     for v in range(versions):
         want = content(v)
         digest = hashlib.sha256(want).hexdigest()
@@ -118,12 +120,16 @@ def race(root: Path, versions: int, in_place: bool) -> list[int]:
     """Torn reads seen by each of 2 reader processes while a writer process puts versions."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    # Spawned processes take seconds to import torch; without this the writer could finish
+    # before a reader looks, and the negative control would see no torn read.
+    start = ctx.Barrier(3)
     readers = [
-        ctx.Process(target=cache_reader, args=(str(root), versions, results)) for _ in range(2)
+        ctx.Process(target=cache_reader, args=(str(root), versions, results, start))
+        for _ in range(2)
     ]
     for p in readers:
         p.start()
-    writer = ctx.Process(target=cache_writer, args=(str(root), versions, in_place))
+    writer = ctx.Process(target=cache_writer, args=(str(root), versions, in_place, start))
     writer.start()
     writer.join(timeout=120)
     assert writer.exitcode == 0
