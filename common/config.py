@@ -42,6 +42,9 @@ class RunConfig:
     """Seed for model init, prompt sampling and token sampling (actor i adds i)."""
     steps: int = 400
     """Learner optimizer steps before the run ends."""
+    max_wall_s: float = 0.0
+    """End the run (completed, with its final checkpoint) once the learner has run this long,
+    even before ``steps``; 0: no time limit."""
     torch_threads: int = 1
     """``torch.set_num_threads`` per process; 1 keeps learner and actors from fighting over cores."""
     log_level: str = "INFO"
@@ -55,6 +58,7 @@ class RunConfig:
         _require(
             self.torch_threads >= 1, f"run.torch_threads must be >= 1, got {self.torch_threads}"
         )
+        _require(self.max_wall_s >= 0, f"run.max_wall_s must be >= 0, got {self.max_wall_s}")
         _require(
             bool(self.name) and "/" not in self.name,
             f"run.name must be a non-empty name without '/', got {self.name!r}",
@@ -67,8 +71,13 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     path: str = ""
-    """HF-format model directory (config.json + model.safetensors + tokenizer). Empty: the tiny
-    built-in model of the task, created by ``specrl init-model`` on first use under ``runs/models``."""
+    """HF-format model directory (config.json + model.safetensors + tokenizer). Empty: the
+    ``preset``'s directory when one is set, else the tiny built-in model of the task, created by
+    ``specrl init-model`` on first use under ``runs/models``."""
+    preset: str = ""
+    """A real pretrained model built from an installed package (``common/model_presets.py``), e.g.
+    ``smollm2-135m``: built once into ``runs/models/<preset>`` (``specrl init-model
+    model=<preset>``, or on first use). Set by ``model=<preset>`` with the defaults that fit it."""
     hidden_size: int = 64
     """Tiny built-in model: width."""
     num_layers: int = 4
@@ -111,6 +120,14 @@ class ModelConfig:
         )
 
 
+TASK_NAMES: tuple[str, ...] = (
+    "reverse",
+    "addition",
+    "scratchpad",
+    "word_problems",
+    "dataset",
+    "jsonl",
+)
 DATASET_FORMATS: tuple[str, ...] = ("auto", "jsonl", "parquet")
 #: File suffixes ``task.format=auto`` recognises, and the format each names.
 DATASET_SUFFIXES: dict[str, str] = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -120,8 +137,9 @@ DATASET_SUFFIXES: dict[str, str] = {".jsonl": "jsonl", ".json": "jsonl", ".parqu
 class TaskConfig:
     name: str = "reverse"
     """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``,
-    ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens), ``dataset``
-    (a JSONL or Parquet file of prompts with numeric answers; ``jsonl`` is the same task)."""
+    ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens),
+    ``word_problems`` (arithmetic word problems in English, for a real model), ``dataset`` (a
+    JSONL or Parquet file of prompts with numeric answers; ``jsonl`` is the same task)."""
     path: str = ""
     """``dataset``/``jsonl`` only: the data set file (``.jsonl``/``.json`` lines, or ``.parquet``)."""
     format: str = "auto"
@@ -149,12 +167,15 @@ class TaskConfig:
     recur, as in RL on a data set); 0 = a fresh random problem every time."""
     pool_seed: int = 0
     """Built-in tasks: seed that draws the fixed training set."""
+    min_steps: int = 1
+    """``word_problems``: fewest arithmetic steps in a problem."""
+    max_steps: int = 3
+    """``word_problems``: most arithmetic steps in a problem."""
 
     def __post_init__(self) -> None:
         _require(
-            self.name in ("reverse", "addition", "scratchpad", "dataset", "jsonl"),
-            "task.name must be one of reverse, addition, scratchpad, dataset, jsonl; "
-            f"got {self.name!r}",
+            self.name in TASK_NAMES,
+            f"task.name must be one of {', '.join(TASK_NAMES)}; got {self.name!r}",
         )
         _require(
             not self.is_dataset or bool(self.path),
@@ -195,11 +216,21 @@ class TaskConfig:
             self.max_new_tokens >= 0, f"task.max_new_tokens must be >= 0, got {self.max_new_tokens}"
         )
         _require(self.pool_size >= 0, f"task.pool_size must be >= 0, got {self.pool_size}")
+        _require(
+            1 <= self.min_steps <= self.max_steps,
+            f"need 1 <= task.min_steps <= task.max_steps, got {self.min_steps} and {self.max_steps}",
+        )
 
     @property
     def is_dataset(self) -> bool:
         """Prompts come from a file (``dataset``, or its alias ``jsonl``)."""
         return self.name in ("dataset", "jsonl")
+
+    @property
+    def natural_language(self) -> bool:
+        """Prompts in a natural language, for an HF model with its own tokenizer (a data set or
+        ``word_problems``): they go through the chat template under ``chat_template=auto``."""
+        return self.is_dataset or self.name == "word_problems"
 
 
 @dataclass
@@ -211,6 +242,9 @@ class RedisConfig:
     """Largest value written per weights chunk."""
     retention: int = 3
     """Weight versions kept in Redis; older ones are deleted."""
+    retention_bytes: int = 0
+    """Bytes of weights kept in Redis at most: fewer than ``retention`` versions are kept when
+    they would hold more (the latest and the delta chain it needs always stay). 0: no bound."""
     poll_interval_s: float = 1.0
     """Actors poll ``latest`` this often in case a pub/sub notice was missed."""
     keyframe_every: int = 10
@@ -225,6 +259,10 @@ class RedisConfig:
             self.chunk_bytes >= 1024, f"redis.chunk_bytes must be >= 1024, got {self.chunk_bytes}"
         )
         _require(self.retention >= 1, f"redis.retention must be >= 1, got {self.retention}")
+        _require(
+            self.retention_bytes >= 0,
+            f"redis.retention_bytes must be >= 0 (0: no bound), got {self.retention_bytes}",
+        )
         _require(
             self.keyframe_every >= 1,
             f"redis.keyframe_every must be >= 1, got {self.keyframe_every}",
@@ -562,6 +600,11 @@ class EngineConfig:
     """torch engine: the most completions decoded at once; a finished row's slot is refilled by
     the next completion of the call at once (continuous batching). 0: every completion of a
     call at once (``actor.prompts_per_batch`` x ``actor.group_size``)."""
+    torch_dtype: str = "auto"
+    """torch engine: dtype of the rollout model (``float32``, ``bfloat16``, ``float16``);
+    ``auto``: the published weights' dtype, so bf16 publishing (the real-model preset) decodes in
+    bf16 (half the memory, faster on CPUs with bf16 instructions). Sampling and log-probs are
+    computed in float32 whatever the model's dtype."""
     vllm_max_model_len: int = 512
     """vLLM: longest prompt + completion (sizes the KV cache)."""
     vllm_dtype: str = "auto"
@@ -586,6 +629,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_rows >= 0, f"engine.max_rows must be >= 0, got {self.max_rows}")
+        _require(
+            self.torch_dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"engine.torch_dtype must be auto, float32, bfloat16 or float16, got {self.torch_dtype!r}",
+        )
         _require(
             self.name in ("torch", "vllm"), f"engine.name must be torch or vllm, got {self.name!r}"
         )
@@ -654,10 +701,14 @@ class SpecRLConfig:
             f"({self.learner.groups_per_step} != {self.actor.num_actors} * "
             f"{self.actor.prompts_per_batch})",
         )
+        if self.model.preset and not self.model.path:
+            from common.model_presets import preset_dir
+
+            self.model.path = str(preset_dir(self.model.preset))
         _require(
-            not self.task.is_dataset or bool(self.model.path),
-            f"task={self.task.name} needs model.path=HF_DIR (the built-in tiny model only knows "
-            "built-in tasks)",
+            not self.task.natural_language or bool(self.model.path),
+            f"task={self.task.name} needs a real model: model=smollm2-135m, or model.path=HF_DIR "
+            "(the built-in tiny model only knows built-in tasks)",
         )
 
 

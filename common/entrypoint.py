@@ -12,8 +12,11 @@ OVERRIDES_HELP = """\
 Overrides are Hydra's KEY=VALUE (see configs/ and common/config.py for every field). Main ones:
   actor.num_actors=N        actors launched by `specrl run` (default 2)
   task=reverse|addition     built-in task and tiny model (task=scratchpad model=small: long answers)
+  model=smollm2-135m task=word_problems   a real pretrained model (SmolLM2-135M-Instruct,
+                            needs SPECRL_WITH_REAL=1 bash scripts/setup.sh) on word problems
   task=dataset task.path=FILE model.path=HF_DIR   your own JSONL/Parquet data and HF model
                             (README "Train your own model")
+  run.max_wall_s=SECONDS    end the run (with its checkpoint) after this long
   run.steps=N               learner optimizer steps (default 400)
   run.name=NAME             run id (Redis key prefix, run directory runs/NAME)
   learner.max_staleness=K   drop groups more than K versions behind (0 = on-policy)

@@ -354,6 +354,12 @@ def numeric_answers_equal(answer: str, predicted: str | None) -> bool:
     return expected is not None and got is not None and expected == got
 
 
+def numeric_reward(answer: str, completion: str) -> float:
+    """1.0 if the final number of ``completion`` (:func:`extract_numeric_answer`) equals
+    ``answer`` numerically, else 0.0."""
+    return 1.0 if numeric_answers_equal(answer, extract_numeric_answer(completion)) else 0.0
+
+
 class DatasetTask:
     """Prompts with numeric answers from a data set file: JSONL (one JSON object per line) or
     Parquet, with the prompt and answer read from configurable columns.
@@ -394,11 +400,7 @@ class DatasetTask:
 
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 if the completion's final number equals the answer, else 0.0."""
-        return (
-            1.0
-            if numeric_answers_equal(problem.answer, extract_numeric_answer(completion))
-            else 0.0
-        )
+        return numeric_reward(problem.answer, completion)
 
     def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
         """Not available: the file holds answers, not worked solutions."""
@@ -586,9 +588,15 @@ TASKS: dict[str, type] = {
 def make_task(name: str, **kwargs: Any) -> Task:
     """Build the task called ``name`` (``reverse``, ``addition``, ``scratchpad``, ``dataset``,
     ``jsonl``)."""
-    task_cls = TASKS.get(name)
+    if name == "word_problems":  # its module builds on this one's Problem and rewards
+        from common.word_problems import WordProblemsTask
+
+        task_cls: Any = WordProblemsTask
+    else:
+        task_cls = TASKS.get(name)
     if task_cls is None:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+        known = sorted([*TASKS, "word_problems"])
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known)}")
     signature = inspect.signature(task_cls)
     try:
         signature.bind(**kwargs)
@@ -637,6 +645,11 @@ def task_from_config(cfg: TaskConfig) -> Task:
             format=cfg.format,
             **({"max_new_tokens": cfg.max_new_tokens} if cfg.max_new_tokens else {}),
         )
+    if cfg.name == "word_problems":
+        task = make_task(cfg.name, min_steps=cfg.min_steps, max_steps=cfg.max_steps)
+        if cfg.max_new_tokens:
+            task.max_new_tokens = cfg.max_new_tokens
+        return PromptPool(task, cfg.pool_size, cfg.pool_seed) if cfg.pool_size else task
     task = make_task(
         cfg.name,
         min_digits=cfg.min_digits,

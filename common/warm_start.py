@@ -22,13 +22,12 @@ import torch
 
 from common.config import SpecRLConfig
 from common.model import KVCache, ModelArgs, Transformer, save_pretrained
+from common.model_presets import MODELS_DIR, ensure_preset
 from common.sampling import processed_logprobs
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer, Tokenizer, encode_prompt
 
 log = logging.getLogger(__name__)
-
-MODELS_DIR = Path("runs") / "models"
 
 
 def default_model_dir(cfg: SpecRLConfig) -> Path:
@@ -47,7 +46,10 @@ def default_model_dir(cfg: SpecRLConfig) -> Path:
 def ensure_model(
     cfg: SpecRLConfig, progress: Callable[[int, int, float], None] | None = None
 ) -> Path:
-    """The model directory to train: ``model.path`` if given, else the built-in one (built once)."""
+    """The model directory to train: a preset's (built once), ``model.path`` if given, else the
+    built-in one (built once)."""
+    if cfg.model.preset:
+        return ensure_preset(cfg.model.preset, Path(cfg.model.path))
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():

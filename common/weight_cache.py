@@ -111,6 +111,19 @@ class HostCache:
             if version <= newest - self.keep:
                 lock.unlink(missing_ok=True)
 
+    def remove_run(self, run_id: str) -> int:
+        """Delete every cached version of ``run_id`` (a run that has ended); bytes freed.
+        Processes that still map a file keep their mapping."""
+        directory = self._dir(run_id)
+        freed = 0
+        for path in directory.glob("*"):
+            with contextlib.suppress(OSError):
+                freed += path.stat().st_size
+                path.unlink()
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+        return freed
+
     @contextlib.contextmanager
     def lock(self, run_id: str, version: int) -> Iterator[None]:
         """Exclusive per (run, version) among this host's processes: the fetcher holds it while

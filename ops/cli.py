@@ -15,7 +15,8 @@ usage: specrl COMMAND [KEY=VALUE ...]
 
 commands:
   run          start a private Redis, the learner and N actors; live progress; summary at the end
-  init-model   build and warm-start the tiny built-in model of a task (done by `run` when needed)
+  init-model   build and warm-start the tiny built-in model of a task, or build a model preset
+               (model=smollm2-135m); `run` does it when needed
   learner      run the learner process only (same as specrl-learner)
   actor        run one actor process only (same as specrl-actor)
   keys DIR [--actor NAME ...]
@@ -64,8 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     if command == "init-model":
         from common.warm_start import default_model_dir, warm_start
 
-        cfg = parse(rest, "specrl init-model", "Builds and warm-starts the tiny built-in model.")
+        cfg = parse(
+            rest,
+            "specrl init-model",
+            "Builds and warm-starts the tiny built-in model, or builds a model preset "
+            "(model=smollm2-135m).",
+        )
         if cfg is None:
+            return 0
+        if cfg.model.preset:
+            from common.model_presets import PresetError, ensure_preset
+
+            try:
+                path = ensure_preset(cfg.model.preset, Path(cfg.model.path))
+            except PresetError as e:
+                print(f"specrl init-model: {e}", file=sys.stderr)
+                return 2
+            print(f"model written to {path}")
             return 0
         out = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg)
         summary = warm_start(cfg, out)

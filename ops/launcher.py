@@ -34,9 +34,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from common.config import SpecRLConfig, to_yaml
 from common.metrics import read_metrics
 from common.model import ModelArgs
+from common.model_presets import PresetError, ensure_preset
 from common.tasks import task_from_config
 from common.tokenizer import directory_has_chat_template
 from common.warm_start import default_model_dir, ensure_model
+from common.weight_cache import HostCache
 from ops.redis_server import RedisServer, child_preexec, find_free_port
 from ops.report import write_report
 from ops.run_summary import summarize
@@ -169,7 +171,7 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
             f"task.chat_template=true: the tokenizer of model.path={cfg.model.path!r} has no "
             "chat template"
         )
-    chat = mode == "true" or (mode == "auto" and cfg.task.is_dataset and has_template)
+    chat = mode == "true" or (mode == "auto" and cfg.task.natural_language and has_template)
     if cfg.task.system_prompt and not chat:
         raise PreflightError(
             f"task.system_prompt={cfg.task.system_prompt!r} needs prompts in a chat template, "
@@ -239,8 +241,21 @@ def child_failure(name: str, log_path: Path, code: int) -> str:
     return f"{what}: {reason} (log: {log_path})" if reason else f"{what} (log: {log_path})"
 
 
+def build_preset_model(cfg: SpecRLConfig, console: Console) -> None:
+    """Build the ``model.preset``'s directory if it is not there yet (PreflightError if it
+    cannot be built here: the message names what to install)."""
+    if not cfg.model.preset or (Path(cfg.model.path) / "config.json").is_file():
+        return
+    console.print(f"building model preset {cfg.model.preset} into {cfg.model.path} (once)…")
+    try:
+        ensure_preset(cfg.model.preset, Path(cfg.model.path))
+    except PresetError as e:
+        raise PreflightError(str(e)) from e
+
+
 def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None) -> dict:
     console = console or Console()
+    build_preset_model(cfg, console)
     preflight(cfg, overrides)
     run_dir = cfg.run.resolved_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -281,6 +296,9 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
         _stop_children(launch.children)
         if launch.redis is not None:
             launch.redis.close()
+        if cfg.redis.host_cache_dir:
+            # The run's actors are gone: its shared copies would hold memory (tmpfs) forever.
+            HostCache(cfg.redis.host_cache_dir).remove_run(cfg.run.name)
         for s, handler in previous.items():
             signal.signal(s, handler)
 

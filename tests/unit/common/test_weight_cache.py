@@ -149,3 +149,17 @@ def test_shared_copy_is_never_read_half_written(tmp_path: Path) -> None:
     # No temp file is left behind, and no other name is ever visible.
     names = {p.name for p in HostCache(root).root.rglob("*")}
     assert not [n for n in names if n.endswith(".tmp")]
+
+
+def test_remove_run_deletes_only_that_runs_copies(tmp_path: Path) -> None:
+    cache = HostCache(tmp_path)
+    data = torch.arange(64, dtype=torch.uint8)
+    digest = "ab" * 32
+    cache.put("run-a", 1, digest, data)
+    cache.put("run-b", 1, digest, data)
+    with cache.lock("run-a", 2):
+        pass
+    assert cache.remove_run("run-a") == 64
+    assert cache.get("run-a", 1, digest) is None
+    assert cache.get("run-b", 1, digest) is not None
+    assert cache.remove_run("run-a") == 0  # nothing left: no error

