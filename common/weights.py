@@ -67,6 +67,7 @@ from common.protocol import (
     weights_manifest_key,
     weights_versions_key,
 )
+from common.safetensors_io import safetensors_bytes, writable
 from common.weight_cache import HostCache
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")  # "float32", "bfloat16", "int64"
 
 
-def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes:
+def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes | bytearray:
     """safetensors bytes of ``state_dict`` as contiguous CPU tensors.
 
     Tensors that share storage (tied embedding / LM head) are cloned, because safetensors refuses
@@ -295,7 +296,9 @@ def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes:
             t = t.clone()
         seen_storages.add(ptr)
         tensors[name] = t
-    return safetensors.torch.save(tensors)
+    if not writable(tensors):
+        return safetensors.torch.save(tensors)
+    return safetensors_bytes(tensors)
 
 
 class WeightStore:
@@ -310,6 +313,7 @@ class WeightStore:
         pending_ttl_s: int = 600,
         keyframe_every: int = 1,
         host_cache: HostCache | None = None,
+        retention_bytes: int = 0,
     ) -> None:
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("WeightStore needs a redis client with decode_responses=False")
@@ -317,6 +321,8 @@ class WeightStore:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if retention < 1:
             raise ValueError(f"retention must be >= 1 (the latest is always kept), got {retention}")
+        if retention_bytes < 0:
+            raise ValueError(f"retention_bytes must be >= 0 (0: no bound), got {retention_bytes}")
         if pending_ttl_s <= 0:
             raise ValueError(f"pending_ttl_s must be > 0, got {pending_ttl_s}")
         if keyframe_every < 1:
@@ -325,6 +331,7 @@ class WeightStore:
         self.run_id = run_id
         self.chunk_bytes = chunk_bytes
         self.retention = retention
+        self.retention_bytes = retention_bytes
         self.pending_ttl_s = pending_ttl_s
         self.keyframe_every = keyframe_every
         self.host_cache = host_cache
@@ -345,6 +352,7 @@ class WeightStore:
             "run_id": self.run_id,
             "chunk_bytes": self.chunk_bytes,
             "retention": self.retention,
+            "retention_bytes": self.retention_bytes,
             "pending_ttl_s": self.pending_ttl_s,
             "keyframe_every": self.keyframe_every,
         }
@@ -483,17 +491,34 @@ class WeightStore:
             f"longer than pending_ttl_s={self.pending_ttl_s}"
         )
 
-    def _prune(self) -> None:
-        """Delete every version but the newest ``retention`` and the delta chain they need (from
-        the keyframe of the oldest kept version on); the new latest is always kept."""
+    def _keep_from(self) -> int | None:
+        """The oldest version to keep: the newest ``retention`` versions and the delta chain they
+        need (from the keyframe of the oldest of them on), fewer while what is kept would hold
+        more than ``retention_bytes``; the latest and its chain are always kept."""
         versions_key = weights_versions_key(self.run_id)
-        kept = self.client.zrange(versions_key, -self.retention, -self.retention)
-        if not kept:
+        window = [int(v) for v in self.client.zrange(versions_key, -self.retention, -1)]
+        sizes = {
+            int(v): int((self.manifest(int(v)) or {}).get("total_bytes", 0))
+            for v in self.client.zrangebyscore(versions_key, "-inf", "+inf")
+        }
+        keep_from = None
+        for oldest in reversed(window):
+            manifest = self.manifest(oldest)
+            start = oldest
+            if manifest is not None and isinstance(manifest.get("keyframe"), int):
+                start = min(start, manifest["keyframe"])
+            held = sum(size for v, size in sizes.items() if v >= start)
+            if keep_from is not None and self.retention_bytes and held > self.retention_bytes:
+                break
+            keep_from = start
+        return keep_from
+
+    def _prune(self) -> None:
+        """Delete every version older than :meth:`_keep_from` says to keep."""
+        versions_key = weights_versions_key(self.run_id)
+        keep_from = self._keep_from()
+        if keep_from is None:
             return
-        oldest_kept = self.manifest(int(kept[0]))
-        keep_from = int(kept[0])
-        if oldest_kept is not None and isinstance(oldest_kept.get("keyframe"), int):
-            keep_from = min(keep_from, oldest_kept["keyframe"])
         old = self.client.zrangebyscore(versions_key, "-inf", f"({keep_from}")
         for raw in old:
             version = int(raw)
@@ -1165,6 +1190,7 @@ def store_from_config(cfg: RedisConfig, run_id: str) -> WeightStore:
         run_id,
         chunk_bytes=cfg.chunk_bytes,
         retention=cfg.retention,
+        retention_bytes=cfg.retention_bytes,
         keyframe_every=cfg.keyframe_every,
         host_cache=HostCache(cfg.host_cache_dir) if cfg.host_cache_dir else None,
     )

@@ -29,11 +29,12 @@ from typing import Any
 
 import msgpack
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from common.model import CONFIG_FILE, WEIGHTS_FILE
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
+from common.safetensors_io import save_file
 from common.tokenizer import Tokenizer
 from learner.policy import hf_config, load_policy
 

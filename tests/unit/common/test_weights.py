@@ -202,6 +202,37 @@ def test_retention_deletes_old_versions(redis_client: redis.Redis) -> None:
         assert_state_dicts_equal(store.fetch(v)[1], make_state_dict(v))
 
 
+def test_retention_bytes_keeps_fewer_versions_than_the_count(redis_client: redis.Redis) -> None:
+    one = WeightStore(redis_client, "sizer", chunk_bytes=256)
+    one.publish(1, make_state_dict(1))
+    size = int(one.manifest(1)["total_bytes"])
+    # Room for two versions of this size, not three: the count (4) never binds.
+    store = WeightStore(
+        redis_client, RUN, chunk_bytes=256, retention=4, retention_bytes=int(2.5 * size)
+    )
+    for v in range(1, 6):
+        store.publish(v, make_state_dict(v))
+    assert [int(v) for v in redis_client.zrange(weights_versions_key(RUN), 0, -1)] == [4, 5]
+    assert_state_dicts_equal(store.fetch(4)[1], make_state_dict(4))
+    with pytest.raises(WeightsError, match="not found"):
+        store.fetch(3)
+
+
+def test_retention_bytes_below_one_version_still_keeps_the_latest(
+    redis_client: redis.Redis,
+) -> None:
+    store = WeightStore(redis_client, RUN, chunk_bytes=256, retention=3, retention_bytes=1)
+    for v in range(1, 4):
+        store.publish(v, make_state_dict(v))
+    assert [int(v) for v in redis_client.zrange(weights_versions_key(RUN), 0, -1)] == [3]
+    assert_state_dicts_equal(store.fetch(3)[1], make_state_dict(3))
+
+
+def test_retention_bytes_is_validated(redis_client: redis.Redis) -> None:
+    with pytest.raises(ValueError, match="retention_bytes"):
+        WeightStore(redis_client, RUN, retention_bytes=-1)
+
+
 def test_rejects_decoding_client(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     with pytest.raises(ValueError, match="decode_responses"):
@@ -280,11 +311,6 @@ def test_announcement_is_on_protocol_channel(store: WeightStore, redis_client: r
     pubsub.close()
 
 
-def test_serialize_matches_safetensors() -> None:
-    sd = make_state_dict()
-    assert safetensors.torch.load(serialize_state_dict(sd)).keys() == sd.keys()
-
-
 def test_fallback_reader_gives_the_same_state_dict(
     store: WeightStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -306,3 +332,21 @@ def test_manifest_of_another_format_is_refused(
     redis_client.set(key, json.dumps(manifest))
     with pytest.raises(WeightsError):
         store.fetch(1)
+
+
+def test_serialized_bytes_are_safetensors_the_library_reads() -> None:
+    sd = make_state_dict(3)
+    sd["tied"] = sd["embed.weight"]  # shared storage is written twice, as two tensors
+    sd["empty"] = torch.zeros(0, 4)
+    data = serialize_state_dict(sd)
+    loaded = safetensors.torch.load(bytes(data))
+    assert loaded.keys() == sd.keys()
+    for name, t in sd.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    # Every tensor starts at a multiple of its element size, as safetensors writes them.
+    header_len = int.from_bytes(data[:8], "little")
+    assert (8 + header_len) % 8 == 0
+    header = json.loads(bytes(data[8 : 8 + header_len]))
+    for name, spec in header.items():
+        begin = spec["data_offsets"][0]
+        assert begin % sd[name].element_size() == 0, name
