@@ -36,6 +36,19 @@ class Verification:
     cache: Any  # new-weights cache of the rows (prompt + verified tokens written)
     forward_tokens: int  # tokens pushed through verification forwards (its cost)
 
+    @classmethod
+    def concat(cls, parts: Sequence[Verification]) -> Verification:
+        """The verification of several row chunks, rows in chunk order (the last chunk's cache)."""
+        return cls(
+            tokens=[t for p in parts for t in p.tokens],
+            logprobs=[lp for p in parts for lp in p.logprobs],
+            accepted=[a for p in parts for a in p.accepted],
+            rejected=[r for p in parts for r in p.rejected],
+            gaps=[g for p in parts for g in p.gaps],
+            cache=parts[-1].cache,
+            forward_tokens=sum(p.forward_tokens for p in parts),
+        )
+
 
 @torch.no_grad()
 def verify_rows(
@@ -77,8 +90,12 @@ def verify_rows(
     if cache is None:
         dtype = next(target.parameters()).dtype
         cache = KVCache(target.args, batch, width, device=device, dtype=dtype)
+    # The LM head runs only where scores are read ([B, K+1] positions, not all [B, W]): at a
+    # real vocabulary the [B, W, V] logits would dwarf the model.
     target_lp = processed_logprobs(
-        target(input_ids, positions, cache)[rows, at], temperature, top_p
+        target.lm_head(target.hidden_states(input_ids, positions, cache)[rows, at]).float(),
+        temperature,
+        top_p,
     )
     forward_tokens = batch * width  # [B, K+1, V] above
 
@@ -94,14 +111,12 @@ def verify_rows(
             raise KeyError(f"no weights kept for version {version}; cannot verify exactly")
         uses = (version_of == version).any(dim=1)  # [B] rows with tokens of this version
         sel = uses.nonzero().squeeze(-1)
-        old_lp = processed_logprobs(
-            # The old model scores only the selected rows: index its output by their rank.
-            old_models[version](input_ids[sel], positions[sel])[
-                rows[: len(sel)], at[sel, :longest]
-            ],
-            temperature,
-            top_p,
-        )  # [B_v, K, V]
+        old = old_models[version]
+        # The old model scores only the selected rows: index its output by their rank.
+        hidden = old.hidden_states(input_ids[sel], positions[sel])[
+            rows[: len(sel)], at[sel, :longest]
+        ]
+        old_lp = processed_logprobs(old.lm_head(hidden).float(), temperature, top_p)  # [B_v, K, V]
         forward_tokens += len(sel) * width
         here = (version_of[sel] == version).unsqueeze(-1)  # [B_v, K, 1]
         draft_lp[sel] = torch.where(here, old_lp, draft_lp[sel])

@@ -86,7 +86,13 @@ def build_engine(
     tokenizer = tokenizer_from_meta(manifest["meta"], cfg.model.path)
     if cfg.engine.name == "vllm":
         return _vllm_engine(args, state, fetched, tokenizer, cfg, seed), tokenizer, args
-    model = Transformer(args).to(torch.device(cfg.actor.device))
+    # Built in its dtype from the start (no float32 model on the way), then given the weights.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(rollout_dtype(cfg, manifest))
+    try:
+        model = Transformer(args).to(torch.device(cfg.actor.device))
+    finally:
+        torch.set_default_dtype(previous)
     engine = TorchEngine(
         model,
         eos_id=tokenizer.eos_id,
@@ -102,14 +108,31 @@ def build_engine(
     return engine, tokenizer, args
 
 
+def rollout_dtype(cfg: SpecRLConfig, manifest: dict) -> torch.dtype:
+    """The torch engine's model dtype: ``engine.torch_dtype``, or under ``auto`` the published
+    weights' (float32 when they mix dtypes)."""
+    name = cfg.engine.torch_dtype
+    if name == "auto":
+        name = manifest.get("dtype", "float32")
+    return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
+
+
 def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLConfig, seed: int):
-    """vLLM opens a model directory: write the published version there as an HF checkpoint."""
+    """vLLM opens a model directory: write the published version there as an HF checkpoint, in
+    the published dtype (what ``engine.vllm_dtype=auto`` then serves on CPU)."""
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    model = Transformer(args).to(floats.pop() if len(floats) == 1 else torch.float32)
+    model.load_state_dict(state)
+    # vLLM reads the directory while it builds; later versions arrive through load_weights.
+    with tempfile.TemporaryDirectory(prefix="specrl-vllm-") as model_dir:
+        save_pretrained(model, Path(model_dir))
+        del model
+        return _open_vllm(Path(model_dir), args, version, tokenizer, cfg, seed)
+
+
+def _open_vllm(model_dir: Path, args, version: int, tokenizer: Tokenizer, cfg, seed: int):
     from actors.engines.vllm_engine import VllmEngine
 
-    model = Transformer(args)
-    model.load_state_dict(state)
-    model_dir = Path(tempfile.mkdtemp(prefix="specrl-vllm-"))
-    save_pretrained(model, model_dir)
     return VllmEngine(
         model_dir,
         eos_id=tokenizer.eos_id,
@@ -305,6 +328,11 @@ def curve_from_config(cfg: SpecRLConfig):
     return actor_keys(Path(cfg.security.curve_dir), cfg.security.actor_key)
 
 
+class GenerationStopped(Exception):
+    """Raised from the engine's weight source when a stop is requested mid-generate, so the
+    actor leaves a long rollout at the next decoding step instead of finishing it."""
+
+
 @dataclass
 class ActorPhases:
     """The phases of one actor's loop and what they share (built once by :func:`run`)."""
@@ -331,6 +359,14 @@ class ActorPhases:
         if update is not None:
             self.exporter.observe_weight_fetch(self.stats.weight_fetch_s)
         return update
+
+    def weight_source(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """What the engine polls between decoding steps: a newer version, if any; raises
+        :class:`GenerationStopped` once a stop is requested (completions in flight are dropped;
+        finished groups were already handed to the sender)."""
+        if self.stop():
+            raise GenerationStopped
+        return self.fetch()
 
     def sync_weights(self) -> None:
         """Phase 1: pick up the newest weights."""
@@ -359,13 +395,16 @@ class ActorPhases:
             self.ledger,
             self.actor_id,
         )
-        self.engine.generate(
-            prompts,
-            cfg.actor.group_size,
-            self.task.max_new_tokens,
-            weight_source=self.fetch,
-            on_group=submit,
-        )
+        try:
+            self.engine.generate(
+                prompts,
+                cfg.actor.group_size,
+                self.task.max_new_tokens,
+                weight_source=self.weight_source,
+                on_group=submit,
+            )
+        except GenerationStopped:
+            log.info("actor %s: stop requested; left the batch in flight", self.actor_id)
         return batch_version
 
     def wait_for_learner(self, batch_version: int) -> None:
@@ -434,7 +473,10 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     # Prompt text -> ids, once, here: the ids travel in the group, so the learner trains on exactly
     # the tokens generated from (chat template and system prompt included).
     encode = prompt_encoder(
-        tokenizer, cfg.task.chat_template, cfg.task.system_prompt, dataset=cfg.task.is_dataset
+        tokenizer,
+        cfg.task.chat_template,
+        cfg.task.system_prompt,
+        dataset=cfg.task.natural_language,
     )
     rng = random.Random(seed)
     name = cfg.actor.actor_id or f"{socket.gethostname()}-{cfg.actor.index}"

@@ -823,8 +823,9 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
     learner = Learner(cfg, dist)
     state = learner.state
     unfinished: list[TrajectoryGroup] = []
+    deadline = time.monotonic() + cfg.run.max_wall_s if cfg.run.max_wall_s else float("inf")
     try:
-        while state.step < cfg.run.steps and not learner.stop():
+        while state.step < cfg.run.steps and not learner.stop() and time.monotonic() < deadline:
             times = StepTimes(started=time.perf_counter())
             groups = learner.collect()
             if len(groups) < cfg.learner.groups_per_step:

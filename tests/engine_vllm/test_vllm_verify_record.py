@@ -40,6 +40,44 @@ def test_record_is_bounded_at_real_vocabulary(tmp_path):
     assert all(len(r.token_ids) == 8 for g in out for r in g)
 
 
+def test_verify_at_temperature_and_top_p_scores_a_bounded_top_k(tmp_path):
+    # Processing (temperature 0.7, top-p 0.9) cannot use vLLM's raw top K as they are, so the
+    # swap's scoring reads SCORE_TOPK raw log-probs per token and processes them here: never
+    # the whole vocabulary as Python objects (32 rows x 8 tokens x 151,936 entries would be GBs).
+    import resource
+
+    from actors.engines.vllm_engine import SCORE_TOPK
+
+    old, new = (random_model(VOCAB, seed, max_position_embeddings=64) for seed in (0, 1))
+    save_pretrained(old, tmp_path)
+    engine = VllmEngine(
+        tmp_path,
+        -1,
+        temperature=0.7,
+        top_p=0.9,
+        seed=0,
+        version=0,
+        inflight="verify_on_swap",
+        verify_topk=8,
+        max_model_len=64,
+    )
+    assert engine.score_topk == SCORE_TOPK < 1024
+    calls = {"n": 0}
+
+    def source():
+        calls["n"] += 1
+        return (1, new.state_dict()) if calls["n"] == 4 else None
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    out = engine.generate([[1, 5, 6, 7], [1, 9]], 16, 8, weight_source=source)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    stats = engine.stats()
+    assert stats["verify/inflight_tokens"] > 0
+    assert 0 < stats["verify/record_bytes_per_token"] <= 9 * 8
+    assert grown_mib < 400, f"peak memory grew {grown_mib:.0f} MiB during the swap"
+    assert all(set(r.token_versions.tolist()) == {1} for g in out for r in g)
+
+
 def test_residual_is_exact_with_whole_records_and_close_with_top_k():
     torch.manual_seed(1)
     p = torch.log_softmax(torch.randn(50) * 2, 0)

@@ -144,3 +144,40 @@ def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model(
     out = verify_rows(new, 1, {0: old}, prompts, tokens, versions, 1.0, 1.0, None, None, False, 0)
     assert out.accepted[:3] == [2, 2, 2]  # tokens of the new version: kept with probability 1
     assert len(out.tokens) == 4
+
+
+def test_verification_in_row_chunks_is_exact(monkeypatch):
+    # A real vocabulary makes the [rows, tokens + 1, V] scores large, so rows are verified a few
+    # at a time; chunks of 500 rows here (the same bound, scaled to this vocabulary).
+    from actors.engines import torch_engine
+
+    calls = []
+    real = torch_engine.verify_rows
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[3]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_engine, "VERIFY_SCORE_BYTES", 2 * 6 * 4 * 500)
+    monkeypatch.setattr(torch_engine, "verify_rows", counted)
+    old, new = model(1), model(2)
+    engine, out = sample("verify_on_swap", old, new, rows=8000, max_new=3)
+    assert len(calls) == 16 and set(calls) == {500}
+    assert pvalue_against(new, out, 3) > 0.01
+    assert 0 < engine.stats()["verify/salvaged_frac"] < 1
+
+
+def test_a_weight_source_that_raises_leaves_the_engine_reusable():
+    # The actor's stop: its weight source raises between decoding steps; the call unwinds, the
+    # rows' cache blocks are released, and the engine decodes again afterwards.
+    class Stop(Exception):
+        pass
+
+    def stop_source():
+        raise Stop
+
+    engine = TorchEngine(model(1), NO_EOS, 0, temperature=1.0, seed=0, version=0)
+    with pytest.raises(Stop):
+        engine.generate([PROMPT], 4, 5, weight_source=stop_source)
+    out = engine.generate([PROMPT], 4, 5)[0]
+    assert [len(r.token_ids) for r in out] == [5, 5, 5, 5]
