@@ -899,4 +899,6 @@ def _actor_metrics(receiver: GroupReceiver) -> dict[str, float]:
         "actor/tokens_per_s": total("actor/tokens_per_s"),
         # Cumulative seconds the live actors idled waiting for a version (synchronous mode).
         "actor/wait_s": total("actor/wait_s"),
+        # The live actors' last weights fetch, averaged (0 before the first).
+        "actor/weight_fetch_s": total("actor/weight_fetch_s") / max(len(live), 1),
     }
