@@ -707,8 +707,8 @@ class SpecRLConfig:
             self.model.path = str(preset_dir(self.model.preset))
         _require(
             not self.task.natural_language or bool(self.model.path),
-            f"task={self.task.name} needs a real model: model=smollm2-135m, or model.path=HF_DIR "
-            "(the built-in tiny model only knows built-in tasks)",
+            f"task={self.task.name} needs model.path=HF_DIR or a real-model preset "
+            "(model=smollm2-135m); the built-in tiny model only knows built-in tasks",
         )
 
 

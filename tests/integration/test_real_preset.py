@@ -88,7 +88,10 @@ def test_preset_directory_is_a_normal_hf_model(preset_dir: Path) -> None:
 
     tokenizer = HFTokenizer(preset_dir)
     assert tokenizer.has_chat_template
-    assert tokenizer.decode([tokenizer.eos_id]) == "<|im_end|>"
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(preset_dir, local_files_only=True)
+    assert hf.convert_ids_to_tokens(tokenizer.eos_id) == "<|im_end|>"
 
 
 def greedy(ckpt: Path, prompts: list[list[int]], n: int) -> tuple[list, list]:
