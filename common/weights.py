@@ -497,19 +497,20 @@ class WeightStore:
         more than ``retention_bytes``; the latest and its chain are always kept."""
         versions_key = weights_versions_key(self.run_id)
         window = [int(v) for v in self.client.zrange(versions_key, -self.retention, -1)]
-        sizes = {
-            int(v): int((self.manifest(int(v)) or {}).get("total_bytes", 0))
-            for v in self.client.zrangebyscore(versions_key, "-inf", "+inf")
-        }
+        # Each manifest is read once: the window's for their keyframes, and, only with a byte
+        # bound, every stored version's for its size.
+        stored = window
+        if self.retention_bytes:
+            stored = [int(v) for v in self.client.zrangebyscore(versions_key, "-inf", "+inf")]
+        manifests = {v: self.manifest(v) or {} for v in stored}
         keep_from = None
         for oldest in reversed(window):
-            manifest = self.manifest(oldest)
-            start = oldest
-            if manifest is not None and isinstance(manifest.get("keyframe"), int):
-                start = min(start, manifest["keyframe"])
-            held = sum(size for v, size in sizes.items() if v >= start)
-            if keep_from is not None and self.retention_bytes and held > self.retention_bytes:
-                break
+            keyframe = manifests[oldest].get("keyframe")
+            start = min(oldest, keyframe) if isinstance(keyframe, int) else oldest
+            if keep_from is not None and self.retention_bytes:
+                held = sum(int(m.get("total_bytes", 0)) for v, m in manifests.items() if v >= start)
+                if held > self.retention_bytes:
+                    break
             keep_from = start
         return keep_from
 
