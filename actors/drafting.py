@@ -7,8 +7,8 @@
 - :class:`NgramDrafter`: proposals copied from history — the prompt, the other completions of the
   same prompt (the GRPO group) and earlier completions of it — by matching the longest suffix of
   the row's context. Deterministic drafts (q is one-hot), no forward pass. ``sources`` picks how
-  much history it may copy from (:data:`NGRAM_SOURCES`), so a benchmark can tell drafting from
-  the replay of earlier answers.
+  much history it may copy from (:data:`~common.config.modes.NGRAM_SOURCES`), so a benchmark can
+  tell drafting from the replay of earlier answers.
 
 Both return what the rejection sampler needs; the verify forward and the acceptance rule live in
 the engine and in :mod:`actors.speculative`.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.config.modes import NGRAM_SOURCES
 from common.model import KVCache, Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
@@ -117,13 +118,6 @@ def index_ngrams(index: NgramIndex, seq: Sequence[int], min_n: int, max_n: int) 
             index[tuple(seq[start : start + n])] = (seq, start + n)
 
 
-NGRAM_SOURCES = ("prompt", "group", "history")
-"""What an :class:`NgramDrafter` copies from, each level adding to the one before: ``prompt`` =
-the row's own prompt and completion so far (vLLM's built-in ``ngram``); ``group`` = also the other
-rows of the call with the same prompt (the GRPO group); ``history`` = also earlier completions
-of the prompt (from earlier epochs over a training set)."""
-
-
 class NgramDrafter:
     """Longest-suffix match against the tokens of the same prompt: the row's own context, the
     rows that share its prompt (the GRPO group) and a bounded memory of earlier completions per
@@ -139,21 +133,15 @@ class NgramDrafter:
     indexed from scratch (``tests/unit/actors`` checks that both give the same drafts).
     """
 
-    def __init__(
-        self,
-        max_n: int,
-        min_n: int,
-        history_prompts: int = 4096,
-        per_prompt: int = 16,
-        sources: str = "history",
-    ):
+    history_prompts = 4096
+    """Prompts whose earlier completions are kept (the least recently used go first)."""
+    per_prompt = 16
+    """Earlier completions kept per prompt: the newest ``per_prompt`` to ``2 * per_prompt``."""
+
+    def __init__(self, max_n: int, min_n: int, sources: str = "history") -> None:
         if sources not in NGRAM_SOURCES:
             raise ValueError(f"n-gram sources must be one of {NGRAM_SOURCES}, got {sources!r}")
-        self.max_n = max_n
-        self.min_n = min_n
-        self.sources = sources
-        self.history_prompts = history_prompts
-        self.per_prompt = per_prompt
+        self.max_n, self.min_n, self.sources = max_n, min_n, sources
         # prompt key -> (earlier prompt + completion sequences, their n-gram index)
         self._history: OrderedDict[str, tuple[list[list[int]], NgramIndex]] = OrderedDict()
         # Rows followed since begin(): id -> (prompt key, tokens so far, their n-gram index), and

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from actors.speculative import rejection_sample
+from actors.speculative import SpecResult, pad_rows, rejection_sample
 from common.model import KVCache, Transformer
 from common.sampling import processed_logprobs
 
@@ -35,6 +35,32 @@ class Verification:
     gaps: list[list[int]]  # per row: new_version - v_i for every verified token (for metrics)
     cache: Any  # new-weights cache of the rows (prompt + verified tokens written)
     forward_tokens: int  # tokens pushed through verification forwards (its cost)
+
+    @classmethod
+    def of(
+        cls,
+        result: SpecResult,
+        n: list[int],
+        gaps: list[list[int]],
+        cache: Any,
+        forward_tokens: int,
+    ) -> Verification:
+        """From the rejection sampler's ``result`` over rows of ``n[b]`` verified tokens whose
+        version gaps start ``gaps[b]``."""
+        emitted = result.num_emitted.tolist()
+        accepted = result.accepted.tolist()
+        tokens = result.tokens.tolist()
+        logprobs = result.logprobs.tolist()
+        rows = range(len(n))
+        return cls(
+            tokens=[tokens[b][: emitted[b]] for b in rows],
+            logprobs=[logprobs[b][: emitted[b]] for b in rows],
+            accepted=accepted,
+            rejected=[accepted[b] < n[b] for b in rows],
+            gaps=[gaps[b][: n[b]] for b in rows],
+            cache=cache,
+            forward_tokens=forward_tokens,
+        )
 
     @classmethod
     def concat(cls, parts: Sequence[Verification]) -> Verification:
@@ -70,8 +96,9 @@ def verify_rows(
     ``old_models[v]`` must hold the weights of every version ``v < target_version`` that appears
     in ``versions``. ``cache``: where the new weights' k/v of the rows are written (the engine's
     block pool bound to these rows, so no second cache is allocated), or None for a fresh
-    contiguous one in the target's dtype. ``bonus``: when a row keeps every token, also sample its next token from
-    ``pi_new`` (swap-time verification continues decoding; finish-time verification does not).
+    contiguous one in the target's dtype. ``bonus``: when a row keeps every token, also sample
+    its next token from ``pi_new`` (swap-time verification continues decoding; finish-time
+    verification does not).
     """
     device = next(target.parameters()).device
     batch = len(prompts)
@@ -79,9 +106,9 @@ def verify_rows(
     n = [len(t) for t in tokens]
     longest = max(n)  # the most tokens any row holds in flight
     width = max(len(p) + len(t) for p, t in zip(prompts, tokens, strict=True))
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    for i, (p, t) in enumerate(zip(prompts, tokens, strict=True)):
-        input_ids[i, : len(p) + len(t)] = torch.tensor([*p, *t], dtype=torch.long)
+    input_ids = pad_rows(
+        [[*p, *t] for p, t in zip(prompts, tokens, strict=True)], width, pad_id, device
+    )
     positions = torch.arange(width, device=device).expand(batch, -1)  # [B, W]
     rows = torch.arange(batch, device=device)[:, None]
     # Scores of y_1..y_n (and of the next token) sit at positions len-1 .. len-1+n.
@@ -99,43 +126,59 @@ def verify_rows(
     )
     forward_tokens = batch * width  # [B, K+1, V] above
 
-    draft_tokens = torch.full((batch, longest), pad_id, dtype=torch.long, device=device)
-    version_of = torch.full((batch, longest), target_version, dtype=torch.long, device=device)
-    for i, (t, v) in enumerate(zip(tokens, versions, strict=True)):
-        draft_tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        version_of[i, : len(v)] = torch.tensor(v, dtype=torch.long)
-    # q = p for tokens already of the target version: accepted with probability 1.
-    draft_lp = target_lp[:, :longest].clone()  # [B, K, V]
-    for version in sorted(set(version_of.unique().tolist()) - {target_version}):
-        if version not in old_models:
-            raise KeyError(f"no weights kept for version {version}; cannot verify exactly")
-        uses = (version_of == version).any(dim=1)  # [B] rows with tokens of this version
-        sel = uses.nonzero().squeeze(-1)
-        old = old_models[version]
-        # The old model scores only the selected rows: index its output by their rank.
-        hidden = old.hidden_states(input_ids[sel], positions[sel])[
-            rows[: len(sel)], at[sel, :longest]
-        ]
-        old_lp = processed_logprobs(old.lm_head(hidden).float(), temperature, top_p)  # [B_v, K, V]
-        forward_tokens += len(sel) * width
-        here = (version_of[sel] == version).unsqueeze(-1)  # [B_v, K, 1]
-        draft_lp[sel] = torch.where(here, old_lp, draft_lp[sel])
+    draft_tokens = pad_rows(tokens, longest, pad_id, device)
+    version_of = pad_rows(versions, longest, target_version, device)
+    draft_lp, old_forward_tokens = _draft_logprobs(
+        target_lp[:, :longest],
+        target_version,
+        old_models,
+        version_of,
+        input_ids,
+        at,
+        temperature,
+        top_p,
+    )
+    forward_tokens += old_forward_tokens
 
     num_drafts = torch.tensor(n, device=device)
     result = rejection_sample(
         target_lp, draft_tokens, draft_lp, num_drafts, generator=generator, bonus=bonus
     )
-    emitted = result.num_emitted.tolist()
-    accepted = result.accepted.tolist()
-    out_tokens = result.tokens.tolist()
-    out_lp = result.logprobs.tolist()
     gaps = (target_version - version_of).tolist()
-    return Verification(
-        tokens=[out_tokens[b][: emitted[b]] for b in range(batch)],
-        logprobs=[out_lp[b][: emitted[b]] for b in range(batch)],
-        accepted=accepted,
-        rejected=[accepted[b] < n[b] for b in range(batch)],
-        gaps=[gaps[b][: n[b]] for b in range(batch)],
-        cache=cache,
-        forward_tokens=forward_tokens,
-    )
+    return Verification.of(result, n, gaps, cache, forward_tokens)
+
+
+def _draft_logprobs(
+    target_lp: torch.Tensor,
+    target_version: int,
+    old_models: Mapping[int, Transformer],
+    version_of: torch.Tensor,
+    input_ids: torch.Tensor,
+    at: torch.Tensor,
+    temperature: float,
+    top_p: float,
+) -> tuple[torch.Tensor, int]:
+    """The draft distributions ``q`` [B, K, V] of the verified tokens, from the weights of the
+    version each was sampled with, and the tokens pushed through those old forwards.
+
+    ``target_lp``: the new policy at the K verified positions (``q = p`` for tokens already of
+    the target version: accepted with probability 1); ``version_of`` [B, K]: each token's
+    version; ``at`` [B, K + 1]: the positions whose scores are read."""
+    k = target_lp.shape[1]
+    width = input_ids.shape[1]
+    positions = torch.arange(width, device=input_ids.device).expand(input_ids.shape[0], -1)
+    draft_lp = target_lp.clone()
+    forward_tokens = 0
+    for version in sorted(set(version_of.unique().tolist()) - {target_version}):
+        if version not in old_models:
+            raise KeyError(f"no weights kept for version {version}; cannot verify exactly")
+        sel = (version_of == version).any(dim=1).nonzero().squeeze(-1)  # rows with such tokens
+        # The old model scores only the selected rows: index its output by their rank.
+        old = old_models[version]
+        ranks = torch.arange(len(sel), device=input_ids.device)[:, None]
+        hidden = old.hidden_states(input_ids[sel], positions[sel])[ranks, at[sel, :k]]
+        old_lp = processed_logprobs(old.lm_head(hidden).float(), temperature, top_p)  # [B_v, K, V]
+        forward_tokens += len(sel) * width
+        here = (version_of[sel] == version).unsqueeze(-1)  # [B_v, K, 1]
+        draft_lp[sel] = torch.where(here, old_lp, draft_lp[sel])
+    return draft_lp, forward_tokens

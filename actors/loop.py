@@ -9,7 +9,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,40 +18,36 @@ import torch
 
 from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
+from actors.exporter import ActorExporter
+from actors.prompts import prompt_encoder
 from actors.sender import GroupSender, unique_actor_id
 from actors.spool import Spool, orphans
+from actors.weight_reader import WeightReader
+from actors.weight_watcher import VersionWatcher
 from common.config import SpecRLConfig
 from common.curve_keys import actor_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
-from common.model import ModelArgs, Transformer, save_pretrained
+from common.model import Transformer, save_pretrained
+from common.model_args import ModelArgs
 from common.policy_meta import model_args_from_meta, tokenizer_from_meta
-from common.prometheus import ActorExporter
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
-from common.tokenizer import Tokenizer, prompt_encoder
-from common.weights import (
-    VersionWatcher,
-    WeightsError,
-    WeightStore,
-    retry_redis,
-    store_from_config,
-)
+from common.tokenizer import Tokenizer
+from common.weights.connection import retry_redis
+from common.weights.format import WeightsError
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class ActorStats:
-    batches: int = 0
-    groups_sent: int = 0
-    tokens: int = 0
-    weight_loads: int = 0
-    weight_fetch_s: float = 0.0
-    reward_sum: float = 0.0
-    completions: int = 0
-    wait_s: float = 0.0
-    """Time spent idle waiting for a new version (synchronous mode only)."""
+    """The actor's running totals (what :func:`run` returns)."""
+
+    def __init__(self) -> None:
+        self.batches, self.groups_sent, self.completions = 0, 0, 0
+        self.tokens, self.weight_loads, self.reward_sum = 0, 0, 0.0
+        self.weight_fetch_s = 0.0  # the latest fetch
+        self.wait_s = 0.0  # idle, waiting for a new version (synchronous mode only)
 
 
 def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_stop) -> int | None:
@@ -65,7 +61,7 @@ def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_sto
 
 
 def build_engine(
-    store: WeightStore, version: int, cfg: SpecRLConfig, seed: int
+    store: WeightReader, version: int, cfg: SpecRLConfig, seed: int
 ) -> tuple[RolloutEngine, Tokenizer, ModelArgs]:
     """The policy from a published version alone: architecture and tokenizer come from its meta."""
     for attempt in range(3):
@@ -133,27 +129,22 @@ def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLCon
 def _open_vllm(model_dir: Path, args, version: int, tokenizer: Tokenizer, cfg, seed: int):
     from actors.engines.vllm_engine import VllmEngine
 
+    max_model_len = min(cfg.engine.vllm_max_model_len, args.max_position_embeddings)
     return VllmEngine(
         model_dir,
-        eos_id=tokenizer.eos_id,
+        tokenizer.eos_id,
+        replace(cfg.engine, vllm_max_model_len=max_model_len),
+        spec=cfg.spec,
+        inflight=cfg.actor.inflight,
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         seed=seed,
         version=version,
-        inflight=cfg.actor.inflight,
-        verify_topk=cfg.engine.vllm_verify_topk,
-        speculative_config=cfg.engine.vllm_speculative,
-        spec=cfg.spec,
-        max_model_len=min(cfg.engine.vllm_max_model_len, args.max_position_embeddings),
-        dtype=cfg.engine.vllm_dtype,
-        enforce_eager=cfg.engine.vllm_enforce_eager,
-        tensor_parallel_size=cfg.engine.vllm_tensor_parallel_size,
-        llm_kwargs=cfg.engine.vllm_kwargs,
     )
 
 
 def fetch_update(
-    store: WeightStore,
+    store: WeightReader,
     watcher: VersionWatcher,
     current: int,
     stats: ActorStats,
@@ -284,16 +275,7 @@ class Recovery:
         self.recovered = 0
         for old_id, spool in orphans(spool_root(cfg), name, exclude=actor_id):
             frames = spool.frames()
-            sender = GroupSender(
-                cfg.learner.address,
-                old_id,
-                outbox_max=max(len(frames), 1),
-                resend_timeout_s=cfg.actor.resend_timeout_s,
-                heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
-                limits=limits,
-                curve=curve_from_config(cfg),
-                spool=spool,
-            )
+            sender = group_sender(cfg, old_id, limits, spool, max(len(frames), 1))
             sender.preload(frames)
             sender.start()
             self.senders.append((sender, spool))
@@ -318,6 +300,22 @@ class Recovery:
         self.senders = []
 
 
+def group_sender(
+    cfg: SpecRLConfig, actor_id: str, limits: DecodeLimits, spool: Spool | None, outbox_max: int
+) -> GroupSender:
+    """A sender of ``actor_id``'s groups to the learner, holding at most ``outbox_max``."""
+    return GroupSender(
+        cfg.learner.address,
+        actor_id,
+        outbox_max=outbox_max,
+        resend_timeout_s=cfg.actor.resend_timeout_s,
+        heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
+        limits=limits,
+        curve=curve_from_config(cfg),
+        spool=spool,
+    )
+
+
 def spool_root(cfg: SpecRLConfig) -> Path:
     return cfg.run.resolved_dir() / "spool"
 
@@ -339,7 +337,7 @@ class ActorPhases:
 
     cfg: SpecRLConfig
     engine: RolloutEngine
-    store: WeightStore
+    store: WeightReader
     watcher: VersionWatcher
     stats: ActorStats
     exporter: ActorExporter
@@ -419,6 +417,19 @@ class ActorPhases:
                 self.engine.load_weights(*update)
         self.stats.wait_s += time.perf_counter() - wait_started
 
+    def run_batches(self, sender: GroupSender, recovery: Recovery | None) -> None:
+        """Batch after batch until a stop (or ``actor.max_batches``): the four phases."""
+        while not self.stop():
+            if recovery is not None:
+                recovery.poll()
+            if self.cfg.actor.max_batches and self.stats.batches >= self.cfg.actor.max_batches:
+                break
+            self.sync_weights()  # Phase 1
+            batch_version = self.generate_and_send(sender)  # Phases 2 and 3
+            engine_stats = self.engine.stats()
+            self.wait_for_learner(batch_version)  # synchronous mode only
+            self.report(sender, engine_stats)  # Phase 4
+
     def report(self, sender: GroupSender, engine_stats: dict[str, float]) -> None:
         """Phase 4: the batch's figures to the learner (heartbeat status) and to Prometheus."""
         stats = self.stats
@@ -443,29 +454,37 @@ def actor_seed(cfg: SpecRLConfig) -> int:
     return cfg.actor.seed if cfg.actor.seed >= 0 else cfg.run.seed * 1_000 + cfg.actor.index
 
 
+def first_engine(
+    cfg: SpecRLConfig, store: WeightReader, watcher: VersionWatcher, seed: int, stop: StopFlag
+) -> tuple[RolloutEngine, Tokenizer, ModelArgs] | None:
+    """The engine on the first published version; None when none is published in time or a
+    stop comes first."""
+    first = wait_for_first_version(watcher, cfg.actor.wait_version_timeout_s, stop)
+    if first is None:
+        log.error(
+            "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s
+        )
+        return None
+    if stop():
+        return None
+    return retry_redis(
+        "actor",
+        "loading the first version",
+        lambda: build_engine(store, first, cfg, seed),
+        stop,
+    )
+
+
 def run(cfg: SpecRLConfig) -> ActorStats:
     torch.set_num_threads(cfg.run.torch_threads)
     if cfg.actor.nice:
         os.nice(cfg.actor.nice)  # on a machine shared with the learner, its steps come first
     seed = actor_seed(cfg)
     stop = StopFlag("actor")
-    store = store_from_config(cfg.redis, cfg.run.name)
-    watcher = store.watch(poll_interval_s=cfg.redis.poll_interval_s)
-    first = wait_for_first_version(watcher, cfg.actor.wait_version_timeout_s, stop)
+    store = WeightReader.from_config(cfg.redis, cfg.run.name)
+    watcher = VersionWatcher.of_store(store, poll_interval_s=cfg.redis.poll_interval_s)
     stats = ActorStats()
-    if first is None:
-        log.error(
-            "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s
-        )
-        return stats
-    built = None
-    if not stop():
-        built = retry_redis(
-            "actor",
-            "loading the first version",
-            lambda: build_engine(store, first, cfg, seed),
-            stop,
-        )
+    built = first_engine(cfg, store, watcher, seed, stop)
     if built is None:
         return stats
     engine, tokenizer, model_args = built
@@ -495,41 +514,23 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     spool = Spool(spool_root(cfg) / name / actor_id) if cfg.actor.spool else None
     recovery = Recovery(cfg, name, actor_id, limits) if cfg.actor.spool else None
 
-    phases = ActorPhases(
-        cfg=cfg,
-        engine=engine,
-        store=store,
-        watcher=watcher,
-        stats=stats,
-        exporter=exporter,
-        task=task,
-        encode=encode,
-        rng=rng,
-        tokenizer=tokenizer,
-        ledger=ledger,
-        actor_id=actor_id,
-        stop=stop,
-    )
-    with GroupSender(
-        cfg.learner.address,
+    phases = ActorPhases(  # the fields in their order
+        cfg,
+        engine,
+        store,
+        watcher,
+        stats,
+        exporter,
+        task,
+        encode,
+        rng,
+        tokenizer,
+        ledger,
         actor_id,
-        outbox_max=cfg.actor.outbox_max,
-        resend_timeout_s=cfg.actor.resend_timeout_s,
-        heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
-        limits=limits,
-        curve=curve_from_config(cfg),
-        spool=spool,
-    ) as sender:
-        while not stop():
-            if recovery is not None:
-                recovery.poll()
-            if cfg.actor.max_batches and stats.batches >= cfg.actor.max_batches:
-                break
-            phases.sync_weights()  # Phase 1
-            batch_version = phases.generate_and_send(sender)  # Phases 2 and 3
-            engine_stats = engine.stats()
-            phases.wait_for_learner(batch_version)  # synchronous mode only
-            phases.report(sender, engine_stats)  # Phase 4
+        stop,
+    )
+    with group_sender(cfg, actor_id, limits, spool, cfg.actor.outbox_max) as sender:
+        phases.run_batches(sender, recovery)
         sender.close(timeout_s=5.0)  # waits for the last acks once (leaving the block won't)
         unacked = sender.unacked_seqs()
         if ledger is not None:

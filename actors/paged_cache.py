@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from common.model import ModelArgs
+from common.model_args import ModelArgs
 
 SCRATCH = 0
 

@@ -28,7 +28,6 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from types import TracebackType
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -44,7 +43,14 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.transport import DEFAULT_MAX_FRAME_BYTES, connect_dealer, shared_context
+from common.transport import (
+    DEFAULT_MAX_FRAME_BYTES,
+    SocketThread,
+    connect_dealer,
+    guarded,
+    ready,
+    shared_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ class _Entry:
     last_sent: float | None = None  # time.monotonic() of the last send; None: (re)send now
 
 
-class GroupSender:
+class GroupSender(SocketThread):
     """Sends TrajectoryGroups to the learner's ROUTER with acks and resends; thread-safe.
 
     A background thread owns the DEALER socket; ``submit`` only touches the outbox (under a
@@ -86,10 +92,10 @@ class GroupSender:
         self,
         address: str,
         actor_id: str,
+        *,
         outbox_max: int = 64,
         resend_timeout_s: float = 10.0,
         heartbeat_interval_s: float = 2.0,
-        *,
         limits: DecodeLimits | None = None,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
@@ -119,10 +125,9 @@ class GroupSender:
         self._spool = spool
         self._max_frame_bytes = limits.max_frame_bytes if limits else DEFAULT_MAX_FRAME_BYTES
         self._context = context or shared_context()
-
         # _cond guards the outbox, counters, status and lifecycle flags; it is notified when
         # acks free outbox space, and when the I/O thread stops or fails.
-        self._cond = threading.Condition()
+        super().__init__("sender", f"group-sender-{actor_id}")
         self._outbox: OrderedDict[int, _Entry] = OrderedDict()
         # Seqs due for a send, oldest first. Invariant: an entry's last_sent is None exactly
         # while its seq is queued here (acked seqs are skipped when they come up).
@@ -141,7 +146,6 @@ class GroupSender:
         self._status_version = 0
         self._status_stats: dict[str, float] = {}
         self._closed = False
-        self._error: BaseException | None = None
         # Serialises submitters so a seq is consumed only once its frame is in the outbox:
         # a seq gap would keep the learner's dedupe window from ever compacting.
         self._submit_lock = threading.Lock()
@@ -149,16 +153,13 @@ class GroupSender:
         self._doorbell_addr = f"inproc://specrl-sender-{id(self)}-{secrets.token_hex(4)}"
         self._doorbell_lock = threading.Lock()
         self._doorbell_tx: zmq.Socket | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def preload(self, frames: dict[int, bytes]) -> None:
         """Queue frames already encoded under this ``actor_id`` (a dead incarnation's spool),
         keeping their seqs; before ``start()``. New submits continue after the highest seq."""
-        if self._thread is not None:
-            raise RuntimeError("preload must be called before start()")
+        self._require_not_started("preload")
         with self._cond:
             for seq, frame in sorted(frames.items()):
                 self._outbox[seq] = _Entry(frame)
@@ -167,8 +168,7 @@ class GroupSender:
                 self._next_seq = max(self._next_seq, max(frames) + 1)
 
     def start(self) -> GroupSender:
-        if self._thread is not None:
-            raise RuntimeError("GroupSender already started")
+        self._require_not_started()
         # Built here, before the thread starts (a full memory barrier), then used only by it.
         curve = self._curve
         sock = connect_dealer(
@@ -186,13 +186,7 @@ class GroupSender:
         tx.setsockopt(zmq.LINGER, 0)
         tx.connect(self._doorbell_addr)
         self._doorbell_tx = tx
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(sock, monitor, doorbell_rx),
-            name=f"group-sender-{self.actor_id}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._spawn(sock, monitor, doorbell_rx)
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -219,17 +213,9 @@ class GroupSender:
             # Not silent: the groups are not delivered and the operator must know how many.
             log.warning("sender %s closed with %d unacked group(s)", self.actor_id, left)
 
-    def __enter__(self) -> GroupSender:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def _close_on_exit(self, failed: bool) -> None:
         # On an exception, do not wait for acks that may never come.
-        self.close(timeout_s=0.0 if exc_type is not None else 5.0)
+        self.close(timeout_s=0.0 if failed else 5.0)
 
     # ------------------------------------------------------------------ public API
 
@@ -294,8 +280,7 @@ class GroupSender:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._outbox:
-                if self._error is not None:
-                    raise RuntimeError("sender I/O thread failed") from self._error
+                self._raise_if_failed()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._thread is None or self._closed:
                     return False
@@ -311,15 +296,8 @@ class GroupSender:
         with self._cond:
             return list(self._outbox)
 
-    @property
-    def acked_total(self) -> int:
-        with self._cond:
-            return self._acked_total
-
-    @property
-    def resent_total(self) -> int:
-        with self._cond:
-            return self._resent_total
+    acked_total = guarded("_acked_total", "Groups acked by the learner.")
+    resent_total = guarded("_resent_total", "Sends of a group after its first.")
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -339,8 +317,7 @@ class GroupSender:
     # ------------------------------------------------------------------ caller-side helpers
 
     def _check_usable(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("sender I/O thread failed") from self._error
+        self._raise_if_failed()
         if self._closed:
             raise RuntimeError("sender is closed")
 
@@ -353,21 +330,6 @@ class GroupSender:
                 self._doorbell_tx.send(b"", zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ I/O thread
-
-    def _run(self, sock: zmq.Socket, monitor: zmq.Socket, doorbell_rx: zmq.Socket) -> None:
-        try:
-            self._loop(sock, monitor, doorbell_rx)
-        except BaseException as e:
-            # Thread boundary: hand the failure to the callers (submit/flush raise it).
-            log.exception("sender %s I/O thread failed", self.actor_id)
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-        finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            doorbell_rx.close(linger=0)
-            sock.close()
 
     def _loop(self, sock: zmq.Socket, monitor: zmq.Socket, doorbell_rx: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -385,7 +347,8 @@ class GroupSender:
                 wait_s = min(wait_s, _BLOCKED_RETRY_S)
             events = dict(poller.poll(_ms(min(max(wait_s, 0.0), _MAX_POLL_S))))
             if doorbell_rx in events:
-                _drain(doorbell_rx)
+                for _ in ready(doorbell_rx.recv):
+                    pass  # wake-ups only: the outbox says what to send
             if monitor in events and self._on_monitor(monitor):
                 next_heartbeat = time.monotonic()  # tell a (new) learner about us at once
             if sock in events:
@@ -444,8 +407,8 @@ class GroupSender:
     def _on_monitor(self, monitor: zmq.Socket) -> bool:
         """Handle socket events; True if a connection (re)completed its handshake."""
         connected = False
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
+        for message in ready(lambda flags: recv_monitor_message(monitor, flags)):
+            event = message["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._link_lost = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -468,11 +431,7 @@ class GroupSender:
         return connected
 
     def _on_replies(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frame in ready(sock.recv):
             try:
                 msg = decode(frame, _ACK_LIMITS)
             except ProtocolError as e:
@@ -516,11 +475,3 @@ class GroupSender:
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000) + 1 if seconds > 0 else 0
-
-
-def _drain(sock: zmq.Socket) -> None:
-    while True:
-        try:
-            sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return

@@ -49,6 +49,7 @@ and the one ``[B, V]`` distribution per row that is sampled is formed in float64
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,25 +126,13 @@ def sample_inverse_cdf(
     return torch.minimum(index, last_with_mass)
 
 
-def rejection_sample(
-    target_logprobs: torch.Tensor,  # [B, K+1, V] processed log p at verify positions 0..K
-    draft_tokens: torch.Tensor,  # [B, K] int64, d_{i+1} is scored by target position i
-    draft_logprobs: torch.Tensor | None,  # [B, K, V] processed log q; None = one-hot q at d
-    num_drafts: torch.Tensor | None = None,  # [B] int64 in [0, K]; None = K for every row
-    generator: torch.Generator | None = None,
-    bonus: bool = True,
-) -> SpecResult:
-    """Verify drafts against the target with the speculative-sampling rule (see module terms).
-
-    Per row: accept ``d_i`` with probability ``a_i`` for ``i = 1..n_b`` until the first
-    rejection ``j``, where one token is sampled from ``norm(max(0, p_{j-1} - q_{j-1}))``; if all
-    ``n_b`` are accepted, a bonus token is sampled from ``p_{n_b}`` (skipped when ``bonus`` is
-    False, for delayed-verification callers that continue decoding themselves). The emitted
-    tokens are then distributed exactly as plain sampling from the target.
-
-    ``num_drafts`` outside ``[0, K]`` breaks the caller's contract; it is clamped (not checked,
-    which would cost a device synchronisation) so that it can never index out of bounds.
-    """
+def _check_shapes(
+    target_logprobs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_logprobs: torch.Tensor | None,
+    num_drafts: torch.Tensor | None,
+) -> None:
+    """Refuse inputs whose shapes or dtypes do not fit together (see ``rejection_sample``)."""
     if target_logprobs.dim() != 3:
         raise ValueError(f"target_logprobs must be [B, K+1, V], got {tuple(target_logprobs.shape)}")
     batch, positions, vocab = target_logprobs.shape
@@ -163,6 +152,29 @@ def rejection_sample(
     if num_drafts is not None and num_drafts.shape != (batch,):
         raise ValueError(f"num_drafts must be [B] = {(batch,)}, got {tuple(num_drafts.shape)}")
 
+
+def rejection_sample(
+    target_logprobs: torch.Tensor,  # [B, K+1, V] processed log p at verify positions 0..K
+    draft_tokens: torch.Tensor,  # [B, K] int64, d_{i+1} is scored by target position i
+    draft_logprobs: torch.Tensor | None,  # [B, K, V] processed log q; None = one-hot q at d
+    num_drafts: torch.Tensor | None = None,  # [B] int64 in [0, K]; None = K for every row
+    generator: torch.Generator | None = None,
+    bonus: bool = True,
+) -> SpecResult:
+    """Verify drafts against the target with the speculative-sampling rule (see module terms).
+
+    Per row: accept ``d_i`` with probability ``a_i`` for ``i = 1..n_b`` until the first
+    rejection ``j``, where one token is sampled from ``norm(max(0, p_{j-1} - q_{j-1}))``; if all
+    ``n_b`` are accepted, a bonus token is sampled from ``p_{n_b}`` (skipped when ``bonus`` is
+    False, for delayed-verification callers that continue decoding themselves). The emitted
+    tokens are then distributed exactly as plain sampling from the target.
+
+    ``num_drafts`` outside ``[0, K]`` breaks the caller's contract; it is clamped (not checked,
+    which would cost a device synchronisation) so that it can never index out of bounds.
+    """
+    _check_shapes(target_logprobs, draft_tokens, draft_logprobs, num_drafts)
+    batch, positions, vocab = target_logprobs.shape
+    k = positions - 1
     device = target_logprobs.device
     rows = torch.arange(batch, device=device)  # [B]
     slots = torch.arange(k + 1, device=device)  # [K+1]
@@ -215,3 +227,13 @@ def rejection_sample(
     gathered = target_logprobs.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     logprobs = torch.where(emitted, gathered.to(torch.float32), 0.0)  # [B, K+1]
     return SpecResult(accepted=accepted, tokens=tokens, logprobs=logprobs, num_emitted=num_emitted)
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], width: int, fill: int, device: torch.device
+) -> torch.Tensor:
+    """``rows`` as one [len(rows), width] int64 tensor, each row right-padded with ``fill``."""
+    out = torch.full((len(rows), width), fill, dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out

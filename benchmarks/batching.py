@@ -11,7 +11,7 @@ early leave the batch and the batch shrinks until its longest row is done.
 Two engines per decoding method, run alternately (epoch by epoch, so a change in the machine's
 load hits both alike), each with at most ROWS = 32 completions decoded at once:
 
-  static      the former engine behaviour: `generate` on 4 prompts x 8 completions at a time;
+  static      `generate` on 4 prompts x 8 completions at a time (batching=static);
               every completion is admitted at once with KV slots reserved for the longest
               prompt + the whole budget (+ k + 1 draft slots); the call returns, and its groups
               go out, when its slowest row is done.
@@ -37,12 +37,10 @@ Ratios are printed, never asserted: wall-clock speed depends on the machine.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,8 +49,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import provenance, rl_model, workloads  # noqa: E402
-from common.config import SpecConfig, load_config  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.config.actor import SpecConfig  # noqa: E402
 from common.model import load_pretrained  # noqa: E402
 from common.tasks import PromptPool, task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
@@ -110,8 +110,8 @@ class Mode:
                     on_group=lambda i, g, at=at: on_group(i, g, at),
                 )
         else:
-            engine.admission_log = started_at
-            engine.generate(prompts, GROUP, max_new, on_group=on_group, max_rows=ROWS)
+            engine.admission_log, engine.max_rows = started_at, ROWS
+            engine.generate(prompts, GROUP, max_new, on_group=on_group)
             engine.admission_log = None
         wall = time.perf_counter() - started
         forwards = engine.stats()["actor/forward_passes"]
@@ -128,11 +128,80 @@ class Mode:
                 self.rewards.append(task.reward(problems[i], tokenizer.decode(ids)))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def compare_batching(label: str, spec: SpecConfig, model, prompts: Prompts, repeats: int) -> dict:
+    """Static and continuous batching with the drafter ``spec``: their figures (keys suffixed
+    with ``label`` unless it is "none") and the Markdown table rows."""
+    tokenizer, task = prompts.tokenizer, prompts.task
+    modes = [
+        Mode(
+            name,
+            TorchEngine(
+                model, tokenizer.eos_id, tokenizer.pad_id, 1.0, seed=s, spec=spec, batching=name
+            ),
+        )
+        for s, name in enumerate(("static", "continuous"))
+    ]
+    for mode in modes:
+        mode.epoch(prompts.warm, prompts.warm_problems, task, tokenizer, prompts.max_new, False)
+        mode.engine.cache.peak_bytes = mode.engine.cache.bytes()  # warm-up pool counts
+    for _ in range(repeats):
+        for mode in modes:
+            if mode.engine.ngram is not None:
+                mode.engine.ngram.forget()  # every epoch is a first visit of its prompts
+            mode.epoch(
+                prompts.timed, prompts.timed_problems, task, tokenizer, prompts.max_new, True
+            )
+    out: dict[str, object] = {"rows": []}
+    for mode in modes:
+        key = f"{mode.name}" if label == "none" else f"{mode.name}_{label}"
+        speed = statistics.median(mode.speeds)
+        p50, p95 = percentile(mode.latencies, 0.5), percentile(mode.latencies, 0.95)
+        peak = mode.engine.cache.peak_bytes
+        reward = sum(mode.rewards) / len(mode.rewards)
+        out[f"tokens_per_s_{key}"] = round(speed, 1)
+        out[f"kv_peak_bytes_{key}"] = peak
+        out[f"group_latency_p50_s_{key}"] = round(p50, 3)
+        out[f"group_latency_p95_s_{key}"] = round(p95, 3)
+        out[f"reward_{key}"] = round(reward, 4)
+        out[f"forward_passes_{key}"] = mode.forwards
+        out[f"mean_completion_tokens_{key}"] = round(
+            mode.tokens / (len(mode.speeds) * len(prompts.timed) * GROUP), 1
+        )
+        out["rows"].append(
+            f"| {label} | {mode.name} | {speed:,.0f} | {peak / 2**20:.2f} | "
+            f"{p50:.2f} / {p95:.2f} | {reward:.3f} |"
+        )
+        print(out["rows"][-1], flush=True)
+    suffix = "" if label == "none" else f"_{label}"
+    out[f"tokens_per_s_continuous_over_static{suffix}"] = round(
+        statistics.median(modes[1].speeds) / statistics.median(modes[0].speeds), 3
     )
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    # What the speed ratio would be if a forward cost the same whatever the rows in it (a
+    # launch-bound accelerator); on a compute-bound CPU the two do the same arithmetic.
+    out[f"forward_passes_static_over_continuous{suffix}"] = round(
+        out[f"forward_passes_static{suffix}"] / out[f"forward_passes_continuous{suffix}"], 3
+    )
+    out[f"kv_peak_bytes_dynamic_over_static{suffix}"] = round(
+        out[f"kv_peak_bytes_continuous{suffix}"] / out[f"kv_peak_bytes_static{suffix}"], 3
+    )
+    return out
+
+
+@dataclass
+class Prompts:
+    """The timed and warm-up prompts of the scratchpad task, encoded."""
+
+    task: PromptPool
+    tokenizer: object
+    timed_problems: list
+    warm_problems: list
+    timed: list[list[int]]
+    warm: list[list[int]]
+    max_new: int
+
+
+def main() -> int:
+    parser = cli.parser(__doc__)
     parser.add_argument("--prompts", type=int, default=32, help="timed prompts per epoch")
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per engine")
     parser.add_argument("--device", default="cpu")
@@ -152,18 +221,23 @@ def main() -> int:
     pool = list({p.prompt_id: p for p in task.problems}.values())
     timed_problems = pool[: opts.prompts]
     warm_problems = pool[opts.prompts : opts.prompts + ROWS // GROUP]
-    timed = [encode_prompt(tokenizer, p.prompt) for p in timed_problems]
-    warm = [encode_prompt(tokenizer, p.prompt) for p in warm_problems]
-    max_new = task.max_new_tokens
-
+    prompts = Prompts(
+        task,
+        tokenizer,
+        timed_problems,
+        warm_problems,
+        [encode_prompt(tokenizer, p.prompt) for p in timed_problems],
+        [encode_prompt(tokenizer, p.prompt) for p in warm_problems],
+        task.max_new_tokens,
+    )
     summary: dict[str, object] = {
         "workload": "task=scratchpad model=small, RL-trained "
         f"({work.rl_steps} steps, {ckpt.relative_to(ROOT)}), temperature 1",
         "rows": ROWS,
         "group_size": GROUP,
-        "timed_prompts": len(timed),
+        "timed_prompts": len(prompts.timed),
         "repeats": opts.repeats,
-        "max_new_tokens": max_new,
+        "max_new_tokens": prompts.max_new,
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype),
     }
@@ -172,69 +246,10 @@ def main() -> int:
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for label, spec in METHODS.items():
-        modes = [
-            Mode(
-                name,
-                TorchEngine(
-                    model, tokenizer.eos_id, tokenizer.pad_id, 1.0, seed=s, spec=spec, batching=name
-                ),
-            )
-            for s, name in enumerate(("static", "continuous"))
-        ]
-        for mode in modes:
-            mode.epoch(warm, warm_problems, task, tokenizer, max_new, record=False)
-            mode.engine.cache.peak_bytes = mode.engine.cache.bytes()  # warm-up pool counts
-        for _ in range(opts.repeats):
-            for mode in modes:
-                if mode.engine.ngram is not None:
-                    mode.engine.ngram.forget()  # every epoch is a first visit of its prompts
-                mode.epoch(timed, timed_problems, task, tokenizer, max_new, record=True)
-        figures = {}
-        for mode in modes:
-            key = f"{mode.name}" if label == "none" else f"{mode.name}_{label}"
-            speed = statistics.median(mode.speeds)
-            figures[mode.name] = speed
-            p50, p95 = percentile(mode.latencies, 0.5), percentile(mode.latencies, 0.95)
-            peak = mode.engine.cache.peak_bytes
-            reward = sum(mode.rewards) / len(mode.rewards)
-            summary[f"tokens_per_s_{key}"] = round(speed, 1)
-            summary[f"kv_peak_bytes_{key}"] = peak
-            summary[f"group_latency_p50_s_{key}"] = round(p50, 3)
-            summary[f"group_latency_p95_s_{key}"] = round(p95, 3)
-            summary[f"reward_{key}"] = round(reward, 4)
-            summary[f"forward_passes_{key}"] = mode.forwards
-            summary[f"mean_completion_tokens_{key}"] = round(
-                mode.tokens / (len(mode.speeds) * len(timed) * GROUP), 1
-            )
-            lines.append(
-                f"| {label} | {mode.name} | {speed:,.0f} | {peak / 2**20:.2f} | "
-                f"{p50:.2f} / {p95:.2f} | {reward:.3f} |"
-            )
-            print(lines[-1], flush=True)
-        suffix = "" if label == "none" else f"_{label}"
-        summary[f"tokens_per_s_continuous_over_static{suffix}"] = round(
-            figures["continuous"] / figures["static"], 3
-        )
-        # What the speed ratio would be if a forward cost the same whatever the rows in it (a
-        # launch-bound accelerator); on a compute-bound CPU the two do the same arithmetic.
-        summary[f"forward_passes_static_over_continuous{suffix}"] = round(
-            summary[f"forward_passes_static{suffix}"]
-            / summary[f"forward_passes_continuous{suffix}"],
-            3,
-        )
-        summary[f"kv_peak_bytes_dynamic_over_static{suffix}"] = round(
-            summary[f"kv_peak_bytes_continuous{suffix}"] / summary[f"kv_peak_bytes_static{suffix}"],
-            3,
-        )
-
-    summary.update(
-        {
-            **info,
-            "loadavg_end": list(os.getloadavg()),
-            "seconds": round(time.perf_counter() - started, 1),
-            "table": lines,
-        }
-    )
+        figures = compare_batching(label, spec, model, prompts, opts.repeats)
+        lines += figures.pop("rows")
+        summary |= figures
+    summary |= {**info, "table": lines}
     print()
     print("\n".join(lines))
     for key in (
@@ -245,10 +260,7 @@ def main() -> int:
         "kv_peak_bytes_dynamic_over_static_ngram",
     ):
         print(f"{key} = {summary[key]}")
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
+    return cli.finish(summary, opts.json, started)
 
 
 if __name__ == "__main__":

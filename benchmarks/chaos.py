@@ -38,10 +38,10 @@ import platform
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -49,34 +49,37 @@ import numpy as np
 import torch
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.sender import GroupSender  # noqa: E402
 from benchmarks import cli  # noqa: E402
-from benchmarks.hostile import (  # noqa: E402
-    poisoned_frames,
-    refused_seqs,
-    replies,
-    send_when_connected,
-)
 from common.config import load_config  # noqa: E402
-from common.curve_keys import CurveKeys, actor_keys, learner_keys, write_keys  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.curve_keys import CurveKeys, actor_keys, learner_keys  # noqa: E402
 from common.model import load_pretrained  # noqa: E402
 from common.protocol import (  # noqa: E402
     Ack,
-    Completion,
     TrajectoryGroup,
     encode,
 )
 from common.transport import connect_dealer  # noqa: E402
-from common.warm_start import ensure_model  # noqa: E402
 from learner.checkpoint import latest_checkpoint  # noqa: E402
+from learner.warm_start import ensure_model  # noqa: E402
+from ops import processes  # noqa: E402
+from ops.keys import write_keys  # noqa: E402
 from ops.ledger import read_ledger  # noqa: E402
-from ops.redis_server import RedisServer, child_preexec, find_free_port  # noqa: E402
+from ops.metrics_file import read_metrics  # noqa: E402
+from ops.processes import ROOT  # noqa: E402
+from ops.redis_server import RedisServer, find_free_port  # noqa: E402
+from testing.hostile import (  # noqa: E402
+    poisoned_frames,
+    refused_seqs,
+    replies,
+    send_when_connected,
+    valid_group,
+)
 
 FLOOD_ID = "flooder"
+STOP_GRACE_S = 60.0
 
 
 def log(message: str) -> None:
@@ -84,66 +87,31 @@ def log(message: str) -> None:
 
 
 class Cluster:
-    """The processes of one run, with restarts and a count of unplanned exits."""
+    """The processes of one run (ops/processes.py), with restarts and a count of unplanned exits."""
 
     def __init__(self, run_dir: Path, overrides: list[str]) -> None:
         self.run_dir = run_dir
-        self.overrides = overrides
-        self.learner: subprocess.Popen | None = None
-        self.actors: dict[int, subprocess.Popen] = {}
+        self.learner = processes.learner(run_dir, overrides, cwd=ROOT)
+        self.actors = {i: processes.actor(run_dir, i, overrides, cwd=ROOT) for i in (0, 1)}
         self.learner_crashes_unplanned = 0
         self.actor_crashes_unplanned = 0
 
-    def _spawn(self, module: str, extra: list[str], name: str) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-        with (self.run_dir / f"{name}.log").open("ab") as out:
-            return subprocess.Popen(
-                [sys.executable, "-m", module, *self.overrides, *extra],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=ROOT,
-                preexec_fn=child_preexec(),
-            )
-
-    def start_learner(self) -> None:
-        self.learner = self._spawn("learner.main", [], "learner")
-
-    def start_actor(self, index: int) -> None:
-        self.actors[index] = self._spawn("actors.main", [f"actor.index={index}"], f"actor-{index}")
-
     def check(self) -> None:
         """Restart anything that died on its own (and count it: the run must have none)."""
-        if self.learner is not None and self.learner.poll() is not None:
+        if self.learner.poll() is not None:
             self.learner_crashes_unplanned += 1
             log(f"UNPLANNED: learner exited with {self.learner.returncode}; restarting")
-            self.start_learner()
-        for index, proc in list(self.actors.items()):
+            self.learner.start()
+        for index, proc in self.actors.items():
             if proc.poll() is not None:
                 self.actor_crashes_unplanned += 1
                 log(f"UNPLANNED: actor {index} exited with {proc.returncode}; restarting")
-                self.start_actor(index)
+                proc.start()
 
     def stop(self) -> dict[str, int | None]:
         """SIGTERM actors first (they flush and record what is unacked), then the learner."""
-        codes: dict[str, int | None] = {}
-        for index, proc in self.actors.items():
-            codes[f"actor-{index}"] = _terminate(proc)
-        if self.learner is not None:
-            codes["learner"] = _terminate(self.learner)
-        return codes
-
-
-def _terminate(proc: subprocess.Popen, grace_s: float = 60.0) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None
+        codes = processes.stop_all(self.actors.values(), STOP_GRACE_S)
+        return codes | processes.stop_all([self.learner], STOP_GRACE_S)
 
 
 def steps(run_dir: Path) -> list[dict]:
@@ -175,39 +143,23 @@ def sleep_checking(cluster: Cluster, seconds: float, learner_frozen: bool = Fals
 # ---------------------------------------------------------------------------------- bad frames
 
 
-def _group(vocab: int, **changes) -> TrajectoryGroup:
-    completion = Completion(
-        token_ids=np.array([1, 2, 3], dtype=np.int32),
-        behaviour_logprobs=np.array([-0.1, -0.2, -0.3], dtype=np.float32),
-        token_versions=np.zeros(3, dtype=np.int32),
-        reward=1.0,
-        finished=True,
-    )
-    group = TrajectoryGroup(
-        actor_id=FLOOD_ID,
-        seq=0,
-        prompt_id="chaos",
-        prompt_ids=np.array([1, 2], dtype=np.int32),
-        version=0,
-        completions=[completion],
-        stats={},
-    )
-    for key, value in changes.items():
-        setattr(group, key, value)
-    return group
+def _group(actor_id: str = FLOOD_ID) -> TrajectoryGroup:
+    """A valid one-completion group of three tokens, the base every bad frame breaks."""
+    return valid_group(actor_id, 0, 1, completion_len=3)
 
 
-def _mutated(vocab: int, mutate) -> bytes:
+def _mutated(mutate) -> bytes:
     """A valid group's wire map with one field broken (``encode`` would refuse to make it)."""
-    wire = msgpack.unpackb(encode(_group(vocab)), raw=False)
+    wire = msgpack.unpackb(encode(_group()), raw=False)
     mutate(wire)
     return msgpack.packb(wire, use_bin_type=True)
 
 
 def bad_frames(vocab: int) -> list[tuple[str, list[bytes]]]:
     """(kind, frames) of every sort of invalid input; each frame must be rejected once."""
-    valid = encode(_group(vocab))
+    valid = encode(_group())
     nan = np.array([-0.1, math.nan, -0.3], dtype=np.float32).tobytes()
+    out_of_vocab = np.array([1, vocab + 7, 3], np.int32).tobytes()
     rng = np.random.default_rng(0)
 
     def set_completion(key, value):
@@ -220,25 +172,17 @@ def bad_frames(vocab: int) -> list[tuple[str, list[bytes]]]:
             "oversized",
             # More completions than the learner's decode bound (twice the group size), in a
             # frame small enough to reach the decoder (larger ones libzmq drops unread).
-            [_mutated(vocab, lambda w: w.__setitem__("completions", w["completions"] * 100))],
+            [_mutated(lambda w: w.__setitem__("completions", w["completions"] * 100))],
         ),
-        ("wrong_version", [_mutated(vocab, lambda w: w.__setitem__("v", 99))]),
+        ("wrong_version", [_mutated(lambda w: w.__setitem__("v", 99))]),
         (
             "wrong_type",
-            [_mutated(vocab, lambda w: w.__setitem__("type", "weights")), msgpack.packb([1, 2])],
+            [_mutated(lambda w: w.__setitem__("type", "weights")), msgpack.packb([1, 2])],
         ),
-        ("nan", [_mutated(vocab, set_completion("behaviour_logprobs", nan))]),
-        (
-            "out_of_vocab",
-            [
-                _mutated(
-                    vocab,
-                    set_completion("token_ids", np.array([1, vocab + 7, 3], np.int32).tobytes()),
-                )
-            ],
-        ),
-        ("length_mismatch", [_mutated(vocab, set_completion("token_versions", b"\x00" * 4))]),
-        ("forged_identity", [encode(_group(vocab, actor_id="someone-else"))]),
+        ("nan", [_mutated(set_completion("behaviour_logprobs", nan))]),
+        ("out_of_vocab", [_mutated(set_completion("token_ids", out_of_vocab))]),
+        ("length_mismatch", [_mutated(set_completion("token_versions", b"\x00" * 4))]),
+        ("forged_identity", [encode(_group("someone-else"))]),
         ("ack_to_learner", [encode(Ack(actor_id=FLOOD_ID, seqs=[0]))]),
         ("multipart", [b""]),  # sent as two frames: a bad envelope
     ]
@@ -266,7 +210,7 @@ def flood(address: str, keys: CurveKeys, vocab: int, repeat: int) -> dict[str, i
 def poison(
     address: str, keys: CurveKeys, group_size: int, context: int, run_dir: Path
 ) -> dict[str, int]:
-    """Send every poisoned kind (benchmarks/hostile.py) from an authenticated peer; refused ones
+    """Send every poisoned kind (testing/hostile.py) from an authenticated peer; refused ones
     must come back in an ack's ``refused`` map with their reason, the others get no answer."""
     latest = max((r["learner/version"] for r in steps(run_dir)), default=0)
     poisons = poisoned_frames(FLOOD_ID, group_size, context, latest, first_seq=1_000_000)
@@ -306,7 +250,7 @@ def _flood_dealer(address: str, keys: CurveKeys) -> zmq.Socket:
     )
 
 
-def unauthenticated(address: str, keys_dir: Path, vocab: int, cluster: Cluster) -> dict:
+def unauthenticated(address: str, keys_dir: Path, cluster: Cluster) -> dict:
     """Senders the learner must refuse: an unlisted key, a wrong learner key, no CURVE."""
     learner_public = learner_keys(keys_dir).public
     intruders = {
@@ -317,7 +261,7 @@ def unauthenticated(address: str, keys_dir: Path, vocab: int, cluster: Cluster) 
     senders = []
     for name, keys in intruders.items():
         sender = GroupSender(address, f"intruder-{name}", curve=keys).start()
-        group = _group(vocab, actor_id="")
+        group = _group("")
         sender.submit(group)
         senders.append(sender)
     sleep_checking(cluster, 8.0)
@@ -333,19 +277,28 @@ def unauthenticated(address: str, keys_dir: Path, vocab: int, cluster: Cluster) 
 # ------------------------------------------------------------------------------------- run
 
 
-def main() -> int:
-    parser = cli.parser(__doc__)
-    parser.add_argument("--quick", action="store_true", help="shorter outage and run (< 3 min)")
-    parser.add_argument("--keep", action="store_true", help="keep the run directory")
-    args = parser.parse_args()
-    outage_s = 15.0 if args.quick else 60.0
-    steps_between = 2 if args.quick else 6
-    started = time.monotonic()
-    rng = random.Random(0)
+@dataclass
+class Chaos:
+    """One chaos run's pieces: its cluster, Redis, keys and what was injected."""
 
+    cluster: Cluster
+    redis_server: RedisServer
+    address: str
+    keys_dir: Path
+    model_config: dict
+    group_size: int
+    faults: dict[str, int] = field(default_factory=dict)
+    figures: dict = field(default_factory=dict)
+
+    def fault(self, kind: str) -> None:
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+        log(f"fault: {kind}")
+
+
+def start(work: Path) -> Chaos:
+    """A private Redis, CurveZMQ keys for the actors and the flooder, and the cluster's config."""
     base = load_config([])
     model_dir = ensure_model(base)
-    work = Path(tempfile.mkdtemp(prefix="specrl-chaos-"))
     run_dir = work / "run"
     run_dir.mkdir()
     keys_dir = work / "keys"
@@ -368,101 +321,92 @@ def main() -> int:
         "actor.resend_timeout_s=5",
         f"security.curve_dir={keys_dir}",
     ]
-    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    model_config = json.loads((model_dir / "config.json").read_text())
     cluster = Cluster(run_dir, overrides)
-    faults: dict[str, int] = {}
-    figures: dict = {}
+    return Chaos(cluster, redis_server, address, keys_dir, model_config, base.actor.group_size)
 
-    def fault(kind: str) -> None:
-        faults[kind] = faults.get(kind, 0) + 1
-        log(f"fault: {kind}")
 
-    try:
-        cluster.start_learner()
-        cluster.start_actor(0)
-        cluster.start_actor(1)
-        log(f"pipeline up (run dir {run_dir}); warming up")
-        wait_steps(cluster, 3, 300)
+def inject_faults(chaos: Chaos, outage_s: float, steps_between: int) -> None:
+    """The seven faults in turn, training on between them."""
+    cluster, run_dir = chaos.cluster, chaos.cluster.run_dir
+    vocab_size = chaos.model_config["vocab_size"]
+    flood_keys = actor_keys(chaos.keys_dir, FLOOD_ID)
+    wait_steps(cluster, 3, 300)
 
-        # 1. An actor killed with unacked groups in its spool, restarted under the same name.
-        fault("actor_sigkill")
-        assert cluster.learner is not None
-        cluster.learner.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 60
-        while not any((run_dir / "spool").glob("*-0/*/*.frame")):
-            if time.monotonic() > deadline:
-                raise TimeoutError("actor 0 spooled nothing while the learner was frozen")
-            time.sleep(0.1)
-        time.sleep(1.0)
-        cluster.actors[0].kill()
-        cluster.actors[0].wait()
-        cluster.learner.send_signal(signal.SIGCONT)
-        cluster.start_actor(0)
-        wait_steps(cluster, steps_between, 300)
+    # 1. An actor killed with unacked groups in its spool, restarted under the same name.
+    chaos.fault("actor_sigkill")
+    cluster.learner.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not any((run_dir / "spool").glob("*-0/*/*.frame")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("actor 0 spooled nothing while the learner was frozen")
+        time.sleep(0.1)
+    time.sleep(1.0)
+    cluster.actors[0].kill()
+    cluster.actors[0].wait()
+    cluster.learner.send_signal(signal.SIGCONT)
+    cluster.actors[0].start()
+    wait_steps(cluster, steps_between, 300)
 
-        # 2. The learner killed outright and restarted.
-        fault("learner_sigkill")
-        # Off the step boundary (a kill right after a checkpoint would test little): mid-step,
-        # with groups acked since the last checkpoint that only the write-ahead log holds.
-        done = len(steps(run_dir))
-        wait_steps(cluster, (done // 5 + 1) * 5 + 2 - done, 300)  # 2 steps past a checkpoint
-        sleep_checking(cluster, rng.uniform(0.2, 1.0))
-        cluster.learner.kill()
-        cluster.learner.wait()
-        sleep_checking(cluster, 3.0, learner_frozen=True)
-        cluster.start_learner()
-        wait_steps(cluster, steps_between, 300)
+    # 2. The learner killed outright and restarted.
+    chaos.fault("learner_sigkill")
+    # Off the step boundary (a kill right after a checkpoint would test little): mid-step,
+    # with groups acked since the last checkpoint that only the write-ahead log holds.
+    done = len(steps(run_dir))
+    wait_steps(cluster, (done // 5 + 1) * 5 + 2 - done, 300)  # 2 steps past a checkpoint
+    sleep_checking(cluster, random.Random(0).uniform(0.2, 1.0))
+    cluster.learner.kill()
+    cluster.learner.wait()
+    sleep_checking(cluster, 3.0, learner_frozen=True)
+    cluster.learner.start()
+    wait_steps(cluster, steps_between, 300)
 
-        # 3. Redis restarted empty.
-        fault("redis_restart")
-        redis_server.stop()
-        sleep_checking(cluster, 3.0)
-        redis_server.start()
-        wait_steps(cluster, steps_between, 300)
+    # 3. Redis restarted empty.
+    chaos.fault("redis_restart")
+    chaos.redis_server.stop()
+    sleep_checking(cluster, 3.0)
+    chaos.redis_server.start()
+    wait_steps(cluster, steps_between, 300)
 
-        # 4. A flood of bad frames from an authenticated (buggy or hostile) peer.
-        fault("bad_frame_flood")
-        sent = flood(address, actor_keys(keys_dir, FLOOD_ID), vocab_size, repeat=20)
-        figures["bad_frames_by_kind"] = sent
-        wait_steps(cluster, 1, 300)
+    # 4. A flood of bad frames from an authenticated (buggy or hostile) peer.
+    chaos.fault("bad_frame_flood")
+    chaos.figures["bad_frames_by_kind"] = flood(chaos.address, flood_keys, vocab_size, repeat=20)
+    wait_steps(cluster, 1, 300)
 
-        # 5. Well-formed groups no learner may train on, from the same authenticated peer.
-        fault("poisoned_frames")
-        figures["poisoned"] = poison(
-            address,
-            actor_keys(keys_dir, FLOOD_ID),
-            base.actor.group_size,
-            json.loads((model_dir / "config.json").read_text())["max_position_embeddings"],
-            run_dir,
-        )
-        wait_steps(cluster, 1, 300)
+    # 5. Well-formed groups no learner may train on, from the same authenticated peer.
+    chaos.fault("poisoned_frames")
+    context = chaos.model_config["max_position_embeddings"]
+    chaos.figures["poisoned"] = poison(
+        chaos.address, flood_keys, chaos.group_size, context, run_dir
+    )
+    wait_steps(cluster, 1, 300)
 
-        # 6. Senders without an authorized key.
-        fault("unauthenticated_sender")
-        figures["unauthenticated"] = unauthenticated(address, keys_dir, vocab_size, cluster)
+    # 6. Senders without an authorized key.
+    chaos.fault("unauthenticated_sender")
+    chaos.figures["unauthenticated"] = unauthenticated(chaos.address, chaos.keys_dir, cluster)
 
-        # 7. The learner unreachable (frozen) for a minute.
-        fault("learner_unreachable")
-        cluster.learner.send_signal(signal.SIGSTOP)
-        sleep_checking(cluster, outage_s, learner_frozen=True)
-        cluster.learner.send_signal(signal.SIGCONT)
-        wait_steps(cluster, steps_between, 300)
-        log("faults done; stopping cleanly")
-    finally:
-        exit_codes = cluster.stop()
-        redis_server.close()
+    # 7. The learner unreachable (frozen) for a minute.
+    chaos.fault("learner_unreachable")
+    cluster.learner.send_signal(signal.SIGSTOP)
+    sleep_checking(cluster, outage_s, learner_frozen=True)
+    cluster.learner.send_signal(signal.SIGCONT)
+    wait_steps(cluster, steps_between, 300)
 
+
+def outcome(chaos: Chaos, exit_codes: dict[str, int | None]) -> dict:
+    """The run's figures, from the ledger, the learner's last metrics and what was injected."""
+    run_dir, figures = chaos.cluster.run_dir, chaos.figures
     ledger = read_ledger(run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
     exits = [r for r in records if r.get("event") == "learner_exit"]
     final = exits[-1] if exits else {}
     versions = [r["learner/version"] for r in records if "learner/step" in r and "event" not in r]
-    produced = ledger.produced
-    result = {
-        "quick": args.quick,
-        "faults_injected": faults,
-        "fault_kinds": len(faults),
-        "groups_produced": len(produced),
+    poisoned = figures.get("poisoned", {})
+    unauthenticated = figures.get("unauthenticated", {})
+    return {
+        "faults_injected": chaos.faults,
+        "fault_kinds": len(chaos.faults),
+        "groups_produced": len(ledger.produced),
         "groups_consumed": len(ledger.consumed),
         "groups_trained": sum(o == "trained" for o in ledger.outcomes.values()),
         "groups_dropped_stale": sum(o == "stale" for o in ledger.outcomes.values()),
@@ -473,47 +417,49 @@ def main() -> int:
         "groups_pending_in_checkpoint": len(ledger.pending_at_exit),
         "outcomes_voided_by_learner_restart": ledger.voided,
         "bad_frames_sent": sum(figures.get("bad_frames_by_kind", {}).values())
-        + figures.get("poisoned", {}).get("bad_sent", 0),
+        + poisoned.get("bad_sent", 0),
         "bad_frames_rejected": int(final.get("receiver/bad_frames", -1)),
         "bad_frames_by_reason": {
             k.removeprefix("receiver/bad_frames/"): int(v)
             for k, v in final.items()
             if k.startswith("receiver/bad_frames/") and v
         },
-        "poisoned_sent": figures.get("poisoned", {}).get("sent", 0),
-        "poisoned_refused_sent": figures.get("poisoned", {}).get("refused_sent", 0),
-        "poisoned_refused_acked": figures.get("poisoned", {}).get("refused_acked", 0),
+        "poisoned_sent": poisoned.get("sent", 0),
+        "poisoned_refused_sent": poisoned.get("refused_sent", 0),
+        "poisoned_refused_acked": poisoned.get("refused_acked", 0),
         "groups_refused_by_learner": int(final.get("receiver/refused", -1)),
         "groups_refused_in_ledger": sum(ledger.refused.values()),
         "policy_finite": policy_finite(run_dir),
-        "unauthenticated_attempted": figures.get("unauthenticated", {}).get("attempted", 0),
-        "unauthenticated_acked": figures.get("unauthenticated", {}).get("acked", 0),
+        "unauthenticated_attempted": unauthenticated.get("attempted", 0),
+        "unauthenticated_acked": unauthenticated.get("acked", 0),
         "unauthenticated_refused": int(final.get("receiver/unauthenticated", 0)),
-        "learner_crashes_unplanned": cluster.learner_crashes_unplanned,
-        "actor_crashes_unplanned": cluster.actor_crashes_unplanned,
+        "learner_crashes_unplanned": chaos.cluster.learner_crashes_unplanned,
+        "actor_crashes_unplanned": chaos.cluster.actor_crashes_unplanned,
         "learner_starts": ledger.learner_starts,
         "versions_monotonic": versions == sorted(versions) and len(set(versions)) == len(versions),
         "final_version": versions[-1] if versions else None,
         "steps": len(versions),
         "exit_codes": exit_codes,
-        "wall_s": round(time.monotonic() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
-        "command": "python benchmarks/chaos.py" + (" --quick" if args.quick else ""),
     }
-    checks = {
+
+
+def checks(result: dict) -> dict[str, bool]:
+    """What a passing run must show."""
+    refused = (
+        result["poisoned_refused_acked"]
+        == result["poisoned_refused_sent"]
+        == result["groups_refused_by_learner"]
+        == result["groups_refused_in_ledger"]
+        > 0
+    )
+    return {
         "at least 5 fault kinds": result["fault_kinds"] >= 5,
         "groups_lost == 0": result["groups_lost"] == 0,
         "groups_duplicated == 0": result["groups_duplicated"] == 0,
         "groups_unknown == 0": result["groups_unknown"] == 0,
         "bad_frames_rejected == bad_frames_sent": result["bad_frames_rejected"]
         == result["bad_frames_sent"],
-        "poisoned groups refused (acked as refused, counted, in the ledger)": result[
-            "poisoned_refused_acked"
-        ]
-        == result["poisoned_refused_sent"]
-        == result["groups_refused_by_learner"]
-        == result["groups_refused_in_ledger"]
-        > 0,
+        "poisoned groups refused (acked as refused, counted, in the ledger)": refused,
         "policy finite": result["policy_finite"],
         "unauthenticated refused, none acked": result["unauthenticated_refused"]
         >= result["unauthenticated_attempted"]
@@ -521,19 +467,43 @@ def main() -> int:
         "learner_crashes_unplanned == 0": result["learner_crashes_unplanned"] == 0,
         "actor_crashes_unplanned == 0": result["actor_crashes_unplanned"] == 0,
         "versions never go backwards": result["versions_monotonic"],
-        "clean exits": all(code == 0 for code in exit_codes.values()),
+        "clean exits": all(code == 0 for code in result["exit_codes"].values()),
     }
-    result["checks"] = checks
-    result["passed"] = all(checks.values())
+
+
+def main() -> int:
+    parser = cli.parser(__doc__)
+    parser.add_argument("--quick", action="store_true", help="shorter outage and run (< 3 min)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    args = parser.parse_args()
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="specrl-chaos-"))
+    chaos = start(work)
+    try:
+        chaos.cluster.learner.start()
+        for proc in chaos.cluster.actors.values():
+            proc.start()
+        log(f"pipeline up (run dir {chaos.cluster.run_dir}); warming up")
+        inject_faults(chaos, 15.0 if args.quick else 60.0, 2 if args.quick else 6)
+        log("faults done; stopping cleanly")
+    finally:
+        exit_codes = chaos.cluster.stop()
+        chaos.redis_server.close()
+    result = {"quick": args.quick, **outcome(chaos, exit_codes)}
+    result |= {
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
+        "command": "python benchmarks/chaos.py" + (" --quick" if args.quick else ""),
+    }
+    result["checks"] = checks(result)
+    result["passed"] = all(result["checks"].values())
     width = max(map(len, result)) + 2
     for key, value in result.items():
         if key not in ("checks", "machine", "exit_codes", "bad_frames_by_reason"):
             print(f"  {key:<{width}} {value}")
-    for name, ok in checks.items():
+    for name, ok in result["checks"].items():
         print(f"  [{'ok' if ok else 'FAIL'}] {name}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    cli.write_json(result, args.json)
     if args.keep or not result["passed"]:
         print(f"run directory kept: {work}")
     else:

@@ -1,12 +1,13 @@
-"""What every benchmark script shares: its command line (the module docstring as help, ``--json``)
-and how it ends (the run's seconds and load average added, the figures written as one JSON
-object)."""
+"""What every benchmark script shares: its command line (the module docstring as help, ``--json``),
+how it ends (the run's seconds and load average added, the figures written as one JSON object),
+and the random-weight models it measures."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,10 +30,15 @@ def finish(figures: dict[str, Any], path: Path | None, started: float | None = N
     if started is not None:
         figures["seconds"] = round(time.perf_counter() - started, 1)
     figures["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    write_json(figures, path)
+    return 0
+
+
+def write_json(figures: dict[str, Any], path: Path | None) -> None:
+    """``figures`` as one indented JSON object in ``path`` (its folder made), if a path is given."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
-    return 0
 
 
 def target(name: str, value: float, goal: float) -> dict[str, Any]:
@@ -48,3 +54,27 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1
     )
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def random_model(
+    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **args: Any
+):
+    """A ``Transformer`` of this shape with seeded random weights (seed 0 unless ``seed`` is
+    given); other ``args`` are ``ModelArgs`` fields."""
+    import torch
+
+    from common.model import Transformer
+    from common.model_args import ModelArgs
+
+    torch.manual_seed(args.pop("seed", 0))
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
+    shape |= dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    return Transformer(ModelArgs(**shape, **args))
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform.processor()`` says."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor()

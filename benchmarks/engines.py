@@ -49,19 +49,21 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
-from actors.lossless_check import (  # noqa: E402
-    exact_sequence_logprobs,
-    peaky_model,
-    rollouts_pvalue,
-)
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import rl_model, workloads  # noqa: E402
-from common.config import SpecConfig, load_config  # noqa: E402
-from common.model import Transformer, load_pretrained, random_model, save_pretrained  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.config.actor import EngineConfig, SpecConfig  # noqa: E402
+from common.model import Transformer, load_pretrained, save_pretrained  # noqa: E402
 from common.sampling import processed_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from ops.launcher import cpu_vllm_preload  # noqa: E402
+from testing.lossless_check import (  # noqa: E402
+    exact_sequence_logprobs,
+    peaky_model,
+    rollouts_pvalue,
+)
+from testing.models import random_model  # noqa: E402
 
 GROUP = 8
 # k = 8 drafts from a suffix match of 3 to 6 tokens: the best of the settings probed on the small
@@ -158,10 +160,12 @@ def load_work(work):
     return ckpt, model, tokenizer, task, model_dir
 
 
-def make_vllm(model_dir: Path, eos: int, max_len: int, **kwargs):
+def make_vllm(model_dir: Path, eos: int, max_len: int, speculative_config=None, **kwargs):
     from actors.engines.vllm_engine import VllmEngine
 
-    return VllmEngine(model_dir, eos, seed=0, max_model_len=max_len, **kwargs)
+    kwargs.setdefault("inflight", "keep")
+    engine = EngineConfig(vllm_max_model_len=max_len, vllm_speculative=speculative_config or {})
+    return VllmEngine(model_dir, eos, engine, seed=0, **kwargs)
 
 
 def record_size() -> dict[str, float]:

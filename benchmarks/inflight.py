@@ -30,21 +30,24 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.loop import make_groups  # noqa: E402
-from actors.lossless_check import (  # noqa: E402
-    exact_sequence_logprobs,
-    peaky_model,
-    rollouts_pvalue,
-)
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import Workload, rl_model  # noqa: E402
-from common.config import INFLIGHT_MODES, LearnerConfig, SamplingConfig, load_config  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.config.learner import LearnerConfig  # noqa: E402
+from common.config.modes import INFLIGHT_MODES  # noqa: E402
+from common.config.run import SamplingConfig  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
 from common.sampling import token_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from learner.batch import collate  # noqa: E402
-from learner.loop import make_optimizer, train_step  # noqa: E402
 from learner.loss import ppo_clip_loss  # noqa: E402
+from learner.step import make_optimizer, train_step  # noqa: E402
+from testing.lossless_check import (  # noqa: E402
+    exact_sequence_logprobs,
+    peaky_model,
+    rollouts_pvalue,
+)
 
 GROUP = 8
 PROMPTS_PER_BATCH = 2

@@ -7,9 +7,9 @@ Models (random weights, built in memory): ``small`` (the built-in preset of
 configs/model/small.yaml: 8 layers, width 192, character vocabulary) and ``vocab32k`` (4 layers,
 width 256, a 32,000-token vocabulary). Both paths train on the same batch (rows x length below).
 
-- ``old``: the step before issue 14: fp32 logits [B, S, V] at every position, a full
+- ``old``: the naive step: fp32 logits [B, S, V] at every position, a full
   ``log_softmax``, the whole batch in one forward/backward, no activation checkpointing.
-- ``new``: ``learner.loop.train_step`` with log-probs of the chosen tokens at completion
+- ``new``: ``learner.step.train_step`` with log-probs of the chosen tokens at completion
   positions only (chunks of ``logprob_chunk_tokens``), micro-batches of
   ``max_tokens_per_microbatch`` tokens and activation checkpointing (fp32, so the comparison
   isolates the memory plan, not precision).
@@ -46,8 +46,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import cli  # noqa: E402
-from common.config import LearnerConfig, SamplingConfig  # noqa: E402
-from common.model import ModelArgs, Transformer  # noqa: E402
+from common.config.learner import LearnerConfig  # noqa: E402
+from common.config.run import SamplingConfig  # noqa: E402
+from common.model import Transformer  # noqa: E402
 from common.protocol import Completion, TrajectoryGroup  # noqa: E402
 from common.sampling import token_logprobs  # noqa: E402
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
@@ -67,17 +68,8 @@ NEW = dict(max_tokens_per_microbatch=2048, logprob_chunk_tokens=256, activation_
 
 def build_model(name: str) -> Transformer:
     vocab, hidden, layers, heads, kv, inter = MODELS[name]
-    torch.manual_seed(0)
-    return Transformer(
-        ModelArgs(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            max_position_embeddings=PROMPT + COMPLETION,
-        )
+    return cli.random_model(
+        vocab, hidden, inter, layers, heads, kv, max_position_embeddings=PROMPT + COMPLETION
     )
 
 
@@ -111,7 +103,8 @@ def build_batch(vocab: int, groups: int, seed: int = 0) -> TrainBatch:
 
 
 def old_step(model: Transformer, optimizer, batch: TrainBatch, cfg: LearnerConfig) -> None:
-    """The training step as it was before issue 14 (policy loss; no KL, no early exit)."""
+    """The naive training step the new one is compared with (policy loss; no KL, no early
+    exit)."""
     model.train()
     L = model.args.num_hidden_layers
     x = model.model.embed_tokens(batch.input_ids)
@@ -139,7 +132,7 @@ def _rss_bytes() -> int:
 
 def child_step(model_name: str, path: str, steps: int, groups: int) -> dict:
     """One configuration in this (fresh) process: peak memory and tokens/s."""
-    from learner.loop import make_optimizer, train_step
+    from learner.step import make_optimizer, train_step
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     batch = build_batch(MODELS[model_name][0], groups)
@@ -173,7 +166,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def _rank_worker(rank: int, world: int, port: int, model_name: str, out: str, groups: int) -> None:
     from learner.distributed import init_from_env, local_rank_env, shard, shutdown
-    from learner.loop import make_optimizer, train_step
+    from learner.step import make_optimizer, train_step
 
     os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
@@ -274,6 +267,45 @@ def plan_check(name: str, measured: dict) -> dict:
     return out
 
 
+def measure(name: str, quick: bool, groups: int, steps: str) -> dict:
+    """Old against new step and 1 against 2 ranks on model ``name``, each in a fresh process."""
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for _ in range(1 if quick else 2):  # alternate old/new: shared cores drift
+        for path in ("old", "new"):
+            runs[path].append(_run_child("step", name, path, steps, str(groups)))
+    old = min(runs["old"], key=lambda r: r["peak_mem_bytes"])
+    new = min(runs["new"], key=lambda r: r["peak_mem_bytes"])
+    old_tps = max(r["tokens_per_s"] for r in runs["old"])
+    new_tps = max(r["tokens_per_s"] for r in runs["new"])
+    one = _run_child("ranks", name, "1", str(groups))
+    two = _run_child("ranks", name, "2", str(groups))
+    vocab, hidden, layers, heads, kv, inter = MODELS[name]
+    params = sum(p.numel() for p in build_model(name).parameters())
+    measured = {
+        "config": dict(
+            vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, mlp=inter
+        ),
+        "params": params,
+        "old": {**old, "tokens_per_s": old_tps},
+        "new": {**new, "tokens_per_s": new_tps},
+        "peak_mem_new_over_old": new["peak_mem_bytes"] / old["peak_mem_bytes"],
+        "tokens_per_s_new_over_old": new_tps / old_tps,
+        "ranks_1": one,
+        "ranks_2": two,
+        "per_rank_state_mem_2_over_1": two["state_bytes"] / one["state_bytes"],
+        "tokens_per_s_2_over_1": two["tokens_per_s"] / one["tokens_per_s"],
+    }
+    measured["plan"] = plan_check(name, measured)
+    print(
+        f"{name}: peak new/old {measured['peak_mem_new_over_old']:.3f} "
+        f"({new['peak_mem_bytes'] / 2**20:.0f} / {old['peak_mem_bytes'] / 2**20:.0f} MiB), "
+        f"tokens/s new/old {new_tps / old_tps:.2f}, per-rank state 2/1 "
+        f"{measured['per_rank_state_mem_2_over_1']:.3f}",
+        flush=True,
+    )
+    return measured
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a smaller batch, fewer steps")
@@ -286,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(args.json.read_text())
         for name, measured in results["models"].items():
             measured["plan"] = plan_check(name, measured)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        cli.write_json(results, args.json)
         return 0
     groups = 2 if args.quick else GROUPS
     if args.child:
@@ -308,40 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
     }
     for name in MODELS:
-        runs: dict[str, list[dict]] = {"old": [], "new": []}
-        for _ in range(1 if args.quick else 2):  # alternate old/new: shared cores drift
-            for path in ("old", "new"):
-                runs[path].append(_run_child("step", name, path, steps, str(groups)))
-        old = min(runs["old"], key=lambda r: r["peak_mem_bytes"])
-        new = min(runs["new"], key=lambda r: r["peak_mem_bytes"])
-        old_tps = max(r["tokens_per_s"] for r in runs["old"])
-        new_tps = max(r["tokens_per_s"] for r in runs["new"])
-        one = _run_child("ranks", name, "1", str(groups))
-        two = _run_child("ranks", name, "2", str(groups))
-        vocab, hidden, layers, heads, kv, inter = MODELS[name]
-        params = sum(p.numel() for p in build_model(name).parameters())
-        results["models"][name] = {
-            "config": dict(
-                vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, mlp=inter
-            ),
-            "params": params,
-            "old": {**old, "tokens_per_s": old_tps},
-            "new": {**new, "tokens_per_s": new_tps},
-            "peak_mem_new_over_old": new["peak_mem_bytes"] / old["peak_mem_bytes"],
-            "tokens_per_s_new_over_old": new_tps / old_tps,
-            "ranks_1": one,
-            "ranks_2": two,
-            "per_rank_state_mem_2_over_1": two["state_bytes"] / one["state_bytes"],
-            "tokens_per_s_2_over_1": two["tokens_per_s"] / one["tokens_per_s"],
-        }
-        results["models"][name]["plan"] = plan_check(name, results["models"][name])
-        print(
-            f"{name}: peak new/old {results['models'][name]['peak_mem_new_over_old']:.3f} "
-            f"({new['peak_mem_bytes'] / 2**20:.0f} / {old['peak_mem_bytes'] / 2**20:.0f} MiB), "
-            f"tokens/s new/old {new_tps / old_tps:.2f}, per-rank state 2/1 "
-            f"{results['models'][name]['per_rank_state_mem_2_over_1']:.3f}",
-            flush=True,
-        )
+        results["models"][name] = measure(name, args.quick, groups, steps)
     results["goals"] = {
         "peak_mem_new_over_old<=0.5": all(
             m["peak_mem_new_over_old"] <= 0.5 for m in results["models"].values()
@@ -350,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             m["per_rank_state_mem_2_over_1"] <= 0.6 for m in results["models"].values()
         ),
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    cli.write_json(results, args.json)
     print(json.dumps(results["goals"]))
     return 0
 

@@ -53,21 +53,21 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import cli  # noqa: E402
+from benchmarks.procstat import Monitor, proc_figures  # noqa: E402
 from common.config import load_config  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
-from common.warm_start import ensure_model  # noqa: E402
+from learner.warm_start import ensure_model  # noqa: E402
+from ops.metrics_file import read_metrics  # noqa: E402
+from ops.redis_server import find_free_port  # noqa: E402
 
 MODES = {
     "sync": ["learner.max_staleness=0", "actor.wait_for_new_version=true"],
@@ -88,188 +88,9 @@ LADDER_OFFSETS = (-0.1, -0.05, 0.0, 0.05)
 SAMPLE_EVERY_S = 0.25
 TARGET_SAMPLES_RATIO = 1.5
 TARGET_TIME_RATIO = 1.3
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# ------------------------------------------------------------------------------------ /proc
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (field 3 onwards)."""
-    text = _read(f"/proc/{pid}/stat")
-    return text[text.rindex(")") + 2 :].split() if text else None
-
-
-def _children(pid: int) -> dict[int, str]:
-    """Direct children of ``pid`` and their command lines."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat_fields(int(entry))
-        if fields and int(fields[1]) == pid:
-            cmdline = _read(f"/proc/{entry}/cmdline") or ""
-            out[int(entry)] = cmdline.replace("\0", " ")
-    return out
-
-
-def _renice(pid: int, nice: int) -> None:
-    """Lower the CPU priority of every thread of ``pid`` (threads it starts later inherit it)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except (ProcessLookupError, PermissionError):
-            continue
-
-
-@dataclass
-class ProcSample:
-    run_s: float  # main thread on a CPU
-    runnable_s: float  # main thread runnable, waiting for a CPU
-    cpu_s: float  # all threads, user + system
-
-
-def _proc_sample(pid: int) -> ProcSample | None:
-    sched = _read(f"/proc/{pid}/schedstat")
-    fields = _stat_fields(pid)
-    if not sched or not fields:
-        return None
-    run_ns, wait_ns = (int(x) for x in sched.split()[:2])
-    cpu_ticks = int(fields[11]) + int(fields[12])  # utime, stime
-    return ProcSample(run_ns / 1e9, wait_ns / 1e9, cpu_ticks / CLK_TCK)
-
-
-def _machine_busy_s() -> float:
-    """CPU-seconds the whole machine has been busy (all cores)."""
-    text = _read("/proc/stat") or ""
-    values = [int(x) for x in text.splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return (sum(values[:8]) - idle) / CLK_TCK
-
-
-@dataclass
-class Sample:
-    t: float
-    steps: int
-    procs: dict[str, ProcSample]
-    machine_busy_s: float
-
-
-@dataclass
-class Monitor:
-    """Samples the launcher's children (learner, actors, Redis) and the step count."""
-
-    launcher_pid: int
-    metrics_path: Path
-    num_actors: int
-    actor_nice: int = 0
-    roles: dict[int, str] = field(default_factory=dict)
-    samples: list[Sample] = field(default_factory=list)
-    _offset: int = 0
-    _steps: int = 0
-
-    def _discover(self) -> None:
-        for pid, cmdline in _children(self.launcher_pid).items():
-            if pid in self.roles:
-                continue
-            if "learner.main" in cmdline:
-                self.roles[pid] = "learner"
-            elif "actors.main" in cmdline:
-                index = next(
-                    (a.split("=", 1)[1] for a in cmdline.split() if a.startswith("actor.index=")),
-                    str(len(self.roles)),
-                )
-                self.roles[pid] = f"actor-{index}"
-                if self.actor_nice:
-                    _renice(pid, self.actor_nice)
-            elif "redis" in cmdline:
-                self.roles[pid] = "redis"
-
-    def _count_steps(self) -> int:
-        try:
-            with self.metrics_path.open("rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except OSError:
-            return self._steps
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self._offset += len(complete)
-        self._steps += complete.count(b'"learner/reward_mean"')
-        return self._steps
-
-    def sample(self) -> None:
-        if len([r for r in self.roles.values() if r != "redis"]) < self.num_actors + 1:
-            self._discover()
-        previous = self.samples[-1].procs if self.samples else {}
-        procs = {}
-        for pid, role in self.roles.items():
-            s = _proc_sample(pid)
-            procs[role] = s if s is not None else previous.get(role, ProcSample(0, 0, 0))
-        self.samples.append(Sample(time.monotonic(), self._count_steps(), procs, _machine_busy_s()))
-
-    def window(self, total_steps: int) -> tuple[Sample, Sample] | None:
-        """Samples at the first step's end and the last step's end (to sampling resolution)."""
-        start = next((s for s in self.samples if s.steps >= 1), None)
-        end = next((s for s in self.samples if s.steps >= total_steps), None)
-        if start is None or end is None or end.t <= start.t:
-            return None
-        return start, end
-
-
-def proc_figures(monitor: Monitor, total_steps: int, cores: int) -> dict:
-    """Idle/starved shares of the actors' main threads and CPU use over the training window."""
-    window = monitor.window(total_steps)
-    if window is None:
-        return {}
-    a, b = window
-    dt = b.t - a.t
-
-    def delta(role: str) -> tuple[float, float, float]:
-        pa, pb = a.procs.get(role), b.procs.get(role)
-        if pa is None or pb is None:
-            return 0.0, 0.0, 0.0
-        return pb.run_s - pa.run_s, pb.runnable_s - pa.runnable_s, pb.cpu_s - pa.cpu_s
-
-    actors = sorted(r for r in b.procs if r.startswith("actor-"))
-    idle, starved = [], []
-    for role in actors:
-        run_s, runnable_s, _ = delta(role)
-        idle.append(max(0.0, 1.0 - (run_s + runnable_s) / dt))
-        starved.append(runnable_s / dt)
-    learner_run, learner_runnable, _ = delta("learner")
-    pipeline_cpu = sum(delta(r)[2] for r in b.procs)
-    machine_cpu = b.machine_busy_s - a.machine_busy_s
-    return {
-        "actor_idle_frac": statistics.mean(idle) if idle else None,
-        "actor_idle_frac_each": idle,
-        "actor_cpu_starved_frac": statistics.mean(starved) if starved else None,
-        "learner_main_thread_idle_frac": max(0.0, 1.0 - (learner_run + learner_runnable) / dt),
-        "learner_cpu_starved_frac": learner_runnable / dt,
-        "pipeline_cpu_util": pipeline_cpu / (cores * dt),
-        "other_cpu_util": max(0.0, machine_cpu - pipeline_cpu) / (cores * dt),
-        "proc_window_s": dt,
-    }
 
 
 # ------------------------------------------------------------------------------- one run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def moving_average(values: list[float], window: int) -> list[float | None]:
@@ -358,7 +179,7 @@ def run_mode(
         *MODES[mode],
         f"run.name=bench-pipeline-{mode}-{repeat}-{os.getpid()}",
         f"run.dir={run_dir}",
-        f"learner.address=tcp://127.0.0.1:{free_port()}",
+        f"learner.address=tcp://127.0.0.1:{find_free_port()}",
     ]
     cmd = [sys.executable, "-m", "ops.cli", "run", *overrides]
     log_path = run_dir.parent / f"{run_dir.name}.log"
@@ -472,34 +293,17 @@ def print_table(per_mode: dict[str, dict], target: float) -> None:
         else:
             ratio = ""
         rows.append((label, _fmt(s, spec), _fmt(a, spec), ratio))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     print()
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(rows[0], widths, strict=True)) + " |")
-    print("| " + " | ".join("-" * w for w in widths) + " |")
-    for row in rows[1:]:
-        cells = [
-            row[0].ljust(widths[0]),
-            *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)),
-        ]
-        print("| " + " | ".join(cells) + " |")
+    print(cli.table(rows[0], rows[1:]))
 
 
 def machine_info() -> dict:
-    cpuinfo = _read("/proc/cpuinfo") or ""
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
     import torch
 
     return {
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
+        "cpu_model": cli.cpu_model() or "unknown",
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -583,7 +387,8 @@ def compare(
     }
 
 
-def main() -> int:
+def parse_options() -> tuple[argparse.Namespace, list[int]]:
+    """The command line, with the --quick defaults filled in; the actor counts to compare."""
     parser = cli.parser(__doc__)
     parser.add_argument(
         "--quick", action="store_true", help="120 steps, one repeat, 2 actors only (~2 min)"
@@ -629,32 +434,12 @@ def main() -> int:
     for actors in layouts:
         if actors < 1 or GROUPS_PER_STEP % actors:
             parser.error(f"--actors: each count must divide {GROUPS_PER_STEP} (groups per step)")
-    started = time.monotonic()
+    return opts, layouts
 
-    os.chdir(ROOT)  # the built-in model cache (runs/models) is relative to the repository
-    base = [
-        f"run.steps={opts.steps}",
-        "run.seed=0",
-        # Off in both: fixed Prometheus ports would collide with other runs on this machine.
-        "learner.metrics_port=-1",
-        "actor.metrics_port=-1",
-        *opts.set,
-    ]
-    cfg = load_config(base)
-    opts.group_size = cfg.actor.group_size
-    print("model: warm start (cached after the first use) ...", flush=True)
-    base.append(f"model.path={ensure_model(cfg).resolve()}")
-    machine = machine_info()
-    print(
-        f"{machine['cpu_model']}, {machine['cores_usable']} cores; reward target "
-        f"{opts.target} ({opts.window}-step moving average)",
-        flush=True,
-    )
-    out_root = ROOT / "runs" / "bench" / "pipeline"
-    results = [compare(a, opts, base, machine, out_root) for a in layouts]
+
+def report(results: list[dict], opts: argparse.Namespace, machine: dict, seconds: float) -> int:
+    """Print the headline figures and write the JSON (the first layout's figures at the top)."""
     head = results[0]
-
-    seconds = time.monotonic() - started
     print(f"\nheadline ({head['actors']} actors, the default run's layout when 2):")
     print(
         f"  async_over_sync_samples_per_s  = {_fmt(head['async_over_sync_samples_per_s'], '.2f')}"
@@ -709,9 +494,37 @@ def main() -> int:
             "quick": opts.quick,
             "seconds": round(seconds, 1),
         }
-        opts.json.write_text(json.dumps(result, indent=2))
+        cli.write_json(result, opts.json)
         print(f"wrote {opts.json}")
     return 0
+
+
+def main() -> int:
+    opts, layouts = parse_options()
+    started = time.monotonic()
+
+    os.chdir(ROOT)  # the built-in model cache (runs/models) is relative to the repository
+    base = [
+        f"run.steps={opts.steps}",
+        "run.seed=0",
+        # Off in both: fixed Prometheus ports would collide with other runs on this machine.
+        "learner.metrics_port=-1",
+        "actor.metrics_port=-1",
+        *opts.set,
+    ]
+    cfg = load_config(base)
+    opts.group_size = cfg.actor.group_size
+    print("model: warm start (cached after the first use) ...", flush=True)
+    base.append(f"model.path={ensure_model(cfg).resolve()}")
+    machine = machine_info()
+    print(
+        f"{machine['cpu_model']}, {machine['cores_usable']} cores; reward target "
+        f"{opts.target} ({opts.window}-step moving average)",
+        flush=True,
+    )
+    out_root = ROOT / "runs" / "bench" / "pipeline"
+    results = [compare(a, opts, base, machine, out_root) for a in layouts]
+    return report(results, opts, machine, time.monotonic() - started)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks import cli  # noqa: E402
+from benchmarks.procstat import descendants  # noqa: E402
 from common.config import load_config  # noqa: E402
 
 PRESET = ["model=smollm2-135m", "task=word_problems"]
@@ -66,28 +67,9 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def _descendants(self) -> list[int]:
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-        out, todo = [], [self.root]
-        while todo:
-            pid = todo.pop()
-            for child in children.get(pid, []):
-                out.append(child)
-                todo.append(child)
-        return out
-
     def _sample(self) -> None:
         rss_sum = pss_sum = 0.0
-        for pid in self._descendants():
+        for pid in descendants(self.root):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                 rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
@@ -130,7 +112,7 @@ def evaluate(
     """Per problem, the fraction of ``samples`` completions the task rewards (torch engine, the
     published dtype the actors decode in: bf16)."""
     from actors.engines.torch_engine import TorchEngine
-    from common.config import SpecConfig
+    from common.config.actor import SpecConfig
     from common.model import load_pretrained
     from common.tokenizer import HFTokenizer
     from common.word_problems import WordProblemsTask
@@ -270,8 +252,8 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)
 
     from common.tasks import task_from_config
-    from common.warm_start import ensure_model
     from common.word_problems import eval_problems
+    from learner.warm_start import ensure_model
 
     cfg = load_config([*PRESET, *opts.overrides])
     model_dir = ensure_model(cfg)

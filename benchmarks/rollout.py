@@ -53,13 +53,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.lossless_check import peaky_model, sequence_pvalue  # noqa: E402
 from benchmarks import cli  # noqa: E402
-from common.config import SpecConfig, load_config  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.config.actor import SpecConfig  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
 from common.tasks import PromptPool, task_from_config  # noqa: E402
 from common.tokenizer import Tokenizer, encode_prompt, load_tokenizer  # noqa: E402
 from learner.checkpoint import latest_checkpoint  # noqa: E402
+from testing.lossless_check import peaky_model, sequence_pvalue  # noqa: E402
 
 BATCHES = (1, 8, 32)
 GROUP = 8
@@ -117,7 +118,7 @@ def methods_for(num_layers: int) -> dict[str, SpecConfig]:
 def shown(name: str, spec: SpecConfig) -> str:
     if name == "none":
         return "none"
-    extra = f", exit {spec.exit_layer}" if spec.method in ("early_exit", "hybrid") else ""
+    extra = f", exit {spec.exit_layer}" if spec.uses_early_exit else ""
     label = {
         "ngram_prompt": "ngram: prompt only",
         "ngram_group": "ngram: + group",
@@ -351,13 +352,7 @@ def provenance() -> dict[str, object]:
         out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return out.stdout.strip()
 
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cli.cpu_model()
     return {
         "command": "python benchmarks/rollout.py " + " ".join(sys.argv[1:]),
         "commit": git("rev-parse", "HEAD"),

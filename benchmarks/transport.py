@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender, unique_actor_id  # noqa: E402
 from benchmarks import cli  # noqa: E402
-from common.config import ActorConfig  # noqa: E402
+from common.config.actor import ActorConfig  # noqa: E402
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode  # noqa: E402
 from common.transport import DEFAULT_HWM  # noqa: E402
 from learner.receiver import GroupReceiver  # noqa: E402

@@ -26,18 +26,18 @@ Scaling figures (all in one run, on the same Redis):
                              bytes (goal <= 1.1); without the cache for comparison.
   fetch_over_plain_read      a plain redis-py read of the same chunk keys (the faster of a
                              pipelined and a one-GET-at-a-time loop) takes t_plain; a verified
-                             ``WeightStore.fetch`` (checksums, tensors, finite check) takes
+                             ``WeightReader.fetch`` (checksums, tensors, finite check) takes
                              t_fetch; the ratio of throughputs t_plain / t_fetch, medians of
                              interleaved repeats on the 100mb model (goal >= 0.8).
 
 A private redis-server (ops.redis_server.RedisServer, as the tests use) holds the versions;
-the learner side is this process, with a real `common.weights.WeightStore`. Models are random
+the learner side is this process, with a real `learner.weight_writer.WeightWriter`. Models are random
 fp32 tensors shaped like a Llama-style transformer (untied embedding and LM head, per layer
 q/k/v/o with grouped KV, a gated MLP and two norms), of about 10 MB, 100 MB and 1 GB
 (MB = 10^6 bytes, GB/s = 10^9 bytes/s; the table shows the exact size).
 
 Readers are separate processes (spawn, so no GIL is shared), each with its own Redis client,
-WeightStore and VersionWatcher, as actors are: they wait on `store.watch()` for the next
+WeightReader and VersionWatcher, as actors are: they wait on a `VersionWatcher` for the next
 version, then `store.fetch()` it (read, verify every chunk's sha256, build the tensors). For
 each model and reader count (1 and 4) one warm-up version and then N versions are published one
 after another, the next only once every reader holds the previous one. Per version:
@@ -66,7 +66,6 @@ import multiprocessing as mp
 import queue
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -76,16 +75,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from omegaconf import OmegaConf  # noqa: E402
-
+from actors.weight_reader import WeightReader  # noqa: E402
+from actors.weight_watcher import VersionWatcher  # noqa: E402
 from benchmarks import cli  # noqa: E402
-from common.config import LearnerConfig, ModelConfig, RedisConfig  # noqa: E402
-from common.model import ModelArgs, Transformer  # noqa: E402
-from common.protocol import weights_chunk_key  # noqa: E402
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
-from common.weight_cache import HostCache  # noqa: E402
-from common.weights import WeightStore, weights_digest  # noqa: E402
-from learner.publisher import Publisher  # noqa: E402
+from benchmarks.weight_scaling import GOALS, scaling_figures  # noqa: E402
+from common.config.run import RedisConfig  # noqa: E402
+from learner.weight_writer import WeightWriter  # noqa: E402
 from ops.redis_server import RedisServer  # noqa: E402
 
 MB = 10**6
@@ -99,22 +94,6 @@ MODELS = {
 READERS = (1, 4)
 TARGET_FETCH_GBPS_100MB = 1.0
 TIMEOUT_S = 600.0
-GOALS = {  # figure -> (goal, "<=" or ">=")
-    "delta_bytes_over_full": (0.1, "<="),
-    "publish_hidden_frac": (0.9, ">="),
-    "egress_over_model_bytes_4_actors": (1.1, "<="),
-    "fetch_over_plain_read": (0.8, ">="),
-}
-SMALL_YAML = ROOT / "configs" / "model" / "small.yaml"
-# Used only if configs/model/small.yaml is missing.
-SMALL_FALLBACK = {
-    "hidden_size": 256,
-    "num_layers": 8,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 768,
-}
-LLM_LR = 1e-6
 
 
 def model_shapes(target_bytes: int, d: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -163,8 +142,8 @@ def reader_main(index: int, url: str, commands: mp.Queue, results: mp.Queue) -> 
     client = redis.Redis.from_url(url)
     while (command := commands.get()) is not None:
         run_id, versions, chunk_bytes = command
-        store = WeightStore(client, run_id, chunk_bytes=chunk_bytes)
-        with store.watch(poll_interval_s=1.0) as watcher:
+        store = WeightReader(client, run_id, chunk_bytes=chunk_bytes)
+        with VersionWatcher.of_store(store, poll_interval_s=1.0) as watcher:
             watcher.poll(timeout_s=0.0)  # subscribe now: the first announcement must not be lost
             results.put(("ready", index))
             for _ in range(versions):
@@ -235,7 +214,7 @@ def run_config(
     chunk_bytes: int,
 ) -> dict[str, float]:
     run_id = f"bench-{label}-r{n_readers}"
-    store = WeightStore(client, run_id, chunk_bytes=chunk_bytes, retention=1)
+    store = WeightWriter(client, run_id, chunk_bytes=chunk_bytes, retention=1)
     for q in readers.commands[:n_readers]:
         q.put((run_id, versions + 1, chunk_bytes))
     for _ in range(n_readers):
@@ -271,293 +250,22 @@ def run_config(
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
 
-# ------------------------------------------------------------------------- scaling figures
-
-
-def built_in_model(fields: dict[str, int], seed: int = 0) -> Transformer:
-    vocab = CharTokenizer(BUILTIN_ALPHABET).vocab_size
-    torch.manual_seed(seed)
-    return Transformer(
-        ModelArgs(
-            vocab_size=vocab,
-            hidden_size=fields["hidden_size"],
-            intermediate_size=fields["intermediate_size"],
-            num_hidden_layers=fields["num_layers"],
-            num_attention_heads=fields["num_heads"],
-            num_key_value_heads=fields["num_kv_heads"],
-        )
-    )
-
-
-def small_fields() -> dict[str, int]:
-    if not SMALL_YAML.is_file():
-        return dict(SMALL_FALLBACK)
-    cfg = OmegaConf.load(SMALL_YAML)
-    return {key: int(cfg[key]) for key in SMALL_FALLBACK}
-
-
-def demo_fields() -> dict[str, int]:
-    m = ModelConfig()
-    return {key: int(getattr(m, key)) for key in SMALL_FALLBACK}
-
-
-def lm_step(model: Transformer, optimizer: torch.optim.Optimizer, gen: torch.Generator) -> None:
-    """One AdamW step of next-token loss on random tokens (batch 8 x 64)."""
-    ids = torch.randint(0, model.args.vocab_size, (8, 64), generator=gen)
-    logits = model(ids)[:, :-1]
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-    )
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-
-
-def delta_ratio(
-    client: redis.Redis, run_id: str, model: Transformer, dtype, lr: float, steps: int
-) -> dict[str, float]:
-    """Bytes stored per version over a full version's, publishing after each of ``steps``."""
-    store = WeightStore(client, run_id, retention=steps + 2, keyframe_every=10**6)
-    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
-    publisher = Publisher(store, model, tokenizer, dtype=dtype, max_inflight=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(1)
-    publisher.publish(0)
-    full = store.last_publish_bytes
-    stored, deltas = [], 0
-    for version in range(1, steps + 1):
-        lm_step(model, optimizer, gen)
-        publisher.publish(version)
-        stored.append(store.last_publish_bytes)
-        deltas += store.manifest(version)["kind"] == "delta"
-    # A fresh reader walks keyframe + every delta and must hold the learner's weights exactly.
-    _, fetched = WeightStore(client, run_id).fetch(steps)
-    assert weights_digest(fetched) == weights_digest(publisher.snapshot())
-    client.flushdb()
-    return {
-        "ratio": statistics.mean(stored) / full,
-        "full_bytes": full,
-        "delta_versions": deltas,
-        "versions": steps,
-    }
-
-
-def hidden_fraction(
-    client: redis.Redis, model: Transformer, rounds: int, steps_per_block: int
-) -> dict[str, float]:
-    """Learner step time without publishing, with synchronous publishing, and with the upload
-    in the background on a thread and in a child process (the learner's default)."""
-    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LLM_LR, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(2)
-    publishers = {
-        mode: Publisher(
-            WeightStore(client, f"bench-hidden-{mode}", retention=3, keyframe_every=10),
-            model,
-            tokenizer,
-            dtype=torch.bfloat16,
-            max_inflight=inflight,
-            optimizer=optimizer,  # as the learner does: async snapshots run on the thread
-            upload=upload,
-        )
-        for mode, inflight, upload in (
-            ("sync", 0, "thread"),
-            ("thread", 1, "thread"),
-            ("process", 1, "process"),
-        )
-    }
-    times: dict[str, list[float]] = {"off": [], "sync": [], "thread": [], "process": []}
-    version = 0
-    modes = list(times)
-    for round_ in range(rounds):
-        # The order of the blocks rotates every round, so no mode always follows another.
-        for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
-            for _ in range(steps_per_block):
-                start = time.perf_counter()
-                lm_step(model, optimizer, gen)
-                if mode != "off":
-                    version += 1
-                    publishers[mode].publish(version)
-                times[mode].append(time.perf_counter() - start)
-            if mode in ("thread", "process"):
-                publishers[mode].flush()  # untimed: the next block starts with nothing in flight
-    upload_s = publishers["sync"].last_publish_s
-    for publisher in publishers.values():
-        publisher.close()
-    client.flushdb()
-    med = {mode: statistics.median(t) for mode, t in times.items()}
-    stall_sync = med["sync"] - med["off"]
-    return {
-        "hidden_frac": 1.0 - (med["process"] - med["off"]) / stall_sync,
-        "hidden_frac_thread": 1.0 - (med["thread"] - med["off"]) / stall_sync,
-        "step_s_off": med["off"],
-        "step_s_sync": med["sync"],
-        "step_s_thread": med["thread"],
-        "step_s_process": med["process"],
-        "publish_s": upload_s,
-    }
-
-
-def cache_fetcher(url: str, run_id: str, root: str, version: int, barrier, results) -> None:
-    """One actor-like process: fetch ``version`` through the host cache (None: no cache)."""
-    torch.set_num_threads(1)
-    cache = HostCache(root) if root else None
-    store = WeightStore(redis.Redis.from_url(url), run_id, host_cache=cache)
-    barrier.wait()
-    got, state_dict = store.fetch(version)
-    results.put((got, weights_digest(state_dict)))
-
-
-def egress_of_fetches(url: str, client: redis.Redis, run_id: str, root: str, n: int) -> int:
-    version = WeightStore(client, run_id).latest_version()
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(n + 1), ctx.Queue()
-    procs = [
-        ctx.Process(target=cache_fetcher, args=(url, run_id, root, version, barrier, results))
-        for _ in range(n)
+def print_table(table: list[tuple[str, int, int, dict[str, float]]]) -> None:
+    """The Markdown table of (model, bytes, readers, medians) rows."""
+    print()
+    header = ["model", "readers", "publish GB/s", "fetch GB/s per reader"]
+    header += [
+        "fetch GB/s aggregate",
+        "seen ms",
+        "latency ms (publish start -> all readers hold it)",
     ]
-    for proc in procs:
-        proc.start()
-    barrier.wait()  # every process imported torch and connected: count from here
-    before = int(client.info("stats")["total_net_output_bytes"])
-    digests = {results.get(timeout=TIMEOUT_S) for _ in procs}
-    after = int(client.info("stats")["total_net_output_bytes"])
-    for proc in procs:
-        proc.join(timeout=30)
-    assert len(digests) == 1, digests
-    return after - before
-
-
-def egress_figures(url: str, client: redis.Redis, model: Transformer) -> dict[str, float]:
-    """Redis egress per version with 4 fetching processes on one host, over the model bytes."""
-    run_id = "bench-egress"
-    store = WeightStore(client, run_id, retention=3, keyframe_every=10)
-    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
-    publisher = Publisher(store, model, tokenizer, dtype=torch.bfloat16, max_inflight=0)
-    publisher.publish(1)
-    model_bytes = sum(t.numel() * t.element_size() for t in publisher.snapshot().values())
-    with tempfile.TemporaryDirectory(prefix="specrl-bench-shm-", dir=shm_root()) as root:
-        shared = egress_of_fetches(url, client, run_id, root, 4)
-        private = egress_of_fetches(url, client, run_id, "", 4)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LLM_LR, weight_decay=0.0)
-        lm_step(model, optimizer, torch.Generator().manual_seed(3))
-        publisher.publish(2)
-        assert store.manifest(2)["kind"] == "delta"
-        delta = egress_of_fetches(url, client, run_id, root, 4)
-    client.flushdb()
-    return {
-        "shared": shared / model_bytes,
-        "private": private / model_bytes,
-        "delta": delta / model_bytes,
-        "model_bytes": model_bytes,
-    }
-
-
-def shm_root() -> str | None:
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
-
-
-def fetch_vs_plain(
-    client: redis.Redis, state_dict: dict[str, torch.Tensor], chunk_bytes: int, repeats: int
-) -> dict[str, float]:
-    """Verified fetch against a plain read of the same chunk keys, interleaved."""
-    run_id = "bench-plain"
-    store = WeightStore(client, run_id, chunk_bytes=chunk_bytes, retention=1)
-    store.publish(1, state_dict)
-    manifest = store.manifest(1)
-    keys = [weights_chunk_key(run_id, 1, i) for i in range(manifest["num_chunks"])]
-    assert client.exists(keys[0]), keys[0]
-    size = manifest["total_bytes"]
-
-    def plain_pipelined() -> int:
-        got = 0
-        for start in range(0, len(keys), 8):
-            pipe = client.pipeline(transaction=False)
-            for key in keys[start : start + 8]:
-                pipe.get(key)
-            got += sum(len(v) for v in pipe.execute())
-        return got
-
-    def plain_loop() -> int:
-        return sum(len(client.get(key)) for key in keys)
-
-    def verified() -> int:
-        _, sd = WeightStore(client, run_id, chunk_bytes=chunk_bytes).fetch(1)
-        return size if sd else 0
-
-    times: dict[str, list[float]] = {"pipelined": [], "loop": [], "fetch": []}
-    runs = {"pipelined": plain_pipelined, "loop": plain_loop, "fetch": verified}
-    for _ in range(repeats + 1):
-        for name, action in runs.items():
-            start = time.perf_counter()
-            assert action() == size
-            times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t[1:]) for name, t in times.items()}  # first: warm-up
-    plain = min(med["pipelined"], med["loop"])
-    client.flushdb()
-    return {
-        "ratio": plain / med["fetch"],
-        "fetch_gbps": size / med["fetch"] / GB,
-        "plain_pipelined_gbps": size / med["pipelined"] / GB,
-        "plain_loop_gbps": size / med["loop"] / GB,
-        "bytes": size,
-    }
-
-
-def scaling_figures(
-    url: str, client: redis.Redis, quick: bool, chunk_bytes: int, plain_label: str
-) -> dict[str, float]:
-    steps = 5 if quick else 20
-    small = small_fields() if not quick else demo_fields()
-    out: dict[str, float] = {}
-    d = delta_ratio(
-        client, "bench-delta-small", built_in_model(small), torch.bfloat16, LLM_LR, steps
-    )
-    out |= {
-        "delta_bytes_over_full": d["ratio"],
-        "delta_full_bytes_small": d["full_bytes"],
-        "delta_versions_small": d["delta_versions"],
-        "delta_lr": LLM_LR,
-        "delta_steps": steps,
-    }
-    print(f"delta (small, bf16, lr {LLM_LR:g}, {steps} steps): {d}", flush=True)
-    demo = demo_fields()
-    d = delta_ratio(
-        client, "bench-delta-demo", built_in_model(demo), None, LearnerConfig().lr, steps
-    )
-    out |= {
-        "delta_bytes_over_full_demo": d["ratio"],
-        "delta_versions_demo": d["delta_versions"],
-        "delta_lr_demo": LearnerConfig().lr,
-    }
-    print(f"delta (demo defaults, fp32, lr {LearnerConfig().lr:g}): {d}", flush=True)
-    h = hidden_fraction(client, built_in_model(small), 2 if quick else 12, 3 if quick else 5)
-    out |= {"publish_hidden_frac": h["hidden_frac"]} | {
-        f"hidden_{k}": v for k, v in h.items() if k != "hidden_frac"
-    }
-    print(f"publish hidden: {h}", flush=True)
-    e = egress_figures(url, client, built_in_model(small))
-    out |= {
-        "egress_over_model_bytes_4_actors": e["shared"],
-        "egress_over_model_bytes_4_actors_no_cache": e["private"],
-        "egress_over_model_bytes_4_actors_delta": e["delta"],
-        "egress_model_bytes": e["model_bytes"],
-    }
-    print(f"egress per version, 4 processes on one host: {e}", flush=True)
-    f = fetch_vs_plain(client, make_model(plain_label), chunk_bytes, 3 if quick else 7)
-    out |= {"fetch_over_plain_read": f["ratio"]} | {
-        f"plain_{k}": v for k, v in f.items() if k != "ratio"
-    }
-    print(f"verified fetch vs plain read ({plain_label}): {f}", flush=True)
-    for key, (goal, how) in GOALS.items():
-        value = out[key]
-        out[f"{key}_goal"] = goal
-        out[f"{key}_met"] = value <= goal if how == "<=" else value >= goal
-    # Ratios and times to 4 decimals; learning rates as they are (1e-6 would round to 0).
-    return {
-        k: round(v, 4) if isinstance(v, float) and not k.startswith("delta_lr") else v
-        for k, v in out.items()
-    }
+    rows = [
+        [f"{label} ({size / MB:.1f} MB)", n, f"{f['publish_gbps']:.2f}"]
+        + [f"{f['fetch_gbps_per_reader']:.2f}", f"{f['fetch_gbps_aggregate']:.2f}"]
+        + [f"{f['seen_ms']:.1f}", f"{f['latency_ms']:.0f}"]
+        for label, size, n, f in table
+    ]
+    print(cli.table(header, rows))
 
 
 def main() -> int:
@@ -583,7 +291,9 @@ def main() -> int:
     table: list[tuple[str, int, int, dict[str, float]]] = []
     with RedisServer(password="specrl-bench") as server:
         client = redis.Redis.from_url(server.url)
-        scaling = scaling_figures(server.url, client, opts.quick, chunk_bytes, "100mb")
+        plain = ("100mb", make_model("100mb"))
+        scaling = scaling_figures(server.url, client, opts.quick, chunk_bytes, plain)
+        del plain
         readers = Readers(max(READERS), server.url)
         try:
             for label in labels:
@@ -607,20 +317,7 @@ def main() -> int:
             readers.close()
             client.close()
 
-    print()
-    header = ["model", "readers", "publish GB/s", "fetch GB/s per reader"]
-    header += [
-        "fetch GB/s aggregate",
-        "seen ms",
-        "latency ms (publish start -> all readers hold it)",
-    ]
-    rows = [
-        [f"{label} ({size / MB:.1f} MB)", n, f"{f['publish_gbps']:.2f}"]
-        + [f"{f['fetch_gbps_per_reader']:.2f}", f"{f['fetch_gbps_aggregate']:.2f}"]
-        + [f"{f['seen_ms']:.1f}", f"{f['latency_ms']:.0f}"]
-        for label, size, n, f in table
-    ]
-    print(cli.table(header, rows))
+    print_table(table)
 
     fetch_100mb = flat["fetch_gbps_per_reader_100mb_r1"]
     summary = {

@@ -5,19 +5,22 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from common.config import SpecRLConfig, load_config
+from common.config.actor import ActorConfig
+from common.config.run import RunConfig
 
-OVERRIDES_HELP = """\
-Overrides are Hydra's KEY=VALUE (see configs/ and common/config.py for every field). Main ones:
-  actor.num_actors=N        actors launched by `specrl run` (default 2)
+OVERRIDES_HELP = f"""\
+Overrides are Hydra's KEY=VALUE (see configs/ and common/config/ for every field). Main ones:
+  actor.num_actors=N        actors launched by `specrl run` (default {ActorConfig.num_actors})
   task=reverse|addition     built-in task and tiny model (task=scratchpad model=small: long answers)
   model=smollm2-135m task=word_problems   a real pretrained model (SmolLM2-135M-Instruct,
                             needs SPECRL_WITH_REAL=1 bash scripts/setup.sh) on word problems
   task=dataset task.path=FILE model.path=HF_DIR   your own JSONL/Parquet data and HF model
                             (README "Train your own model")
   run.max_wall_s=SECONDS    end the run (with its checkpoint) after this long
-  run.steps=N               learner optimizer steps (default 400)
+  run.steps=N               learner optimizer steps (default {RunConfig.steps})
   run.name=NAME             run id (Redis key prefix, run directory runs/NAME)
   learner.max_staleness=K   drop groups more than K versions behind (0 = on-policy)
   learner.address=tcp://HOST:5555   where actors reach the learner
@@ -39,6 +42,21 @@ def parse(argv: list[str], prog: str, description: str) -> SpecRLConfig | None:
         raise SystemExit(f"{prog}: invalid configuration: {e}") from e
     setup_logging(cfg.run.log_level, prog)
     return cfg
+
+
+def run_main(
+    argv: list[str] | None,
+    prog: str,
+    description: str | None,
+    run: Callable[[SpecRLConfig], object],
+) -> int:
+    """A process entry point: ``run(cfg)`` on the config of ``argv`` (default: the command line);
+    exit status 0 (help printed, or ``run`` returned). ``description`` heads the help (an entry
+    module passes its docstring)."""
+    cfg = parse(sys.argv[1:] if argv is None else argv, prog, description or "")
+    if cfg is not None:
+        run(cfg)
+    return 0
 
 
 def setup_logging(level: str, name: str) -> None:

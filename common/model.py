@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,257 +35,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from common.model_args import INIT_STD, ModelArgs
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-
-# Init std for Linear/Embedding weights; the HF default `initializer_range`.
-INIT_STD = 0.02
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@dataclass
-class ModelArgs:
-    """Shape and numerics of the transformer; field names follow HF `config.json`."""
-
-    vocab_size: int
-    """Number of token ids; rows of the embedding and of the LM head."""
-    hidden_size: int
-    """Width of the residual stream."""
-    intermediate_size: int
-    """Width of the SwiGLU MLP."""
-    num_hidden_layers: int
-    """Number of decoder layers."""
-    num_attention_heads: int
-    """Query heads per layer."""
-    num_key_value_heads: int
-    """Key/value heads per layer (GQA); must divide `num_attention_heads`."""
-    head_dim: int | None = None
-    """Per-head width; None means `hidden_size // num_attention_heads` (filled in post-init)."""
-    max_position_embeddings: int = 2048
-    """Context length the checkpoint advertises; recorded in config.json, not enforced."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon inside every RMSNorm."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    tie_word_embeddings: bool = False
-    """LM head shares the embedding matrix (no `lm_head.weight` in the checkpoint)."""
-    attention_bias: bool = False
-    """Qwen2-style bias on q/k/v projections (o_proj has none)."""
-    qk_norm: bool = False
-    """Qwen3-style per-head RMSNorm on q and k before RoPE."""
-    bos_token_id: int | None = None
-    """Beginning-of-sequence id, if the tokenizer has one."""
-    eos_token_id: int | None = None
-    """End-of-sequence id; the first one when the HF config lists several."""
-    pad_token_id: int | None = None
-    """Padding id, if any."""
-    rope_scaling: dict[str, Any] | None = None
-    """Static RoPE frequency scaling, HF spelling without `rope_theta`: ``{"rope_type": "linear",
-    "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` (Llama-3.1 and later). None: default RoPE."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must be divisible by "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads != 0:
-                raise ValueError(
-                    f"head_dim is unset and hidden_size={self.hidden_size} is not divisible by "
-                    f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2 != 0:
-            # RoPE rotates pairs of channels, so the head width must be even.
-            raise ValueError(f"head_dim must be a positive even int, got {self.head_dim!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if self.attention_bias and self.qk_norm:
-            # No HF architecture matches: Qwen3's `attention_bias` also puts a bias on o_proj.
-            raise ValueError(
-                f"attention_bias={self.attention_bias} with qk_norm={self.qk_norm} is not a "
-                "supported architecture (Qwen2 has q/k/v bias, Qwen3 has qk_norm; not both)"
-            )
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
-        if self.rope_scaling is not None:
-            self.rope_scaling = _check_rope_scaling(self.rope_scaling)
-
-    @property
-    def model_type(self) -> str:
-        """HF `model_type` of the checkpoint this model writes."""
-        if self.qk_norm:
-            return "qwen3"
-        if self.attention_bias:
-            return "qwen2"
-        return "llama"
-
-    def to_hf_config(self, torch_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """The `config.json` content that `transformers` and vLLM read back as this model.
-
-        `torch_dtype` names the dtype of the saved tensors.
-        """
-        cfg: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            # Both spellings: transformers 5 reads `rope_parameters`, older readers `rope_theta`.
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "rope_parameters": {
-                **(self.rope_scaling or {"rope_type": "default"}),
-                "rope_theta": self.rope_theta,
-            },
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_dropout": 0.0,
-            "initializer_range": INIT_STD,
-            "use_cache": True,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "torch_dtype": _DTYPE_NAMES[torch_dtype],
-        }
-        if self.model_type == "llama":
-            cfg.update(attention_bias=False, mlp_bias=False)
-        else:
-            cfg.update(
-                use_sliding_window=False,
-                sliding_window=None,
-                max_window_layers=self.num_hidden_layers,
-            )
-            if self.model_type == "qwen3":
-                cfg["attention_bias"] = False
-        return cfg
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        """Read a llama/qwen2/qwen3 `config.json`; refuse anything this model would compute wrongly."""
-        model_type = cfg.get("model_type")
-        if model_type not in _ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model_type={model_type!r}; supported: {sorted(_ARCHITECTURES)}"
-            )
-        hidden_act = cfg.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act={hidden_act!r}; only 'silu' (SwiGLU)")
-        if cfg.get("mlp_bias", False):
-            raise ValueError(f"unsupported mlp_bias={cfg['mlp_bias']!r}")
-        # Llama's and Qwen3's `attention_bias` also biases o_proj, which this model lacks.
-        if model_type in ("llama", "qwen3") and cfg.get("attention_bias", False):
-            raise ValueError(
-                f"unsupported attention_bias={cfg['attention_bias']!r} for {model_type} "
-                "(it biases o_proj too)"
-            )
-        if cfg.get("use_sliding_window", False):
-            raise ValueError("unsupported use_sliding_window=True; only full attention")
-        layer_types = cfg.get("layer_types")
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"unsupported layer_types={sorted(set(layer_types))}")
-        rope_theta, rope_scaling = _rope_spec(cfg)
-
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v bias; it has no config switch for it.
-            attention_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=cfg.get("pad_token_id"),
-            rope_scaling=rope_scaling,
-        )
-
-
-_ROPE_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def _check_rope_scaling(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """Normalised static RoPE scaling (None for default); refuses types computed differently."""
-    rope_type = spec.get("rope_type", spec.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type not in _ROPE_KEYS:
-        raise ValueError(
-            f"unsupported rope_type={rope_type!r}; supported: 'default', {sorted(_ROPE_KEYS)} "
-            "(dynamic, yarn and longrope RoPE are not implemented)"
-        )
-    if spec.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"unsupported partial_rotary_factor={spec['partial_rotary_factor']!r}")
-    missing = [k for k in _ROPE_KEYS[rope_type] if k not in spec]
-    if missing:
-        raise ValueError(f"rope_type={rope_type!r} needs {missing}")
-    out: dict[str, Any] = {"rope_type": rope_type}
-    for k in _ROPE_KEYS[rope_type]:
-        out[k] = spec[k] if k == "original_max_position_embeddings" else float(spec[k])
-    if not out["factor"] > 0:
-        raise ValueError(f"RoPE factor must be > 0, got {out['factor']}")
-    return out
-
-
-def _rope_spec(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """RoPE base and static scaling from either config spelling (`rope_parameters` first)."""
-    scaling = cfg.get("rope_scaling")
-    params = cfg.get("rope_parameters")
-    found = None
-    for spec in (params, scaling):
-        if spec is None:
-            continue
-        checked = _check_rope_scaling(spec)
-        if found is None:
-            found = checked
-    if params is not None and "rope_theta" in params:
-        return float(params["rope_theta"]), found
-    return float(cfg.get("rope_theta", 10000.0)), found
 
 
 class KVCache:
@@ -569,19 +322,11 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(
-        self,
-        input_ids: Tensor,
-        positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        num_layers: int | None = None,
+        self, input_ids: Tensor, positions: Tensor | None = None, cache: KVCache | None = None
     ) -> Tensor:
-        """Final-normed hidden states [B, T, H]; arguments as in `forward`."""
-        L = self.args.num_hidden_layers
-        num_layers = L if num_layers is None else num_layers
-        if not 1 <= num_layers <= L:
-            raise ValueError(f"num_layers={num_layers} must be in [1, {L}]")
+        """Final-normed hidden states [B, T, H] after every layer; arguments as in `forward`."""
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        return self.model.norm(self.run_layers(x, positions, cache, 0, num_layers))
+        return self.model.norm(self.run_layers(x, positions, cache, 0, self.args.num_hidden_layers))
 
     def run_layers(
         self,
@@ -648,7 +393,12 @@ class Transformer(nn.Module):
             LM head (early-exit drafting, LayerSkip style); with a cache only those layers' slots
             are written.
         """
-        return self.lm_head(self.hidden_states(input_ids, positions, cache, num_layers)).float()
+        L = self.args.num_hidden_layers
+        num_layers = L if num_layers is None else num_layers
+        if not 1 <= num_layers <= L:
+            raise ValueError(f"num_layers={num_layers} must be in [1, {L}]")
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        return self.head(self.run_layers(x, positions, cache, 0, num_layers))
 
 
 def init_weights(model: Transformer, seed: int | None = None) -> None:
@@ -669,27 +419,6 @@ def init_weights(model: Transformer, seed: int | None = None) -> None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-
-
-SMALL_SHAPE: dict[str, int] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-)
-"""The shape of :func:`random_model` unless overridden: 2 query heads of 32 channels (vLLM's CPU
-attention needs a head_dim of at least 32), 1 KV head."""
-
-
-def random_model(vocab_size: int, seed: int = 0, **fields: Any) -> Transformer:
-    """A randomly initialised model in eval mode: :data:`SMALL_SHAPE` with any `ModelArgs` field
-    overridden by ``fields``, its weights drawn after ``torch.manual_seed(seed)``. Tests and
-    benchmarks use it to run the real-model code paths on a CPU, at a tiny vocabulary that can be
-    enumerated or at a real one (e.g. Qwen's 151,936)."""
-    args = ModelArgs(vocab_size=vocab_size, **{**SMALL_SHAPE, **fields})
-    torch.manual_seed(seed)
-    return Transformer(args).eval()
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> None:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from common.model import ModelArgs
+from common.model_args import ModelArgs
 from common.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 HF_CONFIG = "hf_config"

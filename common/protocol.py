@@ -1,4 +1,4 @@
-"""Every wire message of specrl, its msgpack codec, the protocol version and the Redis key names.
+"""Every wire message of specrl, its msgpack codec, its limits and the protocol version.
 
 One module holds the contract between actors and learner (docs/design.md §5.1); nothing else
 encodes or decodes frames, and no pickle is used anywhere.
@@ -12,36 +12,6 @@ from typing import Any, Final
 
 import msgpack
 import numpy as np
-
-# ---------------------------------------------------------------------------------------------
-# Redis key names (weights store). All keys of one run share the prefix ``weights:{run_id}:``.
-# ---------------------------------------------------------------------------------------------
-
-
-def weights_chunk_key(run_id: str, version: int, index: int) -> str:
-    """One chunk of the safetensors bytes of ``version``."""
-    return f"weights:{run_id}:{version}:chunk:{index}"
-
-
-def weights_manifest_key(run_id: str, version: int) -> str:
-    """JSON manifest of ``version`` (tensor names, shapes, dtypes, chunk sha256s); written last."""
-    return f"weights:{run_id}:{version}:manifest"
-
-
-def weights_latest_key(run_id: str) -> str:
-    """The newest complete version number; moved only after its manifest exists."""
-    return f"weights:{run_id}:latest"
-
-
-def weights_versions_key(run_id: str) -> str:
-    """Sorted set of complete versions (score = version), used for retention."""
-    return f"weights:{run_id}:versions"
-
-
-def weights_channel(run_id: str) -> str:
-    """Pub/sub channel on which a new version number is announced."""
-    return f"weights:{run_id}:announce"
-
 
 # ---------------------------------------------------------------------------------------------
 # Wire protocol (docs/design.md §5.1).
@@ -190,7 +160,7 @@ class Ack:
     group the learner's admission refuses: wrong size, too long, reward out of range, version
     ahead of the learner). They are acked so that the actor stops resending them, and reported
     apart so that the actor counts them; they are not in ``seqs``. Omitted on the wire when
-    empty (the frame is then byte-identical to a protocol-1 ack without the field).
+    empty, so an ack without refusals is the same frame for a peer that does not know the field.
     """
 
     actor_id: str
@@ -236,12 +206,15 @@ def _stats_to_wire(stats: dict[str, float]) -> dict[str, float]:
     return {k: float(stats[k]) for k in sorted(stats)}
 
 
+def _envelope(kind: str, actor_id: str) -> dict[str, Any]:
+    """The keys every frame starts with."""
+    return {"v": PROTOCOL_VERSION, "type": kind, "actor_id": actor_id}
+
+
 def _to_wire(msg: Message) -> dict[str, Any]:
     if isinstance(msg, TrajectoryGroup):
         return {
-            "v": PROTOCOL_VERSION,
-            "type": MSG_GROUP,
-            "actor_id": msg.actor_id,
+            **_envelope(MSG_GROUP, msg.actor_id),
             "seq": int(msg.seq),
             "prompt_id": msg.prompt_id,
             "prompt_ids": _pack_array(msg.prompt_ids, _TOKEN_DTYPE, "prompt_ids"),
@@ -262,9 +235,7 @@ def _to_wire(msg: Message) -> dict[str, Any]:
         }
     if isinstance(msg, Ack):
         wire = {
-            "v": PROTOCOL_VERSION,
-            "type": MSG_ACK,
-            "actor_id": msg.actor_id,
+            **_envelope(MSG_ACK, msg.actor_id),
             "seqs": [int(s) for s in msg.seqs],
         }
         if msg.refused:
@@ -274,9 +245,7 @@ def _to_wire(msg: Message) -> dict[str, Any]:
         return wire
     if isinstance(msg, Heartbeat):
         return {
-            "v": PROTOCOL_VERSION,
-            "type": MSG_HEARTBEAT,
-            "actor_id": msg.actor_id,
+            **_envelope(MSG_HEARTBEAT, msg.actor_id),
             "version": int(msg.version),
             "stats": _stats_to_wire(msg.stats),
             "sent_at": float(msg.sent_at),
@@ -369,29 +338,32 @@ def _check_keys(obj: dict[str, Any], expected: frozenset[str], what: str) -> Non
         raise ProtocolError("bad_field", f"{what}: missing {missing}, extra {extra}")
 
 
-def _get_str(obj: dict[str, Any], key: str, limits: DecodeLimits) -> str:
+def _get_typed(obj: dict[str, Any], key: str, kind: type) -> Any:
     value = obj[key]
-    if type(value) is not str:
-        raise ProtocolError("bad_field", f"{key} must be str, got {type(value).__name__}")
+    # ``type is`` rejects bool where an int is due (Python treats bool as an int subclass).
+    if type(value) is not kind:
+        raise ProtocolError(
+            "bad_field", f"{key} must be {kind.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _get_str(obj: dict[str, Any], key: str, limits: DecodeLimits) -> str:
+    value = _get_typed(obj, key, str)
     if len(value) > limits.max_str_len:
         raise ProtocolError("oversize", f"{key} has {len(value)} > {limits.max_str_len} chars")
     return value
 
 
 def _get_nonneg_int(obj: dict[str, Any], key: str) -> int:
-    value = obj[key]
-    # ``type is int`` rejects bool, which Python treats as an int subclass.
-    if type(value) is not int:
-        raise ProtocolError("bad_field", f"{key} must be int, got {type(value).__name__}")
+    value = _get_typed(obj, key, int)
     if not 0 <= value <= INT64_MAX:
         raise ProtocolError("out_of_range", f"{key} must be in [0, 2**63-1], got {value}")
     return value
 
 
 def _get_finite_float(obj: dict[str, Any], key: str) -> float:
-    value = obj[key]
-    if type(value) is not float:
-        raise ProtocolError("bad_field", f"{key} must be float, got {type(value).__name__}")
+    value = _get_typed(obj, key, float)
     if not math.isfinite(value):
         raise ProtocolError("non_finite", f"{key} is {value}")
     return value

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -252,48 +252,6 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     """Prompt ids as the policy sees them: BOS, then the text. Actors and the warm start share it,
     so the RL prompts match the supervised ones token for token."""
     return [tokenizer.bos_id, *tokenizer.encode(text)]
-
-
-#: ``task.chat_template`` values.
-CHAT_TEMPLATE_MODES: tuple[str, ...] = ("auto", "true", "false")
-
-
-def uses_chat_template(tokenizer: Tokenizer, mode: str = "auto", dataset: bool = False) -> bool:
-    """Whether prompts go through the tokenizer's chat template: ``true`` (the tokenizer must
-    have one), ``false``, or ``auto`` (when it has one and the prompts come from a data set)."""
-    if mode not in CHAT_TEMPLATE_MODES:
-        raise ValueError(f"chat_template must be one of auto, true, false; got {mode!r}")
-    available = isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
-    if mode == "true" and not available:
-        raise ValueError(
-            f"task.chat_template=true, but the tokenizer {tokenizer!r} has no chat template"
-        )
-    return mode == "true" or (mode == "auto" and dataset and available)
-
-
-def prompt_encoder(
-    tokenizer: Tokenizer,
-    chat_template: str = "auto",
-    system_prompt: str = "",
-    dataset: bool = False,
-) -> Callable[[str], list[int]]:
-    """The function that turns a task's prompt text into the ids the policy generates from.
-
-    With the chat template: :meth:`HFTokenizer.encode_chat` (system message optional). Without:
-    :func:`encode_prompt` (BOS, then the text). The actor calls it once per prompt and ships the
-    ids in the group, so the behaviour log-probs and the learner see the same tokens.
-    """
-    chat = uses_chat_template(tokenizer, chat_template, dataset)
-    if chat and isinstance(tokenizer, HFTokenizer):
-        hf = tokenizer
-        return lambda text: hf.encode_chat(text, system_prompt)
-    if system_prompt:
-        raise ValueError(
-            "task.system_prompt is set, but prompts are not formatted with a chat template "
-            f"(task.chat_template={chat_template}, tokenizer {tokenizer!r}); a system prompt "
-            "needs one"
-        )
-    return lambda text: encode_prompt(tokenizer, text)
 
 
 def directory_has_chat_template(model_dir: str | Path) -> bool:

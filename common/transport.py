@@ -6,12 +6,25 @@ each socket for its whole life (zmq sockets are not thread-safe).
 
 CurveZMQ: ``curve_*`` keyword arguments (z85-encoded keys, as made by ``zmq.curve_keypair()``)
 switch a socket to CURVE encryption + server authentication. Client allow-listing (a ZAP
-authenticator) is not set up here yet.
+authenticator) is the receiver's (learner/receiver.py).
+
+:class:`SocketThread` is the I/O thread both ends run: it owns the sockets, hands a failure to
+the owner's callers, and closes the sockets when it ends.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Self, TypeVar
+
 import zmq
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # Messages, not bytes: with ~100 KB groups this bounds each direction of each link to a few MB,
@@ -32,27 +45,47 @@ def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
 
-def _apply_common(
-    sock: zmq.Socket,
-    *,
+def _socket(
+    kind: int,
+    address: str,
+    options: dict[int, int | bytes],
+    curve: dict[int, int | bytes],
+    context: zmq.Context | None,
     max_frame_bytes: int,
     hwm: int,
-    heartbeat_ivl_s: float,
-    heartbeat_timeout_s: float,
-    linger_s: float,
-) -> None:
-    # Closing must not hang the process on unsent frames: delivery is guaranteed by the
-    # outbox + acks, not by zmq's buffers.
-    sock.setsockopt(zmq.LINGER, _ms(linger_s))
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
-    # libzmq drops a connection whose peer announces a larger message, before allocating it.
-    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_ivl_s))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(heartbeat_timeout_s))
-    # TTL tells the peer to drop us too if our pings stop arriving.
-    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(heartbeat_timeout_s))
-    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+) -> zmq.Socket:
+    """A socket of ``kind`` with the options every link uses, then its own ``options`` and, if
+    any, the ``curve`` ones; bound to ``address`` (a ROUTER) or connected to it (a DEALER).
+    Closed again if any of it fails."""
+    sock = (context or shared_context()).socket(kind)
+    try:
+        common = {
+            # Closing must not hang the process on unsent frames: delivery is guaranteed by the
+            # outbox + acks, not by zmq's buffers.
+            zmq.LINGER: 0,
+            zmq.SNDHWM: hwm,
+            zmq.RCVHWM: hwm,
+            # libzmq drops a connection whose peer announces a larger message, before
+            # allocating it.
+            zmq.MAXMSGSIZE: max_frame_bytes,
+            zmq.HEARTBEAT_IVL: _ms(DEFAULT_HEARTBEAT_IVL_S),
+            zmq.HEARTBEAT_TIMEOUT: _ms(DEFAULT_HEARTBEAT_TIMEOUT_S),
+            # TTL tells the peer to drop us too if our pings stop arriving.
+            zmq.HEARTBEAT_TTL: _ms(DEFAULT_HEARTBEAT_TIMEOUT_S),
+            zmq.TCP_KEEPALIVE: 1,
+        }
+        if curve and not zmq.has("curve"):
+            raise RuntimeError("this libzmq build has no CURVE support")
+        for option, value in {**common, **options, **curve}.items():
+            sock.setsockopt(option, value)
+        if kind == zmq.ROUTER:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
 
 
 def connect_dealer(
@@ -61,11 +94,8 @@ def connect_dealer(
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     hwm: int = DEFAULT_HWM,
-    heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     reconnect_ivl_s: float = 0.1,
     reconnect_ivl_max_s: float = 2.0,
-    linger_s: float = 0.0,
     curve_secret_key: bytes | None = None,
     curve_public_key: bytes | None = None,
     curve_server_key: bytes | None = None,
@@ -79,33 +109,23 @@ def connect_dealer(
     """
     if not 1 <= len(identity) <= 255 or identity.startswith(b"\x00"):
         raise ValueError(f"zmq identity must be 1..255 bytes not starting with NUL: {identity!r}")
-    curve = (curve_secret_key, curve_public_key, curve_server_key)
-    if any(k is not None for k in curve) and not all(k is not None for k in curve):
+    keys = (curve_secret_key, curve_public_key, curve_server_key)
+    if any(k is not None for k in keys) and not all(k is not None for k in keys):
         raise ValueError("CURVE client needs curve_secret_key, curve_public_key, curve_server_key")
-    sock = (context or shared_context()).socket(zmq.DEALER)
-    try:
-        _apply_common(
-            sock,
-            max_frame_bytes=max_frame_bytes,
-            hwm=hwm,
-            heartbeat_ivl_s=heartbeat_ivl_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            linger_s=linger_s,
-        )
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.RECONNECT_IVL, _ms(reconnect_ivl_s))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _ms(reconnect_ivl_max_s))
-        if curve_server_key is not None:
-            _require_curve()
-            sock.curve_secretkey = curve_secret_key
-            sock.curve_publickey = curve_public_key
-            sock.curve_serverkey = curve_server_key
-        sock.connect(address)
-    except BaseException:
-        sock.close(linger=0)
-        raise
-    return sock
+    options: dict[int, int | bytes] = {
+        zmq.IDENTITY: identity,
+        zmq.IMMEDIATE: 1,
+        zmq.RECONNECT_IVL: _ms(reconnect_ivl_s),
+        zmq.RECONNECT_IVL_MAX: _ms(reconnect_ivl_max_s),
+    }
+    curve: dict[int, int | bytes] = {}
+    if curve_server_key is not None:
+        curve = {
+            zmq.CURVE_SECRETKEY: curve_secret_key,
+            zmq.CURVE_PUBLICKEY: curve_public_key,
+            zmq.CURVE_SERVERKEY: curve_server_key,
+        }
+    return _socket(zmq.DEALER, address, options, curve, context, max_frame_bytes, hwm)
 
 
 def bind_router(
@@ -113,9 +133,6 @@ def bind_router(
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     hwm: int = DEFAULT_HWM,
-    heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-    linger_s: float = 0.0,
     curve_secret_key: bytes | None = None,
     curve_public_key: bytes | None = None,
     context: zmq.Context | None = None,
@@ -134,30 +151,19 @@ def bind_router(
     """
     if (curve_secret_key is None) != (curve_public_key is None):
         raise ValueError("CURVE server needs both curve_secret_key and curve_public_key")
-    sock = (context or shared_context()).socket(zmq.ROUTER)
-    try:
-        _apply_common(
-            sock,
-            max_frame_bytes=max_frame_bytes,
-            hwm=hwm,
-            heartbeat_ivl_s=heartbeat_ivl_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            linger_s=linger_s,
-        )
-        if sndhwm is not None:
-            sock.setsockopt(zmq.SNDHWM, sndhwm)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if curve_secret_key is not None:
-            _require_curve()
-            sock.curve_server = True
-            sock.curve_secretkey = curve_secret_key
-            sock.curve_publickey = curve_public_key
-        sock.bind(address)
-    except BaseException:
-        sock.close(linger=0)
-        raise
-    return sock
+    options: dict[int, int | bytes] = {
+        zmq.SNDHWM: hwm if sndhwm is None else sndhwm,
+        zmq.ROUTER_MANDATORY: 0,
+        zmq.ROUTER_HANDOVER: 1,
+    }
+    curve: dict[int, int | bytes] = {}
+    if curve_secret_key is not None and curve_public_key is not None:
+        curve = {
+            zmq.CURVE_SERVER: 1,
+            zmq.CURVE_SECRETKEY: curve_secret_key,
+            zmq.CURVE_PUBLICKEY: curve_public_key,
+        }
+    return _socket(zmq.ROUTER, address, options, curve, context, max_frame_bytes, hwm)
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:
@@ -166,6 +172,111 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
-def _require_curve() -> None:
-    if not zmq.has("curve"):
-        raise RuntimeError("this libzmq build has no CURVE support")
+def ready(recv: Callable[[int], T]) -> Iterator[T]:
+    """What ``recv`` returns for each message already waiting: it is called with
+    ``zmq.NOBLOCK`` until ``zmq.Again``."""
+    while True:
+        try:
+            yield recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+def guarded(attr: str, doc: str | None = None) -> property:
+    """A read-only property returning ``self.<attr>`` under ``self._cond`` (the lock of a
+    :class:`SocketThread`'s shared state)."""
+
+    def get(self: SocketThread) -> object:
+        with self._cond:
+            return getattr(self, attr)
+
+    return property(get, doc=doc)
+
+
+class SocketThread:
+    """One end of the link whose sockets belong to a single background I/O thread (zmq sockets
+    are not thread-safe); callers talk to it through state guarded by ``_cond``.
+
+    A subclass builds its sockets in ``start`` (so a bind or connect error raises in the caller)
+    and hands them to ``_spawn``; it implements ``_loop(sock, monitor, *others)``, which runs
+    until ``_stop`` is set, and ``close``. If ``_loop`` raises, the failure is kept in ``_error``
+    and ``_cond`` notified, for the callers to raise (``_raise_if_failed``); when the thread
+    ends, its sockets are closed.
+    """
+
+    def __init__(self, role: str, thread_name: str) -> None:
+        """``role`` names this end in errors (``"receiver"``: "receiver I/O thread failed")."""
+        self._role = role
+        self._thread_name = thread_name
+        # Guards the subclass's shared state; notified when the I/O thread fails.
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _close_on_exit(self, failed: bool) -> None:
+        """``with`` exit: ``failed`` when an exception is leaving the block."""
+        self.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close_on_exit(exc_type is not None)
+
+    def _require_not_started(self, what: str = "") -> None:
+        """Raise if the I/O thread was started: ``what`` must be called before ``start()``
+        (without ``what``: ``start`` itself, called a second time)."""
+        if self._thread is None:
+            return
+        if what:
+            raise RuntimeError(f"{what} must be called before start()")
+        raise RuntimeError(f"{type(self).__name__} already started")
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"{self._role} I/O thread failed") from self._error
+
+    def _spawn(self, sock: zmq.Socket, monitor: zmq.Socket | None, *others: zmq.Socket) -> None:
+        """Start the I/O thread, which owns ``sock``, its ``monitor`` and ``others`` from now."""
+        self._thread = threading.Thread(
+            target=self._run, args=(sock, monitor, others), name=self._thread_name, daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket | None, *others: zmq.Socket) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """What the I/O thread lets go of besides its sockets when it ends."""
+
+    def _run(
+        self, sock: zmq.Socket, monitor: zmq.Socket | None, others: tuple[zmq.Socket, ...]
+    ) -> None:
+        try:
+            self._loop(sock, monitor, *others)
+        except BaseException as e:
+            # Thread boundary: hand the failure to the callers.
+            log.exception("%s I/O thread failed", self._thread_name)
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            for other in others:
+                other.close(linger=0)
+            self._release()
+            sock.close()

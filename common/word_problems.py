@@ -10,7 +10,7 @@ rest, which is the regime where RL has a signal.
 The training set is a fixed pool drawn with ``task.pool_seed``; the evaluation set
 (:func:`eval_problems`) is drawn with another seed and shares no prompt with it. The reward reads
 the completion's final number GSM8K-style (the last ``\\boxed{}``, else after ``####``, else the
-last number), as :class:`~common.tasks.DatasetTask` does.
+last number), as :class:`~common.dataset_task.DatasetTask` does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.tasks import Problem, numeric_reward
+from common.dataset_task import numeric_reward
+from common.tasks import Problem
 
 NAMES = (
     "Tom", "Anna", "Ben", "Maria", "Sam", "Lily", "Omar", "Grace", "Leo", "Nina",

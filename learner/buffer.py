@@ -57,11 +57,12 @@ class StalenessBuffer:
     def admit(self, group: TrajectoryGroup, learner_version: int) -> bool:
         if len(group.completions) != self.group_size:
             self.rejected += 1
-            self.record(group, "rejected", learner_version)
-            log.warning(
+            self._turn_away(
+                group,
+                "rejected",
+                learner_version,
+                logging.WARNING,
                 "rejected group %s/%d: %d completions, the run's group size is %d",
-                group.actor_id,
-                group.seq,
                 len(group.completions),
                 self.group_size,
             )
@@ -69,17 +70,32 @@ class StalenessBuffer:
         staleness = learner_version - group.version
         if staleness > self.max_staleness:
             self.dropped_stale += 1
-            self.record(group, "stale", learner_version)
-            log.debug(
+            self._turn_away(
+                group,
+                "stale",
+                learner_version,
+                logging.DEBUG,
                 "dropped group %s/%d: staleness %d > max_staleness %d",
-                group.actor_id,
-                group.seq,
                 staleness,
                 self.max_staleness,
             )
             return False
         self.accepted += 1
         return True
+
+    def _turn_away(
+        self,
+        group: TrajectoryGroup,
+        outcome: str,
+        learner_version: int,
+        level: int,
+        fmt: str,
+        *args: object,
+    ) -> None:
+        """Put a group that is not trained on in the ledger, and log why (``fmt`` names the
+        group's ``actor_id``/``seq`` first, then ``args``)."""
+        self.record(group, outcome, learner_version)
+        log.log(level, fmt, group.actor_id, group.seq, *args)
 
     def collect(
         self,

@@ -34,8 +34,8 @@ from torch import nn
 
 from common.model import CONFIG_FILE, WEIGHTS_FILE
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
-from common.safetensors_io import save_file
 from common.tokenizer import Tokenizer
+from common.weights.format import save_file
 from learner.policy import hf_config, load_policy
 
 STATE_FILE = "trainer_state.json"

@@ -1,23 +1,15 @@
-"""``specrl-learner``: the learner process (bind, train, publish, checkpoint)."""
+"""Runs the learner: receives trajectory groups over ZeroMQ, trains, publishes weights to Redis."""
 
 from __future__ import annotations
 
 import sys
 
-from common.entrypoint import parse
+from common.entrypoint import run_main
 from learner.loop import run
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        sys.argv[1:] if argv is None else argv,
-        "specrl-learner",
-        "Runs the learner: receives trajectory groups over ZeroMQ, trains, publishes weights to Redis.",
-    )
-    if cfg is None:
-        return 0
-    run(cfg)
-    return 0
+    return run_main(argv, "specrl-learner", __doc__, run)
 
 
 if __name__ == "__main__":

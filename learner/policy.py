@@ -28,12 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from common.model import CONFIG_FILE, ModelArgs, Transformer, load_pretrained
+from common.model import CONFIG_FILE, Transformer, load_pretrained
+from common.model_args import ModelArgs
 
 log = logging.getLogger(__name__)
-
-IMPLS = ("auto", "builtin", "hf")
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
 
 def is_builtin(model: nn.Module) -> bool:
@@ -138,8 +136,6 @@ def tied(model: nn.Module) -> bool:
 
 
 def choose_impl(model_dir: Path, impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"learner.model_impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     try:
@@ -169,6 +165,4 @@ def load_policy(
 def param_dtype(precision: str) -> torch.dtype:
     """Master-weight (and so gradient and AdamW-state) dtype for ``learner.precision``:
     fp32 for ``fp32`` and ``bf16-mixed`` (bf16 compute under autocast), bf16 for ``bf16``."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"learner.precision must be one of {PRECISIONS}, got {precision!r}")
     return torch.bfloat16 if precision == "bf16" else torch.float32

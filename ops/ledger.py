@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.metrics import read_metrics
+from ops.metrics_file import read_metrics
 
 Key = tuple[str, int]
 

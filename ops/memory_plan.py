@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config.modes import PRECISIONS
+
 GiB = 2**30
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("model", type=Path, help="a model directory or its config.json")
     parser.add_argument("--gpus", type=int, default=1, help="learner ranks (FSDP2)")
-    parser.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed", "bf16"))
+    parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     parser.add_argument(
         "--max-tokens", type=int, default=8192, help="learner.max_tokens_per_microbatch"
     )

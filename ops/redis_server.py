@@ -23,7 +23,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import quote
 
 import redis
@@ -261,10 +260,5 @@ class RedisServer:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

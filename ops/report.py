@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from common.metrics import read_metrics
+from ops.metrics_file import read_metrics
 from ops.run_summary import learner_wall_s, staleness_counts, step_rows, summarize
 
 PNG_NAME = "report.png"
@@ -109,6 +109,10 @@ def _curve(ax, x: list, y: list, label: str, smooth: bool = True) -> None:
     ax.plot(x, _moving_average(y, window), color=line.get_color(), linewidth=2, label=label)
 
 
+def _version(r: dict) -> float:
+    return r["learner/version"]
+
+
 def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") -> None:
     """One page, six panels, from the learner's metrics records."""
     import matplotlib
@@ -126,15 +130,12 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
     def clock(r: dict) -> float:
         return (r.get("time", t0) - t0) / scale
 
-    def version(r: dict) -> float:
-        return r["learner/version"]
-
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     fig.suptitle(title, fontsize=14)
     (ax_rt, ax_rv, ax_acc), (ax_st, ax_tok, ax_busy) = axes
 
     # Reward against wall-clock and against policy version.
-    for ax, x_of, xlabel in ((ax_rt, clock, clock_label), (ax_rv, version, "version")):
+    for ax, x_of, xlabel in ((ax_rt, clock, clock_label), (ax_rv, _version, "version")):
         x, y = _series(steps, x_of, "learner/reward_mean")
         name = "reward vs " + ("wall-clock" if x_of is clock else "version")
         if not y:
@@ -145,8 +146,8 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
         ax.legend(loc="lower right")
 
     # Draft acceptance against version (and the in-flight tokens verification kept).
-    x, y = _series(steps, version, "spec/acceptance_rate")
-    xs, ys = _series(steps, version, "verify/salvaged_frac")
+    x, y = _series(steps, _version, "spec/acceptance_rate")
+    xs, ys = _series(steps, _version, "verify/salvaged_frac")
     if y or ys:
         if y:
             _curve(ax_acc, x, y, "draft acceptance rate")
@@ -158,7 +159,19 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
     else:
         _no_data(ax_acc, "acceptance vs version")
 
-    # Staleness: per-group counts when recorded, else the per-step means.
+    _plot_staleness(ax_st, steps)
+    _plot_throughput(ax_tok, steps, clock, clock_label)
+    _plot_busy(ax_busy, steps, clock, clock_label)
+
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _plot_staleness(ax_st, steps: list[dict]) -> None:
+    """Staleness: per-group counts when recorded, else the per-step means."""
     counts = staleness_counts(steps)
     dropped = steps[-1].get("learner/dropped_stale")
     dropped_text = f"; {int(dropped)} dropped as stale" if isinstance(dropped, int | float) else ""
@@ -171,7 +184,7 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
         )
         ax_st.set_xticks(range(len(counts)))
     else:
-        _, means = _series(steps, version, "learner/staleness_mean")
+        _, means = _series(steps, _version, "learner/staleness_mean")
         if means:
             ax_st.hist(means, bins=min(20, max(5, len(means) // 5)))
             ax_st.set(
@@ -182,7 +195,9 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
         else:
             _no_data(ax_st, "staleness")
 
-    # Throughput: tokens generated (all actors) and trained (learner) per second.
+
+def _plot_throughput(ax_tok, steps: list[dict], clock, clock_label: str) -> None:
+    """Throughput: tokens generated (all actors) and trained (learner) per second."""
     x, y = _series(steps, clock, "actor/tokens_per_s")
     trained = [
         (clock(r), r["learner/tokens"] / step_s)
@@ -199,7 +214,9 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
     else:
         _no_data(ax_tok, "tokens/s vs wall-clock")
 
-    # Learner busy (train + publish) and idle (waiting for groups) shares of each step.
+
+def _plot_busy(ax_busy, steps: list[dict], clock, clock_label: str) -> None:
+    """Learner busy (train + publish) and idle (waiting for groups) shares of each step."""
     busy = [
         (clock(r), (r["learner/train_s"] + float(r.get("learner/publish_s") or 0.0)) / step_s)
         for r in steps
@@ -225,12 +242,6 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
         ax_busy.legend(loc="lower right")
     else:
         _no_data(ax_busy, "learner busy / idle")
-
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def _step_s(r: dict) -> float:

@@ -54,10 +54,10 @@ def build_tokenizer(directory: Path, chat_template: bool = True):
 
 def tiny_hf_config(kind: str = "qwen2", **fields: Any):
     """A transformers config of ``kind`` ("llama" or "qwen2") in the small shape of the built-in
-    test models (``common.model.SMALL_SHAPE``), with untied embeddings and any field overridden."""
+    test models (``testing.models.SMALL_SHAPE``), with untied embeddings and any field overridden."""
     import transformers
 
-    from common.model import SMALL_SHAPE
+    from testing.models import SMALL_SHAPE
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
     return cls(**{**SMALL_SHAPE, "tie_word_embeddings": False, **fields})

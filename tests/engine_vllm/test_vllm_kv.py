@@ -13,7 +13,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from tests.engine_vllm.test_vllm_engine import weights  # noqa: E402
+from tests.engine_vllm.test_vllm_engine import greedy_vllm, weights  # noqa: E402
 
 # Longer than one KV block (32 here), so the prefix cache holds a full block of it.
 LONG = [1] + [3 + (i * 7) % 50 for i in range(44)]
@@ -24,14 +24,11 @@ OTHER = [1] + [4 + (i * 5) % 50 for i in range(40)]
 def engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm-kv")
     save_pretrained(weights(0), path)
-    return VllmEngine(
+    return greedy_vllm(
         path,
         eos_id=99,  # outside the vocabulary: rows run to the budget and are running at the swap
-        temperature=0.0,
-        seed=0,
-        version=0,
-        max_model_len=128,
-        llm_kwargs={"block_size": 32},
+        vllm_max_model_len=128,
+        vllm_kwargs={"block_size": 32},
     )
 
 

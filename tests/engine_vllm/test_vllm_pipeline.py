@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.integration.pipeline_harness import Pipeline, read_ledger, stop, warm_model
-from tests.integration.test_pipeline import wait_exit
+from ops.ledger import read_ledger
+from tests.integration.pipeline_harness import Pipeline, stop, wait_exit, warm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 pytest.importorskip("vllm")

@@ -9,24 +9,22 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
-from common.config import SpecConfig
+from common.config.actor import EngineConfig, SpecConfig
 from common.model import save_pretrained
+from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from tests.engine_vllm.test_vllm_engine import EOS, PROMPTS, tokens, weights  # noqa: E402
+from tests.engine_vllm.test_vllm_engine import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 NGRAM = SpecConfig(method="ngram", k=3, ngram_max_n=3, ngram_min_n=1)
 
 
 def test_greedy_output_is_unchanged_and_history_drafts_are_accepted(tmp_path):
     save_pretrained(weights(0), tmp_path)
-    engine = VllmEngine(
-        tmp_path, EOS, temperature=0.0, seed=0, version=0, max_model_len=64, spec=NGRAM
-    )
+    engine = greedy_vllm(tmp_path, spec=NGRAM)
     assert engine.proposer is not None and engine.proposer.drafter is engine.ngram
     reference = [
         r.token_ids.tolist()
@@ -52,10 +50,11 @@ def test_sampling_through_the_drafter_is_exact(tmp_path):
     engine = VllmEngine(
         tmp_path,
         no_eos,
+        EngineConfig(vllm_max_model_len=32),
+        spec=NGRAM,
+        inflight="keep",
         temperature=1.0,
         seed=5,
-        max_model_len=32,
-        spec=NGRAM,
     )
     out = []
     for _ in range(20):  # later calls draft from the earlier calls' completions (history)
@@ -97,6 +96,6 @@ def test_spec_and_vllm_speculative_together_are_refused(tmp_path):
         VllmEngine(
             tmp_path,
             EOS,
+            EngineConfig(vllm_speculative={"method": "ngram", "num_speculative_tokens": 2}),
             spec=NGRAM,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )

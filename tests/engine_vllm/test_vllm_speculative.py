@@ -15,8 +15,7 @@ from common.model import save_pretrained
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from tests.engine_vllm.test_vllm_engine import EOS, PROMPTS, tokens, weights  # noqa: E402
+from tests.engine_vllm.test_vllm_engine import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 
 def test_ngram_speculation_is_lossless_for_greedy_and_counts(tmp_path):
@@ -27,15 +26,7 @@ def test_ngram_speculation_is_lossless_for_greedy_and_counts(tmp_path):
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 1,
     }
-    spec_engine = VllmEngine(
-        tmp_path,
-        eos_id=EOS,
-        temperature=0.0,
-        seed=0,
-        version=0,
-        max_model_len=64,
-        speculative_config=spec,
-    )
+    spec_engine = greedy_vllm(tmp_path, vllm_speculative=spec)
     # Random weights loop quickly under greedy decoding, which gives n-gram lookup material.
     assert tokens(spec_engine.generate(PROMPTS, 1, 16)) == [
         r.token_ids.tolist()

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from actors.engines.vllm_verify import verified_token_distribution
-from common.model import random_model, save_pretrained
+from common.config.actor import EngineConfig
+from common.model import save_pretrained
+from testing.models import random_model
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -19,11 +21,19 @@ from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 VOCAB = 151_936
 
 
-def test_record_is_bounded_at_real_vocabulary(tmp_path):
+def swapping_engine(path, **sampling):
+    """A verify_on_swap engine (top 8 recorded) on version 0 of a random model at VOCAB, and a
+    weight source that hands it version 1 at its fourth poll."""
     old, new = (random_model(VOCAB, seed, max_position_embeddings=64) for seed in (0, 1))
-    save_pretrained(old, tmp_path)
+    save_pretrained(old, path)
     engine = VllmEngine(
-        tmp_path, -1, seed=0, version=0, inflight="verify_on_swap", verify_topk=8, max_model_len=64
+        path,
+        -1,
+        EngineConfig(vllm_max_model_len=64, vllm_verify_topk=8),
+        inflight="verify_on_swap",
+        seed=0,
+        version=0,
+        **sampling,
     )
     calls = {"n": 0}
 
@@ -31,6 +41,11 @@ def test_record_is_bounded_at_real_vocabulary(tmp_path):
         calls["n"] += 1
         return (1, new.state_dict()) if calls["n"] == 4 else None
 
+    return engine, source
+
+
+def test_record_is_bounded_at_real_vocabulary(tmp_path):
+    engine, source = swapping_engine(tmp_path)
     out = engine.generate([[1, 5, 6, 7], [1, 9]], 4, 8, weight_source=source)
     stats = engine.stats()
     assert stats["verify/inflight_tokens"] > 0
@@ -48,26 +63,8 @@ def test_verify_at_temperature_and_top_p_scores_a_bounded_top_k(tmp_path):
 
     from actors.engines.vllm_engine import SCORE_TOPK
 
-    old, new = (random_model(VOCAB, seed, max_position_embeddings=64) for seed in (0, 1))
-    save_pretrained(old, tmp_path)
-    engine = VllmEngine(
-        tmp_path,
-        -1,
-        temperature=0.7,
-        top_p=0.9,
-        seed=0,
-        version=0,
-        inflight="verify_on_swap",
-        verify_topk=8,
-        max_model_len=64,
-    )
+    engine, source = swapping_engine(tmp_path, temperature=0.7, top_p=0.9)
     assert engine.score_topk == SCORE_TOPK < 1024
-    calls = {"n": 0}
-
-    def source():
-        calls["n"] += 1
-        return (1, new.state_dict()) if calls["n"] == 4 else None
-
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     out = engine.generate([[1, 5, 6, 7], [1, 9]], 16, 8, weight_source=source)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024

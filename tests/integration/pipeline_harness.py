@@ -1,22 +1,22 @@
-"""Helpers to run the real pipeline (learner and actors as OS processes) inside tests."""
+"""The real pipeline (learner and actors as OS processes, ops/processes.py) inside tests."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from common.config import load_config
-from common.warm_start import warm_start
-from ops.ledger import Ledger, read_ledger  # noqa: F401  (re-exported for the tests)
+from learner.warm_start import warm_start
+from ops import processes
+from ops.processes import ROOT, Process
 from ops.redis_server import find_free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+STOP_TIMEOUT_S = 30.0
 
 
 def warm_model(directory: Path, task: str = "reverse", steps: int = 150) -> Path:
@@ -26,35 +26,33 @@ def warm_model(directory: Path, task: str = "reverse", steps: int = 150) -> Path
     return directory
 
 
-def spawn(module: str, overrides: list[str], log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    log = log_path.open("ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *overrides],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-    )
+def stop(proc: Process, timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """SIGTERM ``proc`` and its exit code; TimeoutError if it had to be killed."""
+    code = proc.stop(timeout_s)
+    if code is None:
+        raise TimeoutError(f"{proc.name} did not stop within {timeout_s:.0f} s")
+    return code
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
+def wait_exit(proc: Process, timeout_s: float, pipeline: Pipeline) -> int:
+    """``proc``'s exit code, failing the test if an actor dies first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            return code
+        for i, actor in enumerate(pipeline.actors):
+            assert actor.poll() is None, f"actor {i} died:\n{pipeline.log_tail(f'actor-{i}')}"
+        time.sleep(0.5)
+    pytest.fail(f"learner did not finish in {timeout_s}s:\n{pipeline.log_tail('learner')}")
 
 
 @dataclass
 class Pipeline:
     run_dir: Path
     overrides: list[str]
-    learner: subprocess.Popen | None = None
-    actors: list[subprocess.Popen] = field(default_factory=list)
+    learner: Process | None = None
+    actors: list[Process] = field(default_factory=list)
 
     @classmethod
     def make(cls, run_dir: Path, redis_url: str, model_dir: Path, extra: list[str]) -> Pipeline:
@@ -78,30 +76,46 @@ class Pipeline:
     def run_name(self) -> str:
         return next(o for o in self.overrides if o.startswith("run.name=")).split("=", 1)[1]
 
-    def start_learner(self, extra: list[str] | None = None) -> subprocess.Popen:
-        self.learner = spawn(
-            "learner.main", [*self.overrides, *(extra or [])], self.run_dir / "learner.log"
-        )
+    def start_learner(self, extra: list[str] | None = None) -> Process:
+        args = [*self.overrides, *(extra or [])]
+        self.learner = processes.learner(self.run_dir, args, cwd=ROOT).start()
         return self.learner
 
-    def start_actor(self, index: int, extra: list[str] | None = None) -> subprocess.Popen:
-        proc = spawn(
-            "actors.main",
-            [*self.overrides, f"actor.index={index}", *(extra or [])],
-            self.run_dir / f"actor-{index}.log",
-        )
+    def start_actor(self, index: int, extra: list[str] | None = None) -> Process:
+        args = [*self.overrides, *(extra or [])]
+        proc = processes.actor(self.run_dir, index, args, cwd=ROOT).start()
         self.actors.append(proc)
         return proc
+
+    def start(self, actors: int) -> Process:
+        """The learner, then actors 0..``actors``-1; the learner."""
+        learner = self.start_learner()
+        for index in range(actors):
+            self.start_actor(index)
+        return learner
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         path = self.run_dir / f"{name}.log"
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""
 
+    def run_to_end(self, actors: int, timeout_s: float) -> None:
+        """Start the learner and ``actors`` actors, assert the learner finishes its steps and
+        exits cleanly, and stop the actors (whatever happens)."""
+        try:
+            learner = self.start(actors)
+            assert wait_exit(learner, timeout_s, self) == 0, self.log_tail("learner")
+        finally:
+            self.stop_all()
+
     def stop_all(self) -> None:
-        for proc in self.actors:
-            stop(proc)
+        """Actors first (they flush and record what is unacked), then the learner;
+        TimeoutError, once all are down, if any had to be killed."""
+        codes = processes.stop_all(self.actors, STOP_TIMEOUT_S)
         if self.learner is not None:
-            stop(self.learner)
+            codes |= processes.stop_all([self.learner], STOP_TIMEOUT_S)
+        killed = [name for name, code in codes.items() if code is None]
+        if killed:
+            raise TimeoutError(f"{', '.join(killed)} did not stop within {STOP_TIMEOUT_S:.0f} s")
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
+from ops.ledger import read_ledger
+from ops.processes import Process
 from ops.redis_server import RedisServer
-from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
-from tests.integration.test_pipeline import wait_exit
+from tests.integration.pipeline_harness import Pipeline, wait_exit, warm_model
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +35,13 @@ def steps_done(pipeline: Pipeline) -> int:
     return len(pipeline.steps()) if path.exists() else 0
 
 
+def started(pipeline: Pipeline, steps: int) -> Process:
+    """The learner and two actors, started and through their first ``steps`` steps."""
+    learner = pipeline.start(actors=2)
+    wait_for(lambda: steps_done(pipeline) >= steps, 180, f"{steps} steps", pipeline)
+    return learner
+
+
 def assert_exactly_once(pipeline: Pipeline) -> None:
     ledger = read_ledger(pipeline.run_dir)
     assert ledger.trained, "nothing was trained"
@@ -53,10 +61,8 @@ def test_actor_sigkill_with_unacked_groups_is_resent_by_its_next_incarnation(
 ):
     pipeline = Pipeline.make(tmp_path, redis_server.url, model_dir, ["run.steps=12"])
     try:
-        learner = pipeline.start_learner()
-        victim = pipeline.start_actor(0)
-        pipeline.start_actor(1)
-        wait_for(lambda: steps_done(pipeline) >= 3, 180, "3 steps", pipeline)
+        learner = started(pipeline, steps=3)
+        victim = pipeline.actors[0]
         # Freeze the learner so nothing gets acked, let actor 0 fill its outbox, kill it.
         learner.send_signal(signal.SIGSTOP)
         spool = tmp_path / "spool"
@@ -83,10 +89,7 @@ def test_learner_sigkill_resumes_from_checkpoint_and_write_ahead_log(
         tmp_path, redis_server.url, model_dir, ["run.steps=16", "learner.checkpoint_every=4"]
     )
     try:
-        learner = pipeline.start_learner()
-        pipeline.start_actor(0)
-        pipeline.start_actor(1)
-        wait_for(lambda: steps_done(pipeline) >= 6, 180, "6 steps", pipeline)
+        learner = started(pipeline, steps=6)
         learner.kill()  # no clean exit: no final checkpoint, the log is all there is
         learner.wait()
         time.sleep(2.0)  # actors keep generating into their outboxes meanwhile
@@ -106,10 +109,7 @@ def test_redis_restart_learner_republishes_and_actors_keep_running(tmp_path, mod
     with RedisServer(password="chaos") as server:
         pipeline = Pipeline.make(tmp_path, server.url, model_dir, ["run.steps=14"])
         try:
-            learner = pipeline.start_learner()
-            pipeline.start_actor(0)
-            pipeline.start_actor(1)
-            wait_for(lambda: steps_done(pipeline) >= 4, 180, "4 steps", pipeline)
+            learner = started(pipeline, steps=4)
             server.stop()  # no persistence: Redis comes back empty
             time.sleep(3.0)
             server.start()
@@ -130,10 +130,7 @@ def test_learner_unreachable_for_a_minute_does_not_kill_actors(tmp_path, redis_s
     outage_s = float(os.environ.get("SPECRL_OUTAGE_S", "60"))
     pipeline = Pipeline.make(tmp_path, redis_server.url, model_dir, ["run.steps=8"])
     try:
-        learner = pipeline.start_learner()
-        pipeline.start_actor(0)
-        pipeline.start_actor(1)
-        wait_for(lambda: steps_done(pipeline) >= 2, 180, "2 steps", pipeline)
+        learner = started(pipeline, steps=2)
         learner.send_signal(signal.SIGSTOP)  # port open, nobody answering: a hung learner
         time.sleep(outage_s)
         assert all(a.poll() is None for a in pipeline.actors), "an actor died during the outage"

@@ -12,20 +12,20 @@ import msgpack
 import pytest
 import torch
 
-from benchmarks.hostile import (
+from common.model import load_pretrained
+from common.protocol import encode
+from common.transport import connect_dealer
+from learner.checkpoint import latest_checkpoint
+from learner.wal import _LEN
+from ops.ledger import read_ledger
+from testing.hostile import (
     poisoned_frames,
     refused_seqs,
     replies,
     send_when_connected,
     valid_group,
 )
-from common.model import load_pretrained
-from common.protocol import encode
-from common.transport import connect_dealer
-from learner.checkpoint import latest_checkpoint
-from learner.wal import _LEN
-from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
-from tests.integration.test_pipeline import wait_exit
+from tests.integration.pipeline_harness import Pipeline, wait_exit, warm_model
 from tests.unit.common.test_prometheus import scrape as scrape_port
 
 pytestmark = pytest.mark.integration

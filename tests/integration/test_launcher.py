@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from ops.processes import ROOT
 from ops.redis_server import find_free_port
-from tests.integration.pipeline_harness import ROOT, warm_model
+from tests.integration.pipeline_harness import warm_model
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import transformers
 
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.checkpoint import latest_checkpoint
-from tests.integration.pipeline_harness import Pipeline, spawn
-from tests.integration.test_pipeline import wait_exit
+from ops.processes import ROOT, Process
+from tests.integration.pipeline_harness import Pipeline, wait_exit
 from tests.own_model import tiny_hf_config
 
 pytestmark = pytest.mark.integration
@@ -34,19 +34,10 @@ def qwen2_dir(path: Path) -> Path:
 
 
 def start_ranks(pipeline: Pipeline, extra: list[str]):
-    pipeline.learner = spawn(
-        "torch.distributed.run",
-        [
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "learner.main",
-            *pipeline.overrides,
-            *extra,
-        ],
-        pipeline.run_dir / "learner.log",
-    )
+    args = ["--standalone", "--nproc-per-node", "2", "-m", "learner.main", *pipeline.overrides]
+    log = pipeline.run_dir / "learner.log"
+    pipeline.learner = Process("learner", "torch.distributed.run", [*args, *extra], log, cwd=ROOT)
+    pipeline.learner.start()
     return pipeline.learner
 
 

@@ -12,10 +12,11 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.sender import GroupSender
-from common.weights import WeightStore
+from common.weights.store import WeightStore
 from learner.checkpoint import latest_checkpoint
 from ops.cli import main as cli_main
-from tests.integration.pipeline_harness import Pipeline, read_ledger, warm_model
+from ops.ledger import read_ledger
+from tests.integration.pipeline_harness import Pipeline, wait_exit, warm_model
 from tests.unit.learner.test_train_step import make_groups
 
 pytestmark = pytest.mark.integration
@@ -27,18 +28,6 @@ MAX_STALENESS = 1
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return warm_model(tmp_path_factory.mktemp("model"))
-
-
-def wait_exit(proc, timeout_s: float, pipeline: Pipeline) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        code = proc.poll()
-        if code is not None:
-            return code
-        for i, actor in enumerate(pipeline.actors):
-            assert actor.poll() is None, f"actor {i} died:\n{pipeline.log_tail(f'actor-{i}')}"
-        time.sleep(0.5)
-    pytest.fail(f"learner did not finish in {timeout_s}s:\n{pipeline.log_tail('learner')}")
 
 
 def scrape_while_running(run_dir, roles, timeout_s: float = 180.0) -> dict[str, dict[str, float]]:
@@ -86,9 +75,7 @@ def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
         ],
     )
     try:
-        learner = pipeline.start_learner()
-        pipeline.start_actor(0)
-        pipeline.start_actor(1)
+        learner = pipeline.start(actors=2)
         scraped = scrape_while_running(tmp_path, ["learner", "actor-0", "actor-1"])
         code = wait_exit(learner, 400, pipeline)
         assert code == 0, pipeline.log_tail("learner")
@@ -209,12 +196,7 @@ def test_pipeline_in_each_inflight_mode(tmp_path, redis_server, model_dir, mode)
             "learner.max_staleness=3",
         ],
     )
-    try:
-        learner = pipeline.start_learner()
-        pipeline.start_actor(0)
-        assert wait_exit(learner, 240, pipeline) == 0, pipeline.log_tail("learner")
-    finally:
-        pipeline.stop_all()
+    pipeline.run_to_end(actors=1, timeout_s=240)
     steps = pipeline.steps()
     assert [r["learner/version"] for r in steps] == list(range(1, 13))
     swapped = [r for r in steps if r.get("verify/swaps")]

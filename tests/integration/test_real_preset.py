@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from common.model_presets import PresetError, ensure_preset, get_preset, gguf_path, missing_extras
-from tests.integration.pipeline_harness import ROOT
+from common.model_presets import get_preset
+from learner.presets import PresetError, ensure_preset, gguf_path, missing_extras
+from ops.processes import ROOT
 
 pytestmark = pytest.mark.integration
 

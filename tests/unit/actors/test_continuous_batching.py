@@ -13,9 +13,14 @@ import torch
 
 from actors.drafting import NgramDrafter
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
-from common.config import SpecConfig
+from common.config.actor import SpecConfig
 from common.sampling import token_logprobs
+from testing.lossless_check import (
+    assert_recorded_logprobs_exact,
+    exact_sequence_logprobs,
+    peaky_model,
+    rollouts_pvalue,
+)
 
 EOS = 2
 NO_EOS = 99
@@ -98,12 +103,7 @@ def test_refill_and_rollback_keep_behaviour_logprobs_exact(spec):
     prompts = [[1, 5, 6, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 3], [1, 7], [1, 8, 9]]
     engine = TorchEngine(model, EOS, 0, 0.8, 0.95, seed=3, spec=spec, max_rows=5, block_size=4)
     out = engine.generate(prompts, 4, 20)
-    for prompt, group in zip(prompts, out, strict=True):
-        for r in group:
-            seq = torch.tensor([prompt + r.token_ids.tolist()])
-            with torch.no_grad():
-                lp = token_logprobs(model(seq)[:, :-1], seq[:, 1:], 0.8, 0.95)[0, len(prompt) - 1 :]
-            np.testing.assert_allclose(r.behaviour_logprobs, lp.numpy(), atol=1e-4)
+    assert_recorded_logprobs_exact(model, prompts, out, 0.8, 0.95)
     assert engine.cache.used_blocks() == 0
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from actors.drafting import NgramDrafter
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import peaky_model
-from common.config import SpecConfig
+from common.config.actor import SpecConfig
+from testing.lossless_check import peaky_model
 from tests.unit.actors.test_spec_engine import greedy_matches_plain, sampled_pvalue
 
 EOS = 2

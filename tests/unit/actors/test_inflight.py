@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
-from common.config import SpecConfig
+from common.config.actor import SpecConfig
 from common.model import Transformer
 from common.sampling import token_logprobs
+from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
 
 NO_EOS = 99  # outside the vocabulary: every row runs to the budget, so all are in flight at a swap
 PROMPT = [1, 4, 5, 4]
@@ -135,7 +135,7 @@ def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model(
     """Regression: rows whose tokens come from an old version were scored by indexing the old
     model's output (which holds only those rows) with their row numbers in the whole batch."""
     from actors.inflight import verify_rows
-    from common.model import random_model
+    from testing.models import random_model
 
     new, old = (random_model(12, s, intermediate_size=64, num_hidden_layers=1) for s in (0, 1))
     prompts = [[1, 2], [1, 3], [1, 4], [1, 5]]
@@ -149,17 +149,17 @@ def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model(
 def test_verification_in_row_chunks_is_exact(monkeypatch):
     # A real vocabulary makes the [rows, tokens + 1, V] scores large, so rows are verified a few
     # at a time; chunks of 500 rows here (the same bound, scaled to this vocabulary).
-    from actors.engines import torch_engine
+    from actors.engines import torch_swap
 
     calls = []
-    real = torch_engine.verify_rows
+    real = torch_swap.verify_rows
 
     def counted(*args, **kwargs):
         calls.append(len(args[3]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_engine, "VERIFY_SCORE_BYTES", 2 * 6 * 4 * 500)
-    monkeypatch.setattr(torch_engine, "verify_rows", counted)
+    monkeypatch.setattr(torch_swap, "VERIFY_SCORE_BYTES", 2 * 6 * 4 * 500)
+    monkeypatch.setattr(torch_swap, "verify_rows", counted)
     old, new = model(1), model(2)
     engine, out = sample("verify_on_swap", old, new, rows=8000, max_new=3)
     assert len(calls) == 16 and set(calls) == {500}

@@ -3,99 +3,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import zmq
 
 from actors.sender import GroupSender, unique_actor_id
-from common.protocol import (
-    Ack,
-    Completion,
-    DecodeLimits,
-    Heartbeat,
-    ProtocolError,
-    TrajectoryGroup,
-    decode,
-    encode,
-)
-from common.transport import bind_router, bound_endpoint
+from common.protocol import Ack, DecodeLimits, ProtocolError, TrajectoryGroup, encode
+from testing.transport import FakeLearner, one_completion_group, retry_bind, wait_until
 
 LIMITS = DecodeLimits(vocab_size=50)
 
 
 def make_group(token: int = 1) -> TrajectoryGroup:
-    return TrajectoryGroup(
-        actor_id="",
-        seq=0,
-        prompt_id=f"p{token}",
-        prompt_ids=np.array([1, 2], dtype=np.int32),
-        version=0,
-        completions=[
-            Completion(
-                token_ids=np.array([token], dtype=np.int32),
-                behaviour_logprobs=np.array([-0.1], dtype=np.float32),
-                token_versions=np.array([0], dtype=np.int32),
-                reward=0.0,
-                finished=True,
-            )
-        ],
-        stats={},
+    return one_completion_group(
+        [token], [-0.1], prompt_id=f"p{token}", prompt_ids=[1, 2], reward=0.0
     )
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
-
-
-class FakeLearner:
-    """A bare ROUTER: records what arrives, acks only when told to."""
-
-    def __init__(self, address: str = "tcp://127.0.0.1:*") -> None:
-        self.sock = bind_router(address)
-        self.address = bound_endpoint(self.sock)
-        self.groups: list[tuple[bytes, TrajectoryGroup]] = []
-        self.heartbeats: list[Heartbeat] = []
-
-    def pump(self, timeout_s: float = 0.05) -> None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return
-        while True:
-            try:
-                identity, frame = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = decode(frame, LIMITS)
-            if isinstance(msg, TrajectoryGroup):
-                self.groups.append((identity, msg))
-            elif isinstance(msg, Heartbeat):
-                self.heartbeats.append(msg)
-
-    def pump_until(self, cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not met in time")
-            self.pump()
-
-    def ack(self, actor_id: str, seqs: list[int]) -> None:
-        self.sock.send_multipart([actor_id.encode(), encode(Ack(actor_id=actor_id, seqs=seqs))])
-
-    def seqs(self) -> list[int]:
-        return [g.seq for _, g in self.groups]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 @pytest.fixture
 def learner() -> Iterator[FakeLearner]:
-    fake = FakeLearner()
+    fake = FakeLearner(LIMITS)
     yield fake
     fake.close()
 
@@ -128,7 +56,7 @@ def test_resends_after_timeout_until_acked(learner: FakeLearner) -> None:
 
 
 def test_groups_submitted_before_learner_exists_are_delivered() -> None:
-    probe = FakeLearner()
+    probe = FakeLearner(LIMITS)
     address = probe.address
     probe.close()  # a port nobody listens on (for now)
     with GroupSender(address, "actor-a", resend_timeout_s=30.0) as sender:
@@ -231,11 +159,4 @@ def test_unique_actor_id() -> None:
 
 
 def _rebind(address: str, timeout_s: float = 5.0) -> FakeLearner:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return FakeLearner(address)
-        except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+    return retry_bind(lambda: FakeLearner(LIMITS, address), timeout_s)

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import exact_sequence_logprobs, peaky_model
-from common.config import SpecConfig
-from common.goodness_of_fit import chi_square_pvalue
+from common.config.actor import SpecConfig
+from testing.goodness_of_fit import chi_square_pvalue
+from testing.lossless_check import exact_sequence_logprobs, peaky_model
 
 EOS = 2
 PROMPT = [1, 3, 1, 3]  # repeats, so rows draft from their own context as well as the sibling's

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.lossless_check import (
+from common.config.actor import SpecConfig
+from testing.lossless_check import (
     exact_sequence_logprobs,
     peaky_model,
     rollouts_pvalue,
     sequence_pvalue,
 )
-from common.config import SpecConfig
 
 EOS = 2
 METHODS = [

@@ -23,7 +23,7 @@ from actors.speculative import (
     residual_distribution,
     sample_inverse_cdf,
 )
-from common.goodness_of_fit import chi_square_pvalue
+from testing.goodness_of_fit import chi_square_pvalue
 
 NEG_INF = -math.inf
 NUM_ROWS = 200_000  # sequences per statistical test: expected count >= 50 in every cell used

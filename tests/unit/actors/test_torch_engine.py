@@ -1,11 +1,11 @@
 """The torch rollout engine: batched sampling whose behaviour log-probs the learner can reproduce."""
 
-import numpy as np
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from common.model import Transformer, random_model
-from common.sampling import token_logprobs
+from common.model import Transformer
+from testing.lossless_check import assert_recorded_logprobs_exact
+from testing.models import random_model
 
 EOS = 2
 
@@ -39,12 +39,7 @@ def test_behaviour_logprobs_equal_a_fresh_full_forward():
     net = model()
     engine = TorchEngine(net, eos_id=EOS, pad_id=0, temperature=0.8, top_p=0.95, seed=3)
     out = engine.generate(PROMPTS, n=3, max_new_tokens=8)
-    for prompt, group in zip(PROMPTS, out, strict=True):
-        for r in group:
-            seq = torch.tensor([prompt + r.token_ids.tolist()])
-            with torch.no_grad():
-                lp = token_logprobs(net(seq)[:, :-1], seq[:, 1:], 0.8, 0.95)[0, len(prompt) - 1 :]
-            np.testing.assert_allclose(r.behaviour_logprobs, lp.numpy(), atol=1e-4)
+    assert_recorded_logprobs_exact(net, PROMPTS, out, 0.8, 0.95)
 
 
 def test_seeded_determinism_and_low_temperature_is_greedy():

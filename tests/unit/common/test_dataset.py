@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.tasks import DatasetTask, JsonlTask, reference_answer, task_from_config
+from common.dataset_task import DatasetTask, JsonlTask, reference_answer
+from common.tasks import task_from_config
 from ops.launcher import PreflightError, preflight
 from tests.own_model import build_tokenizer, write_parquet
 

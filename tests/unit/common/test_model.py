@@ -1,4 +1,4 @@
-"""common/model.py: HF parity, KV-cache semantics (per-row positions, rollback), early exit, I/O."""
+"""common/model.py and common/model_args.py: HF parity, KV-cache semantics (per-row positions, rollback), early exit, I/O."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from common.model import (
-    KVCache,
-    ModelArgs,
-    Transformer,
-    init_weights,
-    load_pretrained,
-    random_model,
-    save_pretrained,
-)
+from common.model import KVCache, Transformer, init_weights, load_pretrained, save_pretrained
+from common.model_args import ModelArgs
+from testing.models import random_model
 
 VOCAB = 64
 HF_CLASSES = {

@@ -11,8 +11,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.exporter import ActorExporter
 from common.config import load_config
-from common.prometheus import ActorExporter, LearnerExporter
+from learner.exporter import LearnerExporter
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from common.model import ModelArgs, load_pretrained
+from common.model import load_pretrained
+from common.model_args import ModelArgs
 from tests.own_model import tiny_hf_config
 
 SCALINGS = {

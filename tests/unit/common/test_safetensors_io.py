@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from common.safetensors_io import safetensors_bytes, save_file, writable
+from common.weights.format import safetensors_bytes, save_file, writable
 
 
 def state() -> dict[str, torch.Tensor]:

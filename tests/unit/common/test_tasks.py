@@ -9,17 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from common.dataset_task import JsonlTask, extract_numeric_answer, numeric_answers_equal
 from common.tasks import (
     AdditionTask,
-    JsonlTask,
     Problem,
     ReverseTask,
     ScratchpadTask,
     Task,
     exact_match_reward,
-    extract_numeric_answer,
     make_task,
-    numeric_answers_equal,
 )
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 

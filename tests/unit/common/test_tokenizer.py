@@ -10,6 +10,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from actors.prompts import prompt_encoder
 from common.tokenizer import (
     BUILTIN_ALPHABET,
     CHAR_TOKENIZER_FILE,
@@ -19,7 +20,6 @@ from common.tokenizer import (
     directory_has_chat_template,
     encode_prompt,
     load_tokenizer,
-    prompt_encoder,
 )
 from tests.own_model import build_tokenizer
 

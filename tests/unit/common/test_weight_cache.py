@@ -11,8 +11,10 @@ from pathlib import Path
 import redis
 import torch
 
-from common.weight_cache import HostCache
-from common.weights import WeightStore, weights_digest
+from actors.host_cache import HostCache
+from actors.weight_reader import WeightReader
+from common.weights.format import weights_digest
+from learner.weight_writer import WeightWriter
 from ops.redis_server import RedisServer
 
 RUN = "cache-run"
@@ -26,7 +28,7 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 
 def fetcher(url: str, root: str, version: int, barrier, results) -> None:
     torch.set_num_threads(1)
-    store = WeightStore(
+    store = WeightReader(
         redis.Redis.from_url(url), RUN, chunk_bytes=CHUNK, host_cache=HostCache(root)
     )
     barrier.wait()
@@ -57,7 +59,7 @@ def fetch_in_processes(url: str, root: Path, version: int, n: int) -> list[tuple
 def test_four_processes_on_one_host_fetch_a_version_once(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    pub = WeightStore(redis_client, RUN, chunk_bytes=CHUNK, keyframe_every=4)
+    pub = WeightWriter(redis_client, RUN, chunk_bytes=CHUNK, keyframe_every=4)
     v1 = state(1)
     v2 = {k: t.clone() for k, t in v1.items()}
     v2["w0"][0, :10] += 1  # a small delta

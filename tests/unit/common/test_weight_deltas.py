@@ -9,17 +9,15 @@ import redis
 import safetensors.torch
 import torch
 
-import common.weights as weights_module
+import learner.weight_writer as writer_module
 from actors.loop import ActorStats, fetch_update
-from common.protocol import weights_chunk_key, weights_manifest_key, weights_versions_key
-from common.weights import (
-    WeightsCorrupt,
-    WeightsError,
-    WeightsNonFinite,
-    WeightStore,
-    encode_delta,
-    weights_digest,
-)
+from actors.weight_reader import WeightReader
+from actors.weight_watcher import VersionWatcher
+from common.weights.deltas import encode_delta
+from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite, weights_digest
+from common.weights.keys import weights_chunk_key, weights_manifest_key, weights_versions_key
+from common.weights.manifest import digest_of_digests, sha256_of
+from learner.weight_writer import WeightWriter
 
 RUN = "delta-run"
 
@@ -55,15 +53,15 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def publisher(client: redis.Redis, keyframe_every: int = 4, retention: int = 3) -> WeightStore:
-    return WeightStore(
+def publisher(client: redis.Redis, keyframe_every: int = 4, retention: int = 3) -> WeightWriter:
+    return WeightWriter(
         client, RUN, chunk_bytes=1024, retention=retention, keyframe_every=keyframe_every
     )
 
 
 def test_deltas_round_trip_bit_exact_and_small(redis_client: redis.Redis) -> None:
     pub = publisher(redis_client, keyframe_every=4, retention=10)
-    reader = WeightStore(redis_client, RUN, chunk_bytes=1024)
+    reader = WeightReader(redis_client, RUN, chunk_bytes=1024)
     states = versions(6)
     sizes = {}
     for v, sd in enumerate(states, start=1):
@@ -88,7 +86,7 @@ def test_late_reader_joins_from_the_keyframe(redis_client: redis.Redis) -> None:
         pub.publish(v, sd)
     # Fresh readers hold nothing: v3 is keyframe 1 + deltas 2, 3; v7 is keyframe 5 + 6, 7.
     for v in (3, 7, 5):
-        late = WeightStore(redis_client, RUN, chunk_bytes=1024)
+        late = WeightReader(redis_client, RUN, chunk_bytes=1024)
         assert same(late.fetch(v)[1], states[v - 1]), v
 
 
@@ -108,7 +106,7 @@ def test_retention_keeps_the_delta_chain(redis_client: redis.Redis) -> None:
     # Version 7 is a delta on 6 on keyframe 5: those stay, 1-4 are gone.
     kept = [int(v) for v in redis_client.zrange(weights_versions_key(RUN), 0, -1)]
     assert kept == [5, 6, 7]
-    late = WeightStore(redis_client, RUN, chunk_bytes=1024)
+    late = WeightReader(redis_client, RUN, chunk_bytes=1024)
     assert same(late.fetch(7)[1], states[6])
 
 
@@ -123,11 +121,11 @@ def rewrite_delta(client: redis.Redis, version: int, blob: dict[str, torch.Tenso
     chunks = [data[i : i + 1024] for i in range(0, len(data), 1024)]
     for i, chunk in enumerate(chunks):
         client.set(weights_chunk_key(RUN, version, i), chunk)
-    digests = [weights_module._sha256(memoryview(c)).hex() for c in chunks]
+    digests = [sha256_of(memoryview(c)).hex() for c in chunks]
     manifest |= {
         "num_chunks": len(chunks),
         "chunk_sha256": digests,
-        "chunks_sha256": weights_module._digest_of_digests(digests),
+        "chunks_sha256": digest_of_digests(digests),
         "total_bytes": len(data),
     }
     client.set(key, json.dumps(manifest))
@@ -147,8 +145,8 @@ def tamper_missing_delta(client: redis.Redis, states: list[dict[str, torch.Tenso
 @pytest.mark.parametrize("tamper", [tamper_wrong_delta, tamper_missing_delta])
 def test_bad_delta_is_refused_and_actor_keeps_weights(redis_client: redis.Redis, tamper) -> None:
     pub = publisher(redis_client, keyframe_every=10)
-    actor = WeightStore(redis_client, RUN, chunk_bytes=1024)
-    watcher = actor.watch(poll_interval_s=0.05)
+    actor = WeightReader(redis_client, RUN, chunk_bytes=1024)
+    watcher = VersionWatcher.of_store(actor, poll_interval_s=0.05)
     states = versions(4)
     stats = ActorStats()
     pub.publish(1, states[0])
@@ -182,10 +180,10 @@ def test_non_finite_version_is_never_published(redis_client: redis.Redis) -> Non
     assert pub.manifest(2) is None and not redis_client.exists(weights_chunk_key(RUN, 2, 0))
 
 
-def publish_unchecked(monkeypatch, store: WeightStore, version: int, sd) -> None:
+def publish_unchecked(monkeypatch, store: WeightWriter, version: int, sd) -> None:
     """Publish bypassing the writer's finite check (a broken or foreign publisher)."""
     with monkeypatch.context() as m:
-        m.setattr(weights_module, "check_finite", lambda version, state: None)
+        m.setattr(writer_module, "check_finite", lambda version, state: None)
         store.publish(version, sd)
 
 
@@ -194,8 +192,8 @@ def test_actor_refuses_non_finite_and_keeps_weights(
     redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, keyframe_every: int
 ) -> None:
     pub = publisher(redis_client, keyframe_every=keyframe_every)
-    actor = WeightStore(redis_client, RUN, chunk_bytes=1024)
-    watcher = actor.watch(poll_interval_s=0.05)
+    actor = WeightReader(redis_client, RUN, chunk_bytes=1024)
+    watcher = VersionWatcher.of_store(actor, poll_interval_s=0.05)
     stats = ActorStats()
     states = versions(3)
     pub.publish(1, states[0])
@@ -219,4 +217,4 @@ def test_unknown_manifest_format_is_refused(redis_client: redis.Redis) -> None:
     manifest["format"] = 2
     redis_client.set(key, json.dumps(manifest))
     with pytest.raises(WeightsError, match="format 2"):
-        WeightStore(redis_client, RUN).fetch(1)
+        WeightReader(redis_client, RUN).fetch(1)

@@ -1,30 +1,29 @@
 """The Redis weight store against a real Redis: round trips, corruption, atomicity, retention,
-and the version watcher (pub/sub and its polling fallback)."""
+the announcement of a version, and the fallback chunk reader."""
 
 from __future__ import annotations
 
 import json
-import threading
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import redis
 import safetensors.torch
 import torch
 
-from common.protocol import (
+import actors.weight_chunks as chunks_module
+from actors.weight_reader import WeightReader
+from common.config.run import RedisConfig
+from common.weights.format import WeightsCorrupt, WeightsError, serialize_state_dict
+from common.weights.keys import (
     weights_channel,
     weights_chunk_key,
-    weights_latest_key,
     weights_manifest_key,
     weights_versions_key,
 )
-from common.weights import (
-    VersionWatcher,
-    WeightsCorrupt,
-    WeightsError,
-    WeightStore,
-    serialize_state_dict,
-)
+from common.weights.store import WeightStore
+from learner.weight_writer import WeightWriter
 from ops.redis_server import RedisServer
 
 RUN = "test-run"
@@ -51,12 +50,20 @@ def assert_state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tens
 
 
 @pytest.fixture
-def store(redis_client: redis.Redis) -> WeightStore:
+def store(redis_client: redis.Redis) -> WeightWriter:
     # 64-byte chunks: a few-KB state dict spans dozens of chunks.
-    return WeightStore(redis_client, RUN, chunk_bytes=64, retention=3)
+    return WeightWriter(redis_client, RUN, chunk_bytes=64, retention=3)
 
 
-def test_round_trip_many_chunks(store: WeightStore, redis_client: redis.Redis) -> None:
+@pytest.fixture
+def reader(store: WeightWriter) -> WeightReader:
+    """An actor's reader of the run ``store`` writes."""
+    return WeightReader.from_recipe(store.recipe())
+
+
+def test_round_trip_many_chunks(
+    store: WeightWriter, reader: WeightReader, redis_client: redis.Redis
+) -> None:
     sd = make_state_dict()
     store.publish(1, sd, meta={"step": 10, "loss": 0.5, "tag": "x"})
 
@@ -71,7 +78,7 @@ def test_round_trip_many_chunks(store: WeightStore, redis_client: redis.Redis) -
         for i in range(manifest["num_chunks"])
     )
 
-    version, got = store.fetch()
+    version, got = reader.fetch()
     assert version == 1
     assert_state_dicts_equal(sd, got)
     # Byte-for-byte: re-serialising what we read gives exactly what was stored.
@@ -79,56 +86,70 @@ def test_round_trip_many_chunks(store: WeightStore, redis_client: redis.Redis) -
     assert store.latest_version() == 1
 
 
-def test_committed_chunks_do_not_expire(store: WeightStore, redis_client: redis.Redis) -> None:
+def test_committed_chunks_do_not_expire(store: WeightWriter, redis_client: redis.Redis) -> None:
     store.publish(1, make_state_dict())
     assert redis_client.ttl(weights_chunk_key(RUN, 1, 0)) == -1  # -1: no expiry
 
 
-def test_tied_weights_are_published(store: WeightStore) -> None:
+def test_tied_weights_are_published(store: WeightWriter, reader: WeightReader) -> None:
     shared = torch.randn(4, 4)
     store.publish(1, {"embed.weight": shared, "lm_head.weight": shared})
-    _, got = store.fetch(1)
+    _, got = reader.fetch(1)
     assert torch.equal(got["embed.weight"], shared) and torch.equal(got["lm_head.weight"], shared)
 
 
-def test_corrupted_chunk_raises(store: WeightStore, redis_client: redis.Redis) -> None:
+def test_corrupted_chunk_raises(
+    store: WeightWriter, reader: WeightReader, redis_client: redis.Redis
+) -> None:
     store.publish(1, make_state_dict())
     key = weights_chunk_key(RUN, 1, 3)
     original = redis_client.get(key)
     redis_client.set(key, bytes(b ^ 0xFF for b in original))  # same length, other bytes
     with pytest.raises(WeightsCorrupt, match="chunk 3 sha256"):
-        store.fetch()
+        reader.fetch()
 
 
-def test_missing_chunk_raises_corrupt(store: WeightStore, redis_client: redis.Redis) -> None:
+def test_missing_chunk_raises_corrupt(
+    store: WeightWriter, reader: WeightReader, redis_client: redis.Redis
+) -> None:
     store.publish(1, make_state_dict())
     redis_client.delete(weights_chunk_key(RUN, 1, 2))
     with pytest.raises(WeightsCorrupt, match="missing"):
-        store.fetch(1)
+        reader.fetch(1)
 
 
-def test_manifest_with_wrong_shape_raises(store: WeightStore, redis_client: redis.Redis) -> None:
+def tamper_tensor_spec(
+    store: WeightWriter, redis_client: redis.Redis, field: str, value: object
+) -> None:
+    """Publish version 1, then make its manifest list ``field`` of embed.weight as ``value``."""
     store.publish(1, make_state_dict())
     manifest = store.manifest(1)
     assert manifest is not None
-    manifest["tensors"]["embed.weight"]["shape"] = [8, 16]
+    manifest["tensors"]["embed.weight"][field] = value
     redis_client.set(weights_manifest_key(RUN, 1), json.dumps(manifest))
+
+
+def test_manifest_with_wrong_shape_raises(
+    store: WeightWriter, reader: WeightReader, redis_client: redis.Redis
+) -> None:
+    tamper_tensor_spec(store, redis_client, "shape", [8, 16])
     with pytest.raises(WeightsCorrupt, match="shape"):
-        store.fetch(1)
+        reader.fetch(1)
 
 
-def test_manifest_with_wrong_dtype_raises(store: WeightStore, redis_client: redis.Redis) -> None:
-    store.publish(1, make_state_dict())
-    manifest = store.manifest(1)
-    assert manifest is not None
-    manifest["tensors"]["embed.weight"]["dtype"] = "float16"
-    redis_client.set(weights_manifest_key(RUN, 1), json.dumps(manifest))
+def test_manifest_with_wrong_dtype_raises(
+    store: WeightWriter, reader: WeightReader, redis_client: redis.Redis
+) -> None:
+    tamper_tensor_spec(store, redis_client, "dtype", "float16")
     with pytest.raises(WeightsCorrupt, match="dtype"):
-        store.fetch(1)
+        reader.fetch(1)
 
 
 def test_half_written_version_is_invisible(
-    store: WeightStore, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    store: WeightWriter,
+    reader: WeightReader,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     v1 = make_state_dict(1)
     store.publish(1, v1)
@@ -143,23 +164,23 @@ def test_half_written_version_is_invisible(
     assert redis_client.ttl(weights_chunk_key(RUN, 2, 0)) > 0  # ...and will expire on their own
 
     assert store.latest_version() == 1
-    version, got = store.fetch()
+    version, got = reader.fetch()
     assert version == 1
     assert_state_dicts_equal(v1, got)
     with pytest.raises(WeightsError, match="not found"):
-        store.fetch(2)
+        reader.fetch(2)
 
 
-def test_fetch_errors_when_nothing_published(store: WeightStore) -> None:
+def test_fetch_errors_when_nothing_published(store: WeightWriter, reader: WeightReader) -> None:
     assert store.latest_version() is None
     assert store.manifest(1) is None
     with pytest.raises(WeightsError, match="no weights"):
-        store.fetch()
+        reader.fetch()
     with pytest.raises(WeightsError, match="not found"):
-        store.fetch(7)
+        reader.fetch(7)
 
 
-def test_latest_never_goes_backwards(store: WeightStore) -> None:
+def test_latest_never_goes_backwards(store: WeightWriter) -> None:
     store.publish(5, make_state_dict(5))
     with pytest.raises(WeightsError, match="only grow"):
         store.publish(5, make_state_dict(6))
@@ -170,9 +191,9 @@ def test_latest_never_goes_backwards(store: WeightStore) -> None:
     assert store.latest_version() == 9
 
 
-def test_commit_refuses_a_version_that_lost_a_race(store: WeightStore) -> None:
+def test_commit_refuses_a_version_that_lost_a_race(store: WeightWriter) -> None:
     # Two writers: both pass the client-side check, the slower commit must not move latest back.
-    other = WeightStore(store.client, RUN, chunk_bytes=64)
+    other = WeightWriter(store.client, RUN, chunk_bytes=64)
 
     def stale_latest() -> int | None:
         other.publish(10, make_state_dict(10))  # the other writer wins after our check
@@ -186,7 +207,8 @@ def test_commit_refuses_a_version_that_lost_a_race(store: WeightStore) -> None:
 
 
 def test_retention_deletes_old_versions(redis_client: redis.Redis) -> None:
-    store = WeightStore(redis_client, RUN, chunk_bytes=256, retention=2)
+    store = WeightWriter(redis_client, RUN, chunk_bytes=256, retention=2)
+    reader = WeightReader(redis_client, RUN)
     for v in range(1, 6):
         store.publish(v, make_state_dict(v))
 
@@ -197,35 +219,36 @@ def test_retention_deletes_old_versions(redis_client: redis.Redis) -> None:
     for v in (1, 2, 3):
         assert not any(k.startswith(f"{prefix}{v}:") for k in keys), v
         with pytest.raises(WeightsError, match="not found"):
-            store.fetch(v)
+            reader.fetch(v)
     for v in (4, 5):
-        assert_state_dicts_equal(store.fetch(v)[1], make_state_dict(v))
+        assert_state_dicts_equal(reader.fetch(v)[1], make_state_dict(v))
 
 
 def test_retention_bytes_keeps_fewer_versions_than_the_count(redis_client: redis.Redis) -> None:
-    one = WeightStore(redis_client, "sizer", chunk_bytes=256)
+    one = WeightWriter(redis_client, "sizer", chunk_bytes=256)
     one.publish(1, make_state_dict(1))
     size = int(one.manifest(1)["total_bytes"])
     # Room for two versions of this size, not three: the count (4) never binds.
-    store = WeightStore(
+    store = WeightWriter(
         redis_client, RUN, chunk_bytes=256, retention=4, retention_bytes=int(2.5 * size)
     )
     for v in range(1, 6):
         store.publish(v, make_state_dict(v))
     assert [int(v) for v in redis_client.zrange(weights_versions_key(RUN), 0, -1)] == [4, 5]
-    assert_state_dicts_equal(store.fetch(4)[1], make_state_dict(4))
+    reader = WeightReader(redis_client, RUN)
+    assert_state_dicts_equal(reader.fetch(4)[1], make_state_dict(4))
     with pytest.raises(WeightsError, match="not found"):
-        store.fetch(3)
+        reader.fetch(3)
 
 
 def test_retention_bytes_below_one_version_still_keeps_the_latest(
     redis_client: redis.Redis,
 ) -> None:
-    store = WeightStore(redis_client, RUN, chunk_bytes=256, retention=3, retention_bytes=1)
+    store = WeightWriter(redis_client, RUN, chunk_bytes=256, retention=3, retention_bytes=1)
     for v in range(1, 4):
         store.publish(v, make_state_dict(v))
     assert [int(v) for v in redis_client.zrange(weights_versions_key(RUN), 0, -1)] == [3]
-    assert_state_dicts_equal(store.fetch(3)[1], make_state_dict(3))
+    assert_state_dicts_equal(WeightReader(redis_client, RUN).fetch(3)[1], make_state_dict(3))
 
 
 def test_retention_bytes_is_validated(redis_client: redis.Redis) -> None:
@@ -239,69 +262,28 @@ def test_rejects_decoding_client(redis_server: RedisServer) -> None:
         WeightStore(client, RUN)
 
 
-def test_watcher_receives_published_version(store: WeightStore) -> None:
-    store.publish(1, make_state_dict(1))
-    # A long poll interval: only the pub/sub message can deliver version 2 in time.
-    with store.watch(last_seen=1, poll_interval_s=30.0) as watcher:
-        assert watcher.poll(timeout_s=0.2) is None  # subscribes; nothing new yet
-        publisher = threading.Timer(0.1, store.publish, args=(2, make_state_dict(2)))
-        publisher.start()
-        try:
-            assert watcher.poll(timeout_s=5.0) == 2
-        finally:
-            publisher.join()
-        assert watcher.last_seen == 2
-
-
-def test_watcher_without_last_seen_reports_current(store: WeightStore) -> None:
-    store.publish(3, make_state_dict(3))
-    with store.watch() as watcher:
-        assert watcher.poll(timeout_s=1.0) == 3
-        assert watcher.poll(timeout_s=0.1) is None
-
-
-def test_watcher_polls_latest_when_message_missed(
-    store: WeightStore, redis_client: redis.Redis
+def test_each_side_builds_its_store_from_config_and_recipe(
+    redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    store.publish(1, make_state_dict(1))
-    with store.watch(last_seen=1, poll_interval_s=0.1) as watcher:
-        assert watcher.poll(timeout_s=0.2) is None
-        # Move `latest` without any announcement: only polling can notice.
-        redis_client.set(weights_latest_key(RUN), 2)
-        assert watcher.poll(timeout_s=2.0) == 2
+    cfg = RedisConfig(url=redis_server.url, chunk_bytes=2048, keyframe_every=1, host_cache_dir="")
+    writer = WeightWriter.from_config(cfg, RUN)
+    assert type(writer) is WeightWriter and writer.settings.chunk_bytes == 2048
+    writer.publish(1, make_state_dict(1))
+    # A recipe builds the class it is called on, with the same settings and no host cache.
+    again = WeightWriter.from_recipe(writer.recipe())
+    assert type(again) is WeightWriter and again.settings == writer.settings
+    reader = WeightReader.from_recipe(writer.recipe())
+    assert type(reader) is WeightReader and reader.host_cache is None
+    assert_state_dicts_equal(reader.fetch(1)[1], make_state_dict(1))
+    cached = WeightReader.from_config(replace(cfg, host_cache_dir=str(tmp_path)), RUN)
+    assert cached.host_cache is not None and cached.host_cache.root.parent == tmp_path
+    assert WeightReader.from_config(cfg, RUN).host_cache is None
+    assert_state_dicts_equal(cached.fetch(1)[1], make_state_dict(1))
 
 
-def test_watcher_picks_newest_of_several(store: WeightStore) -> None:
-    with store.watch(last_seen=0, poll_interval_s=30.0) as watcher:
-        assert watcher.poll(timeout_s=0.1) is None
-        for v in (1, 2, 3):
-            store.publish(v, make_state_dict(v))
-        assert watcher.poll(timeout_s=2.0) == 3
-
-
-def test_watcher_survives_redis_restart() -> None:
-    with RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
-        store = WeightStore(client, RUN, chunk_bytes=1024)
-        store.publish(1, make_state_dict(1))
-        watcher = VersionWatcher(redis.Redis.from_url(server.url), RUN, 1, poll_interval_s=0.1)
-        assert watcher.poll(timeout_s=0.2) is None
-
-        server.stop()
-        assert watcher.poll(timeout_s=0.3) is None  # keeps running, no exception
-
-        server.start()  # same port; data gone (no persistence), the learner republishes
-        store.publish(2, make_state_dict(2))
-        # The first poll after the outage may still hit a dead socket; a later one must succeed.
-        seen = []
-        while len(seen) < 3 and 2 not in seen:
-            seen.append(watcher.poll(timeout_s=1.0))
-        assert 2 in seen, seen
-        watcher.close()
-        client.close()
-
-
-def test_announcement_is_on_protocol_channel(store: WeightStore, redis_client: redis.Redis) -> None:
+def test_announcement_is_on_protocol_channel(
+    store: WeightWriter, redis_client: redis.Redis
+) -> None:
     pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(weights_channel(RUN))
     pubsub.get_message(timeout=0.5)  # the subscribe confirmation
@@ -312,18 +294,18 @@ def test_announcement_is_on_protocol_channel(store: WeightStore, redis_client: r
 
 
 def test_fallback_reader_gives_the_same_state_dict(
-    store: WeightStore, monkeypatch: pytest.MonkeyPatch
+    store: WeightWriter, reader: WeightReader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Client kinds whose socket cannot be read directly go through redis-py's parser."""
     sd = make_state_dict(3)
     store.publish(1, sd)
-    monkeypatch.setattr(store, "_raw_connection", lambda: None)
-    _, fetched = store.fetch(1)
+    monkeypatch.setattr(chunks_module, "raw_connection", lambda client: None)
+    _, fetched = reader.fetch(1)
     assert_state_dicts_equal(sd, fetched)
 
 
 def test_manifest_of_another_format_is_refused(
-    store: WeightStore, redis_client: redis.Redis
+    store: WeightWriter, reader: WeightReader, redis_client: redis.Redis
 ) -> None:
     store.publish(1, make_state_dict())
     key = weights_manifest_key(RUN, 1)
@@ -331,7 +313,7 @@ def test_manifest_of_another_format_is_refused(
     manifest["format"] = 1
     redis_client.set(key, json.dumps(manifest))
     with pytest.raises(WeightsError):
-        store.fetch(1)
+        reader.fetch(1)
 
 
 def test_serialized_bytes_are_safetensors_the_library_reads() -> None:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from common.config import TaskConfig
+from common.config.run import TaskConfig
 from common.tasks import PromptPool, make_task, task_from_config
 from common.word_problems import WordProblemsTask, eval_problems
 

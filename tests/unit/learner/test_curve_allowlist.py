@@ -8,9 +8,11 @@ import pytest
 import zmq
 
 from actors.sender import GroupSender
-from common.curve_keys import CurveKeys, actor_keys, authorized_dir, learner_keys, write_keys
+from common.curve_keys import CurveKeys, actor_keys, authorized_dir, learner_keys
 from ops.cli import main as cli_main
-from tests.unit.learner.test_receiver import drain, make_group, start_receiver, wait_until
+from ops.keys import write_keys
+from testing.transport import wait_until
+from tests.unit.learner.test_receiver import drain, make_group, start_receiver
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

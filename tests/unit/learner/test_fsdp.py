@@ -19,7 +19,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from common.config import LearnerConfig, SamplingConfig
+from common.config.learner import LearnerConfig
+from common.config.run import SamplingConfig
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -31,7 +32,8 @@ from learner.distributed import (
     shard,
     shutdown,
 )
-from learner.loop import LearnerState, gather_checkpoint, make_optimizer, train_step
+from learner.step import make_optimizer, train_step
+from learner.wiring import LearnerState, gather_checkpoint
 from ops.redis_server import find_free_port
 from tests.unit.learner.test_train_step import make_groups, tiny_model
 

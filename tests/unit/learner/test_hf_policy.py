@@ -9,14 +9,17 @@ import pytest
 import torch
 import transformers
 
-from common.config import LearnerConfig, SamplingConfig, SpecConfig
+from common.config.actor import SpecConfig
+from common.config.learner import LearnerConfig
+from common.config.run import SamplingConfig
 from common.model import Transformer
 from common.policy_meta import model_args_from_meta, policy_meta
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
-from learner.loop import PolicyView, make_optimizer, train_step
 from learner.policy import load_policy, model_args
+from learner.step import make_optimizer, train_step
+from learner.versions import PolicyView
 from tests.own_model import tiny_hf_config
 from tests.unit.learner.test_train_step import make_groups
 

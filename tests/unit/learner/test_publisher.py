@@ -17,10 +17,13 @@ import redis
 import torch
 
 import learner.publisher as publisher_module
-from common.model import Transformer, random_model
+from actors.weight_reader import WeightReader
+from common.model import Transformer
 from common.tokenizer import CharTokenizer
-from common.weights import WeightsError, WeightStore
+from common.weights.format import WeightsError
 from learner.publisher import Publisher
+from learner.weight_writer import WeightWriter
+from testing.models import random_model
 
 RUN = "publisher-run"
 
@@ -29,14 +32,14 @@ def model() -> Transformer:
     return random_model(16, hidden_size=16, intermediate_size=32, num_hidden_layers=1).train()
 
 
-def make(client: redis.Redis, **kwargs) -> tuple[Transformer, Publisher, WeightStore]:
+def make(client: redis.Redis, **kwargs) -> tuple[Transformer, Publisher, WeightWriter]:
     m = model()
-    store = WeightStore(client, RUN, chunk_bytes=1024, keyframe_every=3)
+    store = WeightWriter(client, RUN, chunk_bytes=1024, keyframe_every=3)
     return m, Publisher(store, m, CharTokenizer("abc"), **kwargs), store
 
 
 @contextlib.contextmanager
-def uploads_held(pub: Publisher, store: WeightStore) -> Iterator[None]:
+def uploads_held(pub: Publisher, store: WeightWriter) -> Iterator[None]:
     """Every upload waits until the block exits: a gate in the store's publish on the thread,
     the upload process stopped (SIGSTOP) in the child."""
     if pub.upload_pid is not None:
@@ -82,7 +85,7 @@ def test_versions_in_order_from_a_snapshot(
     pub.close()
     assert marks == [1, 2, 3, 4, 5] and pub.published_version == 5
     assert pub.last_publish_bytes > 0 and pub.last_publish_s > 0
-    reader = WeightStore(redis_client, RUN)
+    reader = WeightReader(redis_client, RUN)
     kinds = []
     for v in range(1, 6):
         manifest = reader.manifest(v)
@@ -101,7 +104,7 @@ def test_snapshot_is_taken_before_the_next_step(redis_client: redis.Redis, uploa
         with torch.no_grad():
             m.lm_head.weight.add_(1.0)  # the next optimizer step, while the upload waits
     pub.close()
-    assert torch.equal(WeightStore(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
+    assert torch.equal(WeightReader(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
 
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
@@ -164,7 +167,7 @@ def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
     same slow copy then stalls ``publish`` itself)."""
     m = model()
     optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
-    store = WeightStore(redis_client, RUN, chunk_bytes=1024)
+    store = WeightWriter(redis_client, RUN, chunk_bytes=1024)
     slow = Publisher._take
 
     def slow_take(self: Publisher):
@@ -188,7 +191,7 @@ def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
         p.grad = torch.ones_like(p)
     optimizer.step()  # with the optimizer: blocks in the pre-hook until the copy is taken
     pub.close()
-    assert torch.equal(WeightStore(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
+    assert torch.equal(WeightReader(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
     assert not torch.equal(m.lm_head.weight, before)  # the step did happen, after the copy
     assert pub.snapshot_on_thread is with_optimizer
     assert (publish_s < 0.2) is with_optimizer
@@ -223,7 +226,7 @@ def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str) -> None
         port = s.getsockname()[1]  # closed again: nothing listens there
     stop = threading.Event()
     m = model()
-    store = WeightStore(redis.Redis(host="127.0.0.1", port=port), RUN)
+    store = WeightWriter(redis.Redis(host="127.0.0.1", port=port), RUN)
     pub = Publisher(
         store, m, CharTokenizer("abc"), max_inflight=1, should_stop=stop.is_set, upload=upload
     )

@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 
 from actors.sender import GroupSender
 from common.protocol import (
     Ack,
-    Completion,
     DecodeLimits,
     Heartbeat,
     TrajectoryGroup,
@@ -23,7 +21,9 @@ from common.protocol import (
     encode,
 )
 from common.transport import bind_router, bound_endpoint, connect_dealer
-from learner.receiver import GroupReceiver, _DedupeWindow
+from learner.intake import DedupeWindow
+from learner.receiver import GroupReceiver
+from testing.transport import one_completion_group, retry_bind, wait_until
 
 VOCAB = 50
 LIMITS = DecodeLimits(vocab_size=VOCAB)
@@ -31,31 +31,15 @@ ANY_PORT = "tcp://127.0.0.1:*"
 
 
 def make_group(tag: int, actor_id: str = "", seq: int = 0) -> TrajectoryGroup:
-    return TrajectoryGroup(
+    return one_completion_group(
+        [tag % VOCAB, 4],
+        [-0.5, -0.25],
+        prompt_id=f"prompt-{tag}",
+        prompt_ids=[1, 2, 3],
+        reward=float(tag),
         actor_id=actor_id,
         seq=seq,
-        prompt_id=f"prompt-{tag}",
-        prompt_ids=np.array([1, 2, 3], dtype=np.int32),
-        version=0,
-        completions=[
-            Completion(
-                token_ids=np.array([tag % VOCAB, 4], dtype=np.int32),
-                behaviour_logprobs=np.array([-0.5, -0.25], dtype=np.float32),
-                token_versions=np.array([0, 0], dtype=np.int32),
-                reward=float(tag),
-                finished=True,
-            )
-        ],
-        stats={},
     )
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 def drain(receiver: GroupReceiver, count: int, timeout_s: float = 10.0) -> list[TrajectoryGroup]:
@@ -72,15 +56,7 @@ def drain(receiver: GroupReceiver, count: int, timeout_s: float = 10.0) -> list[
 
 def start_receiver(address: str = ANY_PORT, timeout_s: float = 5.0, **kwargs) -> GroupReceiver:
     """Start a receiver, retrying while a just-closed socket still holds the port."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        receiver = GroupReceiver(address, LIMITS, **kwargs)
-        try:
-            return receiver.start()
-        except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+    return retry_bind(lambda: GroupReceiver(address, LIMITS, **kwargs).start(), timeout_s)
 
 
 @pytest.fixture
@@ -289,7 +265,7 @@ def test_live_actors_follow_heartbeats_and_forget_silent_ones() -> None:
 
 
 def test_dedupe_window_compacts() -> None:
-    window = _DedupeWindow()
+    window = DedupeWindow()
     assert [window.add(s) for s in (0, 2, 3, 2, 0, 1, 5)] == [
         True,
         True,

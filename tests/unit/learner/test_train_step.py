@@ -3,8 +3,9 @@
 import numpy as np
 import torch
 
-from common.config import LearnerConfig, SamplingConfig
-from common.model import Transformer, random_model
+from common.config.learner import LearnerConfig
+from common.config.run import SamplingConfig
+from common.model import Transformer
 from common.protocol import Completion, TrajectoryGroup
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
@@ -15,7 +16,8 @@ from learner.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from learner.loop import make_optimizer, train_step
+from learner.step import make_optimizer, train_step
+from testing.models import random_model
 
 
 def tiny_model(vocab: int) -> Transformer:
@@ -128,7 +130,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_early_exit_aux_loss_reduces_exit_divergence():
     # Equal rewards: no policy gradient, so only the co-training loss moves the weights.
-    from common.config import SpecConfig
+    from common.config.actor import SpecConfig
 
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)
     model = tiny_model(tokenizer.vocab_size)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from common.model import ModelArgs, Transformer
+from common.model import Transformer
+from common.model_args import ModelArgs
 from ops.cli import main as cli_main
 from ops.memory_plan import Shape, actor_plan, learner_plan
 

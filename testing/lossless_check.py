@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
-from common.goodness_of_fit import chi_square_pvalue
-from common.model import Transformer, random_model
-from common.sampling import processed_logprobs
+from common.model import Transformer
+from common.sampling import processed_logprobs, token_logprobs
+from testing.goodness_of_fit import chi_square_pvalue
+from testing.models import random_model
 
 
 def peaky_model(vocab: int, seed: int, scale: float, layers: int = 3) -> Transformer:
@@ -97,3 +99,21 @@ def sequence_pvalue(
         for r in engine.generate([list(prompt)], samples // calls, max_new)[0]
     ]
     return rollouts_pvalue(exact, rollouts)
+
+
+def assert_recorded_logprobs_exact(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    out: Sequence[Sequence[Rollout]],
+    temperature: float,
+    top_p: float,
+) -> None:
+    """Every behaviour log-prob an engine recorded equals a fresh full forward of ``model`` over
+    the prompt and the completion (what the learner recomputes)."""
+    for prompt, group in zip(prompts, out, strict=True):
+        for r in group:
+            seq = torch.tensor([list(prompt) + r.token_ids.tolist()])
+            with torch.no_grad():
+                logits = model(seq)[:, :-1]
+            lp = token_logprobs(logits, seq[:, 1:], temperature, top_p)[0, len(prompt) - 1 :]
+            np.testing.assert_allclose(r.behaviour_logprobs, lp.numpy(), atol=1e-4)

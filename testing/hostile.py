@@ -1,8 +1,8 @@
 """Poisoned but well-formed frames: what a hostile or badly broken actor can send that passes (or
 nearly passes) the wire codec, each with the learner's expected verdict.
 
-Shared by ``benchmarks/chaos.py`` (fault kind ``poisoned_frames``) and the integration tests of
-the learner's admission (``tests/integration/test_hostile_frames.py``).
+Shared by ``benchmarks/chaos.py`` (fault kind ``poisoned_frames``) and the tests of the learner's
+admission (``tests/integration/test_hostile_frames.py``, ``tests/unit/learner/test_admission.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -30,37 +31,31 @@ class Poison:
     seq: int
 
 
-def valid_group(
-    actor_id: str,
-    seq: int,
-    group_size: int,
-    *,
-    version: int = 0,
-    prompt_len: int = 4,
-    completion_len: int = 4,
-    reward: float | None = None,
-) -> TrajectoryGroup:
+SHAPE = {"version": 0, "prompt_len": 4, "completion_len": 4, "reward": None}
+
+
+def valid_group(actor_id: str, seq: int, group_size: int, **shape: Any) -> TrajectoryGroup:
     """A group the learner trains on: ``group_size`` completions, rewards that differ (so the
-    step has a signal), tokens 1..4 (in every vocabulary the project builds)."""
+    step has a signal), tokens 1..4 (in every vocabulary the project builds). ``shape`` changes
+    the keys of ``SHAPE``: the group's ``version``, ``prompt_len``, ``completion_len`` and one
+    ``reward`` for every completion."""
+    unknown = shape.keys() - SHAPE.keys()
+    if unknown:
+        raise TypeError(f"valid_group: unknown {sorted(unknown)}")
+    version, prompt_len, completion_len, reward = (SHAPE | shape).values()
     rng = np.random.default_rng(seq)
-    return TrajectoryGroup(
-        actor_id=actor_id,
-        seq=seq,
-        prompt_id=f"hostile-{seq}",
-        prompt_ids=rng.integers(1, 5, prompt_len, dtype=np.int32),
-        version=version,
-        completions=[
-            Completion(
-                token_ids=rng.integers(1, 5, completion_len, dtype=np.int32),
-                behaviour_logprobs=np.full(completion_len, -1.0, dtype=np.float32),
-                token_versions=np.full(completion_len, version, dtype=np.int32),
-                reward=float(i % 2) if reward is None else reward,
-                finished=True,
-            )
-            for i in range(group_size)
-        ],
-        stats={},
-    )
+    prompt_ids = rng.integers(1, 5, prompt_len, dtype=np.int32)  # drawn before the completions
+    completions = [
+        Completion(
+            token_ids=rng.integers(1, 5, completion_len, dtype=np.int32),
+            behaviour_logprobs=np.full(completion_len, -1.0, dtype=np.float32),
+            token_versions=np.full(completion_len, version, dtype=np.int32),
+            reward=float(i % 2) if reward is None else reward,
+            finished=True,
+        )
+        for i in range(group_size)
+    ]
+    return TrajectoryGroup(actor_id, seq, f"hostile-{seq}", prompt_ids, version, completions, {})
 
 
 def _rewire(group: TrajectoryGroup, **fields) -> bytes:

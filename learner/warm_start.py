@@ -3,7 +3,10 @@
 RL post-training starts from a model that is partly competent (a pretrained/SFT base); a random
 model would get zero reward everywhere and GRPO would have no signal. The warm start trains on
 task demonstrations for ``model.init_steps`` steps — deliberately too few for mastery — and the
-RL run takes it from there. Deterministic for a seed; well under two minutes on two cores.
+RL run takes it from there. Deterministic for a seed.
+
+The learner builds its starting model through :func:`ensure_model` when it is given none; the
+operator's ``specrl init-model`` and launcher build it ahead of the run.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from pathlib import Path
 import torch
 
 from common.config import SpecRLConfig
-from common.model import KVCache, ModelArgs, Transformer, save_pretrained
-from common.model_presets import MODELS_DIR, ensure_preset
+from common.model import KVCache, Transformer, save_pretrained
+from common.model_args import ModelArgs
+from common.model_presets import MODELS_DIR
 from common.sampling import processed_logprobs
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer, Tokenizer, encode_prompt
+from learner.presets import ensure_preset
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +131,7 @@ def sampled_accuracy(
     """Mean reward of one temperature-1 sample per problem (what RL starts from).
 
     Problems with prompts of equal length decode together with a KV cache, so a task with long
-    answers is scored in seconds."""
+    answers decodes in a few batched passes rather than one problem at a time."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(seed)

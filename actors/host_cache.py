@@ -96,20 +96,15 @@ class HostCache:
         return True
 
     def _prune(self, run_id: str, newest: int) -> None:
-        for path in self._dir(run_id).glob("v*-*.safetensors"):
+        """Delete the files and locks of the run's versions older than the ``keep`` newest."""
+        directory = self._dir(run_id)
+        for path in [*directory.glob("v*-*.safetensors"), *directory.glob("v*.lock")]:
             try:
                 version = int(path.name[1:13])
             except ValueError:
                 continue
             if version <= newest - self.keep:
                 path.unlink(missing_ok=True)
-        for lock in self._dir(run_id).glob("v*.lock"):
-            try:
-                version = int(lock.name[1:13])
-            except ValueError:
-                continue
-            if version <= newest - self.keep:
-                lock.unlink(missing_ok=True)
 
     def remove_run(self, run_id: str) -> int:
         """Delete every cached version of ``run_id`` (a run that has ended); bytes freed.

@@ -1,0 +1,167 @@
+"""The torch engine's bookkeeping: one completion (:class:`Row`), one ``generate`` call
+(:class:`Call`) and the counters behind ``TorchEngine.stats`` (:class:`Counters`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from actors.engines.rollout_engine import Rollout
+
+
+@dataclass
+class Row:
+    """One completion: its tokens so far and, while in the batch, its decoding state."""
+
+    id: int  # prompt index * n + sample index: the order of the result
+    group: int  # prompt index
+    prompt: list[int]
+    key: str
+    budget: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Policy version of every token (they differ within a row only in ``keep`` and
+    ``verify_on_finish`` modes, before verification)."""
+    finished: bool = False  # ended with EOS
+    last: int = 0  # the token not yet in the cache
+    pos: int = 0  # its position
+    kv_version: int = 0  # weights the row's cache was computed with
+    unverified: bool = False
+    """verify_on_finish: in flight at a swap and still holding unverified tokens."""
+    prefix: list[int] = field(default_factory=list)
+    """Tokens before ``last`` not in the cache yet: the prompt, when the row's first step also
+    prefills it (see ``DecodeSteps._first_step``)."""
+
+    def emit(
+        self, tokens: Sequence[int], logprobs: Sequence[float], version: int, eos_id: int
+    ) -> bool:
+        """Append tokens up to EOS or the budget; True when the row is done."""
+        for token, lp in zip(tokens, logprobs, strict=True):
+            self.tokens.append(int(token))
+            self.logprobs.append(float(lp))
+            self.versions.append(version)
+            if token == eos_id:
+                self.finished = True
+                return True
+            if len(self.tokens) >= self.budget:
+                return True
+        return False
+
+    def replace(
+        self, tokens: Sequence[int], logprobs: Sequence[float], version: int, eos_id: int
+    ) -> bool:
+        """Set the row's tokens (after verification); True when the row is done."""
+        self.tokens, self.logprobs, self.versions = [], [], []
+        self.finished = False
+        return self.emit(tokens, logprobs, version, eos_id)
+
+
+@dataclass
+class Call:
+    """One ``generate`` call."""
+
+    rows: list[Row]
+    n: int
+    static: bool
+    reserve: int  # static batching: KV slots reserved per row at admission
+    on_group: Callable[[int, list[Rollout]], None] | None
+    remaining: list[int]  # per group: completions not done yet
+    results: list[list[Rollout] | None]
+    callback_s: float = 0.0
+
+
+class Counters:
+    """What ``TorchEngine.stats`` reports, counted since its last reset."""
+
+    def __init__(self) -> None:
+        # Decoding: delivered tokens (discarded ones not counted), forwards of the full model,
+        # layer passes of the early-exit drafter, wall time spent generating.
+        self.tokens, self.full_forwards, self.draft_layer_passes = 0, 0, 0
+        self.gen_time_s = 0.0
+        # Speculative decoding: verification steps (one per row and step), drafts proposed and
+        # accepted, in total and per draft position.
+        self.verify_steps, self.proposed, self.accepted = 0, 0, 0
+        self.proposed_at: list[int] = []
+        self.accepted_at: list[int] = []
+        # Weights in flight: swaps; generated tokens of unfinished rows when new weights
+        # arrived, how many of them were kept or discarded; tokens pushed through verification
+        # forwards; stale tokens verified and accepted by version gap.
+        self.swaps, self.inflight_tokens = 0, 0
+        self.salvaged_tokens, self.wasted_tokens, self.verify_forward_tokens = 0, 0, 0
+        self.gap_proposed: dict[int, int] = {}
+        self.gap_accepted: dict[int, int] = {}
+
+    def count_drafts(self, accepted: list[int], proposed: list[int]) -> None:
+        """Acceptance counters of one verification step (per row: accepted, proposed drafts)."""
+        self.verify_steps += len(proposed)
+        kmax = max(proposed) if proposed else 0
+        if len(self.proposed_at) < kmax:
+            grow = kmax - len(self.proposed_at)
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for a, m in zip(accepted, proposed, strict=True):
+            self.proposed += m
+            self.accepted += a
+            for i in range(m):
+                self.proposed_at[i] += 1
+                self.accepted_at[i] += int(a > i)
+
+    def count_stale(self, gaps: list[int], accepted: int) -> None:
+        """One verified row: ``gaps[i]`` is token ``i``'s version gap; the first ``accepted``
+        tokens were kept. Tokens already of the new version are accepted by construction; only
+        stale ones measure drift and count as salvaged. Everything after a cut is discarded."""
+        stale = [(i, gap) for i, gap in enumerate(gaps) if gap > 0]
+        self.salvaged_tokens += sum(i < accepted for i, _ in stale)
+        self.wasted_tokens += len(gaps) - accepted
+        for i, gap in stale:
+            self.gap_proposed[gap] = self.gap_proposed.get(gap, 0) + 1
+            self.gap_accepted[gap] = self.gap_accepted.get(gap, 0) + int(i < accepted)
+
+    def report(self, gen_time_s: float, speculative: bool) -> dict[str, float]:
+        """The figures: throughput, acceptance (``speculative``) and in-flight weights."""
+        out = {
+            "actor/tokens": float(self.tokens),
+            "actor/forward_passes": float(self.full_forwards),
+            "actor/gen_time_s": gen_time_s,
+            "actor/tokens_per_s": self.tokens / gen_time_s if gen_time_s else 0.0,
+            "spec/forwards_per_token": self.full_forwards / self.tokens if self.tokens else 0.0,
+        }
+        if speculative:
+            out.update(self._spec_report())
+        if self.swaps:
+            out.update(self._swap_report())
+        return out
+
+    def _spec_report(self) -> dict[str, float]:
+        out = {
+            "spec/acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            # Tokens emitted per verification: accepted drafts + the one sampled token.
+            "spec/mean_accepted_len": (
+                (self.accepted + self.verify_steps) / self.verify_steps
+                if self.verify_steps
+                else 0.0
+            ),
+            "spec/draft_layer_passes_per_token": (
+                self.draft_layer_passes / self.tokens if self.tokens else 0.0
+            ),
+        }
+        for i, (p, a) in enumerate(zip(self.proposed_at, self.accepted_at, strict=True)):
+            out[f"spec/acceptance_pos{i + 1}"] = a / p if p else 0.0
+        return out
+
+    def _swap_report(self) -> dict[str, float]:
+        out = {
+            "verify/swaps": float(self.swaps),
+            "verify/inflight_tokens": float(self.inflight_tokens),
+            "verify/salvaged_tokens": float(self.salvaged_tokens),
+            "verify/wasted_tokens": float(self.wasted_tokens),
+            "verify/forward_tokens": float(self.verify_forward_tokens),
+            # Share of the tokens in flight at swaps that survived (abort: 0; keep: not checked).
+            "verify/salvaged_frac": (
+                self.salvaged_tokens / self.inflight_tokens if self.inflight_tokens else 1.0
+            ),
+        }
+        for gap, proposed in sorted(self.gap_proposed.items()):
+            out[f"verify/acceptance_gap{gap}"] = self.gap_accepted.get(gap, 0) / proposed
+        return out

@@ -1,0 +1,111 @@
+"""An actor's Prometheus ``/metrics`` (``specrl_actor_*{actor_id=...}``), served on
+``actor.metrics_port + actor.index``.
+
+Fed the status dict the actor sends with heartbeats: the sender's cumulative totals, the
+engine's per-batch amounts (summed here) and the latest gauges; weight fetch times are a
+histogram. The registry, server and port file are :class:`common.prometheus.MetricsServer`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Histogram
+
+from common.config import SpecRLConfig
+from common.prometheus import (
+    SECONDS_BUCKETS,
+    MetricsServer,
+    SnapshotCollector,
+    is_number,
+    metric_suffix,
+)
+
+# Status key -> (name, help) of each actor metric: a counter (a total the sender or the loop
+# holds) unless the key is one of _ACTOR_GAUGES (a latest value) or _ACTOR_SUMS (a per-batch
+# amount the engine resets at each stats() call, summed into a counter here).
+_ACTOR_METRICS = {
+    "actor/batches": ("batches", "Rollout batches generated."),
+    "actor/groups_sent": ("groups_sent", "Trajectory groups submitted to the learner."),
+    "sender/acked_total": ("groups_acked", "Groups acked by the learner."),
+    "sender/refused_total": ("groups_refused", "Groups the learner refused (never trained)."),
+    "sender/resent_total": ("groups_resent", "Groups sent again after a timeout or reconnect."),
+    "sender/reconnects": ("reconnects", "Reconnections to the learner."),
+    "sender/bad_replies": ("bad_replies", "Undecodable replies from the learner."),
+    "actor/wait_s": ("wait_seconds", "Idle time waiting for a new version (synchronous mode)."),
+    "actor/tokens_per_s": ("tokens_per_s", "Generated tokens/s of the last batch."),
+    "actor/reward_mean": ("reward_mean", "Mean reward of every completion generated so far."),
+    "sender/unacked": ("outbox_depth", "Groups in the outbox, not yet acked."),
+    "sender/unsent": ("outbox_unsent", "Outbox groups waiting to be sent."),
+    "actor/tokens": ("tokens", "Tokens generated."),
+    "actor/gen_time_s": ("generation_seconds", "Time spent generating."),
+    "verify/swaps": ("verify_swaps", "Weight swaps applied to rollouts in flight."),
+    "verify/inflight_tokens": ("verify_inflight_tokens", "Tokens in flight at weight swaps."),
+    "verify/salvaged_tokens": ("verify_salvaged_tokens", "In-flight tokens kept by verification."),
+    "verify/wasted_tokens": ("verify_wasted_tokens", "In-flight tokens discarded."),
+    "verify/forward_tokens": ("verify_forward_tokens", "Tokens re-run by delayed verification."),
+}
+_ACTOR_GAUGES = frozenset(
+    {"actor/tokens_per_s", "actor/reward_mean", "sender/unacked", "sender/unsent"}
+)
+_ACTOR_SUMS = frozenset(
+    [
+        "actor/tokens",
+        "actor/gen_time_s",
+        "verify/swaps",
+        "verify/inflight_tokens",
+        "verify/salvaged_tokens",
+        "verify/wasted_tokens",
+        "verify/forward_tokens",
+    ]
+)
+_ACTOR_TOTALS = {key: entry for key, entry in _ACTOR_METRICS.items() if key not in _ACTOR_SUMS}
+
+
+class ActorExporter(MetricsServer):
+    """``specrl_actor_*{actor_id=...}``: fed the status dict the actor sends with heartbeats."""
+
+    def __init__(self, port: int, host: str, run_dir: Path, actor_id: str, index: int = 0) -> None:
+        super().__init__(f"actor-{index}", port, host, run_dir)
+        self.actor_id = actor_id
+        self._snapshot = SnapshotCollector("specrl_actor", {"actor_id": actor_id})
+        self.registry.register(self._snapshot)
+        self._fetch = Histogram(
+            "specrl_actor_weight_fetch_seconds",
+            "Time to fetch and check one weights version from Redis.",
+            labelnames=["actor_id"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        ).labels(actor_id)
+        self._sums: dict[str, float] = dict.fromkeys(sorted(_ACTOR_SUMS), 0.0)
+
+    @classmethod
+    def start(cls, cfg: SpecRLConfig, run_dir: Path, actor_id: str) -> ActorExporter:
+        """Serve on ``actor.metrics_port + actor.index`` (no-op object when off)."""
+        port = cfg.actor.metrics_port
+        if port > 0:
+            port += cfg.actor.index
+        return cls(port, cfg.security.metrics_host, run_dir, actor_id, cfg.actor.index)
+
+    def observe_weight_fetch(self, seconds: float) -> None:
+        if self.enabled:
+            self._fetch.observe(seconds)
+
+    def update(self, status: Mapping[str, Any], version: int | None = None) -> None:
+        """One batch: ``status`` holds engine.stats() (per batch) and sender.stats() (totals)."""
+        if not self.enabled:
+            return
+        snap = self._snapshot
+        if version is not None:
+            snap.set("gauge", "version", "Policy version the engine holds.", version)
+        snap.set_known(_ACTOR_TOTALS, status, _ACTOR_GAUGES)
+        for key in self._sums:
+            name, doc = _ACTOR_METRICS[key]
+            if is_number(status.get(key)):
+                self._sums[key] += float(status[key])
+            snap.set("counter", name, doc, self._sums[key])
+        for key, value in status.items():
+            if is_number(value) and key.startswith(("spec/", "verify/")) and key not in _ACTOR_SUMS:
+                snap.set("gauge", metric_suffix(key), f"{key} of the last batch.", value)

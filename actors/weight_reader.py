@@ -1,0 +1,170 @@
+"""The actors' side of the weight store: ``WeightReader`` fetches a version, verified end to end.
+
+A full version is read from its chunks (each checked against the manifest's sha256); a delta is
+applied to the version this reader fetched last when that is its base, else to the chain from
+its keyframe (retention keeps every version from the keyframe of the oldest retained version
+on), and the result must match the manifest's ``weights_sha256``, so a wrong, tampered or
+missing delta is refused, never loaded. Non-finite floating tensors are refused after decoding
+and after applying a delta. With a host cache (``actors.host_cache``) one process per host reads
+a version from Redis and the others map its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, Self
+
+import redis
+import torch
+
+from actors.host_cache import HostCache
+from actors.weight_chunks import read_chunks
+from common.config.run import RedisConfig
+from common.weights.deltas import apply_delta
+from common.weights.format import (
+    WeightsCorrupt,
+    WeightsError,
+    check_finite,
+    serialize_state_dict,
+    tensors_from_safetensors,
+    weights_digest,
+)
+from common.weights.manifest import check_against_manifest, chunk_list
+from common.weights.store import HeldVersion, WeightStore
+
+
+class WeightReader(WeightStore):
+    """Fetches versions of a state dict for one run; remembers the last version it fetched (so
+    the next fetch can be a delta), so a process uses one reader per run."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        host_cache: HostCache | None = None,
+        **settings: int,
+    ) -> None:
+        super().__init__(client, run_id, **settings)
+        self.host_cache = host_cache
+        self._fetched: HeldVersion | None = None  # what the next delta we read may apply to
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, run_id: str) -> Self:
+        """The run's reader on the configured Redis, with the host cache where one is set."""
+        reader = super().from_config(cfg, run_id)
+        reader.host_cache = HostCache(cfg.host_cache_dir) if cfg.host_cache_dir else None
+        return reader
+
+    def fetch(self, version: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, state_dict)`` of ``version`` (None: the latest), verified end to end.
+
+        A full version's tensors are views into one buffer holding its bytes (no copy after the
+        socket read); a delta is applied to the version this reader fetched last when it is the
+        delta's base, else to the chain from its keyframe, and the result must match the
+        manifest's ``weights_sha256``. Non-finite floats are refused (``WeightsNonFinite``).
+        With a host cache, one process per host reads from Redis and the others map its copy.
+        ``load_state_dict`` copies the tensors into a model as usual; do not modify them in
+        place (they are the base of the next delta, and a shared mapping).
+        """
+        if version is None:
+            version = self.latest_version()
+            if version is None:
+                raise WeightsError(f"no weights published yet for run {self.run_id!r}")
+        manifest = self.checked_manifest(version)
+        digest = manifest["weights_sha256"]
+        held = self._fetched
+        if held is not None and held.version == version and held.digest == digest:
+            return version, held.state
+        cache = self.host_cache
+        state = self._from_host_cache(version, manifest) if cache is not None else None
+        if state is None:
+            lock = cache.lock(self.run_id, version) if cache is not None else None
+            with lock if lock is not None else contextlib.nullcontext():
+                # Another process of this host may have fetched it while we waited.
+                state = self._from_host_cache(version, manifest) if cache is not None else None
+                if state is None:
+                    state, raw = self._build(version, manifest)
+                    if cache is not None:
+                        cache.put(self.run_id, version, digest, raw)
+        self._fetched = HeldVersion(version, digest, state, int(manifest["keyframe"]))
+        return version, state
+
+    def _from_host_cache(
+        self, version: int, manifest: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor] | None:
+        assert self.host_cache is not None
+        buf = self.host_cache.get(self.run_id, version, manifest["weights_sha256"])
+        if buf is None:
+            return None
+        # Written only after this host's fetcher verified it: check the layout, not the bytes.
+        state = tensors_from_safetensors(version, buf)
+        return check_against_manifest(version, state, manifest["tensors"])
+
+    def _chain(
+        self, version: int, manifest: dict[str, Any]
+    ) -> tuple[list[tuple[int, dict[str, Any]]], HeldVersion | None]:
+        """The versions to read for ``version``, oldest first, and the held state the first
+        delta among them applies to: from a version we hold (or another process of this host
+        built), else from the keyframe."""
+        chain = [(version, manifest)]
+        held = self._fetched
+        while chain[-1][1]["kind"] == "delta":
+            v, m = chain[-1]
+            if held is not None and held.version == m["base"] and held.digest == m["base_sha256"]:
+                break
+            base = self.checked_manifest(m["base"]) if m["base"] < v else None
+            if base is None or base["weights_sha256"] != m["base_sha256"]:
+                raise WeightsCorrupt(f"version {v}: its base {m['base']} is not the one it names")
+            if self.host_cache is not None:
+                cached = self._from_host_cache(m["base"], base)
+                if cached is not None:  # another process of this host built the base already
+                    held = HeldVersion(m["base"], base["weights_sha256"], cached, base["keyframe"])
+                    break
+            chain.append((m["base"], base))
+        chain.reverse()
+        return chain, held
+
+    def _build(
+        self, version: int, manifest: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | bytes]:
+        """The full state of ``version`` from Redis, and its safetensors bytes (for the host
+        cache): a full read, or the deltas since a version we hold (or since the keyframe)."""
+        chain, held = self._chain(version, manifest)
+        first_version, first = chain[0]
+        if first["kind"] == "full":
+            buf = self._read_stored(first_version, first)
+            state = tensors_from_safetensors(first_version, buf)
+            state = check_against_manifest(first_version, state, first["tensors"])
+            check_finite(first_version, state)
+            raw: torch.Tensor | bytes = buf
+            chain = chain[1:]
+        else:
+            assert held is not None
+            state = held.state
+        for v, m in chain:
+            blob = tensors_from_safetensors(v, self._read_stored(v, m))
+            state = apply_delta(v, state, blob, m["encoding"])
+            check_against_manifest(v, state, m["tensors"])
+            check_finite(v, state)
+            got = weights_digest(state)
+            if got != m["weights_sha256"]:
+                raise WeightsCorrupt(
+                    f"version {v}: weights after applying the delta hash to {got[:12]}…, "
+                    f"manifest weights_sha256 says {m['weights_sha256'][:12]}…"
+                )
+        if manifest["kind"] == "delta":
+            raw = serialize_state_dict(state) if self.host_cache is not None else b""
+        return state, raw
+
+    def _read_stored(self, version: int, manifest: Mapping[str, Any]) -> torch.Tensor:
+        """The verified bytes of one stored version (a full version's or a delta's)."""
+        chunk_sha256, total_bytes = chunk_list(version, manifest)
+        return read_chunks(
+            self.client,
+            self.run_id,
+            version,
+            chunk_sha256,
+            total_bytes,
+            gone=lambda: self.manifest(version) is None,
+        )

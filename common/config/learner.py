@@ -1,0 +1,133 @@
+"""Config section of the learner: transport, optimisation, publishing, checkpoints, limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config.checks import (
+    check_port,
+    require,
+    require_at_least,
+    require_choice,
+    require_positive,
+)
+from common.config.modes import MODEL_IMPLS, PRECISIONS, PUBLISH_DTYPES, PUBLISH_UPLOADS
+
+
+@dataclass
+class LearnerConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    """Where actors connect (the learner's reachable address)."""
+    bind: str = ""
+    """Where the learner binds; empty: same as ``address``. Use ``tcp://0.0.0.0:5555`` to accept
+    actors on other machines (loopback only by default)."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip (0 = off)."""
+    groups_per_step: int = 16
+    """Trajectory groups consumed per optimizer step."""
+    max_staleness: int = 2
+    """Groups with ``learner_version - group.version`` above this are dropped (and counted)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    dual_clip: float = 3.0
+    """Dual-clip bound c: for negative advantages the surrogate is bounded below by c * A, which
+    truncates importance ratios pi_theta / pi_behaviour above c (stale-token correction)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the initial (reference) policy; 0 keeps no reference copy."""
+    publish_every: int = 1
+    """Publish a new weights version every N optimizer steps."""
+    publish_dtype: str = ""
+    """dtype of published weights (``bfloat16``, ``float16``, ``float32``); empty: the training
+    dtype (the parameters'). Recorded in the manifest."""
+    publish_max_inflight: int = 1
+    """Versions snapshotted but not yet uploaded; the upload runs in the background while the
+    next step trains, and the learner waits only when this many are in flight. 0: publish
+    synchronously on the learner's thread."""
+    publish_upload: str = "process"
+    """Where background uploads run: ``process`` (a child process reading the snapshot from
+    shared memory: serializing never takes the learner's GIL; needs ``/dev/shm`` room for
+    ``publish_max_inflight`` copies of the weights) or ``thread`` (a thread of the learner)."""
+    checkpoint_every: int = 50
+    """Write a checkpoint every N steps (and always at exit)."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory when one exists."""
+    queue_max: int = 4
+    """Groups received but not yet trained on; when full the learner stops reading (and acking),
+    so actors' outboxes fill and they wait: memory stays bounded and data stays fresh."""
+    group_timeout_s: float = 600.0
+    """Give up when no group arrives for this long."""
+    metrics_every: int = 1
+    """Write a metrics line every N steps."""
+    wal: bool = True
+    """Append every group to a write-ahead log in the run directory before acking it, so groups
+    acked but not yet trained on survive a learner killed outright (SIGKILL, OOM); the log is
+    trimmed at each checkpoint."""
+    wal_fsync: bool = False
+    """fsync the write-ahead log before each ack: also survives a host crash, at a cost per group."""
+    metrics_port: int = 9400
+    """Prometheus ``/metrics`` port. 0: any free port (written to ``{run_dir}/prometheus/``);
+    -1: off."""
+    max_seq_tokens: int = 0
+    """Longest prompt + completion the learner trains on; a group with a longer one is refused
+    (acked as refused, counted). 0: the model's context (``max_position_embeddings``)."""
+    max_abs_reward: float = 1e6
+    """Largest |reward| the learner admits; a group with a larger (or, in float32, non-finite)
+    reward is refused. Bounds the GRPO statistics well inside float32."""
+    max_frame_bytes: int = 64 * 1024 * 1024
+    """Upper bound on one trajectory frame. The learner uses the smaller of this and twice the
+    largest frame a valid group of this run can be (group size x context), so a peer cannot make
+    it read or queue more than that per frame."""
+    recv_buffer_bytes: int = 64 * 1024 * 1024
+    """Bytes of frames queued per actor connection before the learner's socket stops reading it
+    (the receive high-water mark is this over the frame bound, at least 2 frames)."""
+    model_impl: str = "auto"
+    """Which implementation trains the policy: ``builtin`` (``common.model.Transformer``: Llama,
+    Qwen2, Qwen3 layouts), ``hf`` (``transformers.AutoModelForCausalLM``) or ``auto`` (built-in
+    when it computes the checkpoint's architecture, else ``transformers``)."""
+    precision: str = "fp32"
+    """``fp32``; ``bf16-mixed``: bf16 autocast compute, fp32 master weights, gradients and AdamW
+    state (16 bytes/parameter); ``bf16``: bf16 weights, gradients and AdamW state (8
+    bytes/parameter, lossy updates: small steps round away)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one forward/backward (rows x their longest row); the step accumulates
+    gradients over as many micro-batches as the batch needs, with the one-batch update. 0: the
+    whole batch (of this rank) at once."""
+    logprob_chunk_tokens: int = 1024
+    """Completion positions whose [chunk, vocab] logits exist at a time (recomputed in backward);
+    0: all completion positions of a micro-batch at once."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations."""
+
+    def __post_init__(self) -> None:
+        require_choice("learner.model_impl", self.model_impl, MODEL_IMPLS)
+        require_choice("learner.precision", self.precision, PRECISIONS)
+        require_choice("learner.publish_upload", self.publish_upload, PUBLISH_UPLOADS)
+        require(
+            self.publish_dtype in PUBLISH_DTYPES,
+            f"learner.publish_dtype must be '', bfloat16, float16 or float32, got "
+            f"{self.publish_dtype!r}",
+        )
+        require(
+            self.max_seq_tokens >= 0,
+            f"learner.max_seq_tokens must be >= 0 (0 = model context), got {self.max_seq_tokens}",
+        )
+        require_at_least("learner", self, max_frame_bytes=4096, recv_buffer_bytes=4096)
+        require_at_least("learner", self, groups_per_step=1, publish_every=1, checkpoint_every=1)
+        require_at_least("learner", self, queue_max=1, metrics_every=1)
+        require_at_least("learner", self, publish_max_inflight=0, max_staleness=0, kl_coef=0)
+        require_at_least("learner", self, max_tokens_per_microbatch=0, logprob_chunk_tokens=0)
+        require_positive("learner", self, "lr", "max_abs_reward", "group_timeout_s")
+        require(0 < self.clip_eps < 1, f"learner.clip_eps must be in (0, 1), got {self.clip_eps}")
+        require(self.dual_clip > 1, f"learner.dual_clip must be > 1, got {self.dual_clip}")
+        require(
+            self.address.startswith(("tcp://", "ipc://")),
+            f"learner.address must be tcp://HOST:PORT or ipc://PATH, got {self.address!r}",
+        )
+        check_port("learner.metrics_port", self.metrics_port)
+
+    def resolved_bind(self) -> str:
+        return self.bind or self.address

@@ -1,0 +1,245 @@
+"""Config sections every process reads: the run, the model, the task, Redis, sampling, security."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config.checks import require, require_at_least, require_choice, require_ordered
+from common.config.modes import (
+    CHAT_TEMPLATE_MODES,
+    DATASET_FORMATS,
+    DATASET_SUFFIXES,
+    DATASET_TASKS,
+    TASK_NAMES,
+)
+
+
+@dataclass
+class RunConfig:
+    name: str = "specrl"
+    """Run id: namespaces Redis keys (``weights:{name}:…``) and names the run directory."""
+    dir: str = ""
+    """Run directory (metrics JSONL, checkpoints, plots). Empty: ``runs/{name}``."""
+    seed: int = 0
+    """Seed for model init, prompt sampling and token sampling (actor i adds i)."""
+    steps: int = 400
+    """Learner optimizer steps before the run ends."""
+    max_wall_s: float = 0.0
+    """End the run (completed, with its final checkpoint) once the learner has run this long,
+    even before ``steps``; 0: no time limit."""
+    torch_threads: int = 1
+    """``torch.set_num_threads`` per process; 1 keeps learner and actors from fighting over cores."""
+    log_level: str = "INFO"
+    """Python logging level of every process."""
+    ledger: bool = False
+    """Write ``ledger/*.jsonl`` in the run directory: every ``(actor_id, seq)`` sent by actors and
+    consumed by the learner (trained, dropped as stale, or pending at exit). For audits and tests."""
+
+    def __post_init__(self) -> None:
+        require_at_least("run", self, steps=1, torch_threads=1, max_wall_s=0)
+        require(
+            bool(self.name) and "/" not in self.name,
+            f"run.name must be a non-empty name without '/', got {self.name!r}",
+        )
+
+    def resolved_dir(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF-format model directory (config.json + model.safetensors + tokenizer). Empty: the
+    ``preset``'s directory when one is set, else the tiny built-in model of the task, created by
+    ``specrl init-model`` on first use under ``runs/models``."""
+    preset: str = ""
+    """A real pretrained model built from an installed package (``common/model_presets.py``), e.g.
+    ``smollm2-135m``: built once into ``runs/models/<preset>`` (``specrl init-model
+    model=<preset>``, or on first use). Set by ``model=<preset>`` with the defaults that fit it."""
+    hidden_size: int = 64
+    """Tiny built-in model: width."""
+    num_layers: int = 4
+    """Tiny built-in model: decoder layers."""
+    num_heads: int = 2
+    """Tiny built-in model: attention heads (head_dim = hidden_size / num_heads, kept >= 32 for vLLM)."""
+    num_kv_heads: int = 1
+    """Tiny built-in model: key/value heads (GQA)."""
+    intermediate_size: int = 256
+    """Tiny built-in model: SwiGLU inner width."""
+    init_steps: int = 150
+    """Supervised warm-start steps of ``specrl init-model`` (partial competence, not mastery)."""
+    init_batch_size: int = 64
+    """Supervised warm-start batch size."""
+    init_lr: float = 3e-3
+    """Supervised warm-start learning rate."""
+    init_exit_layer: int = 0
+    """Supervised warm start: also train the early exit after this many layers (LayerSkip-style
+    cross-entropy on the exit's logits, weight 0.5), so ``spec=early_exit`` with this
+    ``spec.exit_layer`` starts from a usable draft; 0 = off."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.hidden_size > 0 and self.num_heads > 0,
+            f"model.hidden_size={self.hidden_size} and model.num_heads={self.num_heads} must be > 0",
+        )
+        require(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}",
+        )
+        require(
+            self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}",
+        )
+        require_at_least("model", self, num_layers=1, init_steps=0)
+        require(
+            0 <= self.init_exit_layer < self.num_layers,
+            f"model.init_exit_layer={self.init_exit_layer} must be in [0, {self.num_layers - 1}]",
+        )
+
+
+@dataclass
+class TaskConfig:
+    name: str = "reverse"
+    """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``,
+    ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens),
+    ``word_problems`` (arithmetic word problems in English, for a real model), ``dataset`` (a
+    JSONL or Parquet file of prompts with numeric answers; ``jsonl`` is the same task)."""
+    path: str = ""
+    """``dataset``/``jsonl`` only: the data set file (``.jsonl``/``.json`` lines, or ``.parquet``)."""
+    format: str = "auto"
+    """``dataset``/``jsonl`` only: ``jsonl``, ``parquet``, or ``auto`` (from the file's suffix)."""
+    prompt_key: str = "prompt"
+    """``dataset``/``jsonl`` only: column (JSON key) of the prompt text; ``a.b`` reads a nested key."""
+    answer_key: str = "answer"
+    """``dataset``/``jsonl`` only: column of the answer: a number, or a solution whose final answer
+    follows ``####`` or sits in ``\\boxed{}``; ``a.b`` reads a nested key."""
+    chat_template: str = "auto"
+    """Format prompts with the tokenizer's chat template: ``true``, ``false``, or ``auto`` (on when
+    the tokenizer has a chat template and the task is a data set)."""
+    system_prompt: str = ""
+    """With the chat template: a system message before the prompt (empty: none)."""
+    min_digits: int = 3
+    """Built-in tasks: fewest digits per number."""
+    max_digits: int = 6
+    """Built-in tasks: most digits per number."""
+    partial_credit: float = 0.0
+    """Built-in tasks: reward share for a wrong answer's matching positions (0 = exact match only)."""
+    max_new_tokens: int = 0
+    """Generation budget per completion; 0 = the task's own default."""
+    pool_size: int = 0
+    """Built-in tasks: a fixed training set of this many problems, iterated over epochs (prompts
+    recur, as in RL on a data set); 0 = a fresh random problem every time."""
+    pool_seed: int = 0
+    """Built-in tasks: seed that draws the fixed training set."""
+    min_steps: int = 1
+    """``word_problems``: fewest arithmetic steps in a problem."""
+    max_steps: int = 3
+    """``word_problems``: most arithmetic steps in a problem."""
+
+    def __post_init__(self) -> None:
+        require_choice("task.name", self.name, TASK_NAMES)
+        require(
+            not self.is_dataset or bool(self.path),
+            f"task.name={self.name} needs task.path=FILE (.jsonl or .parquet)",
+        )
+        require_choice("task.format", self.format, DATASET_FORMATS)
+        if self.is_dataset and self.format == "auto":
+            suffix = Path(self.path).suffix.lower()
+            require(
+                suffix in DATASET_SUFFIXES,
+                f"task.path={self.path!r}: cannot tell the format from the suffix {suffix!r} "
+                f"(known: {', '.join(DATASET_SUFFIXES)}); set task.format=jsonl or parquet",
+            )
+        require(
+            bool(self.prompt_key), f"task.prompt_key must be non-empty, got {self.prompt_key!r}"
+        )
+        require(
+            bool(self.answer_key), f"task.answer_key must be non-empty, got {self.answer_key!r}"
+        )
+        # Hydra reads `task.chat_template=true` as a bool, which a str field stores as "True".
+        self.chat_template = str(self.chat_template).lower()
+        require_choice("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
+        require_ordered("task", self, "min_digits", "max_digits")
+        require(
+            0.0 <= self.partial_credit < 1.0,
+            f"task.partial_credit must be in [0, 1), got {self.partial_credit}",
+        )
+        require_at_least("task", self, max_new_tokens=0, pool_size=0)
+        require_ordered("task", self, "min_steps", "max_steps")
+
+    @property
+    def is_dataset(self) -> bool:
+        """Prompts come from a file (``dataset``, or its alias ``jsonl``)."""
+        return self.name in DATASET_TASKS
+
+    @property
+    def natural_language(self) -> bool:
+        """Prompts in a natural language, for an HF model with its own tokenizer (a data set or
+        ``word_problems``): they go through the chat template under ``chat_template=auto``."""
+        return self.is_dataset or self.name == "word_problems"
+
+
+@dataclass
+class RedisConfig:
+    url: str = ""
+    """Redis URL (``redis://[:password@]host:port/db``, ``rediss://`` for TLS). Empty: ``specrl run``
+    starts a private server; ``specrl-learner``/``specrl-actor`` use redis://127.0.0.1:6379/0."""
+    chunk_bytes: int = 4 * 2**20
+    """Largest value written per weights chunk."""
+    retention: int = 3
+    """Weight versions kept in Redis; older ones are deleted."""
+    retention_bytes: int = 0
+    """Bytes of weights kept in Redis at most: fewer than ``retention`` versions are kept when
+    they would hold more (the latest and the delta chain it needs always stay). 0: no bound."""
+    poll_interval_s: float = 1.0
+    """Actors poll ``latest`` this often in case a pub/sub notice was missed."""
+    keyframe_every: int = 10
+    """A full weights version every N versions; the others are stored as sparse deltas against
+    the previous version (when a delta is under half the full size). 1: every version full."""
+    host_cache_dir: str = "/dev/shm"
+    """Where actors on one host share fetched versions (one Redis fetch per host per version);
+    empty: off (every actor fetches from Redis)."""
+
+    def __post_init__(self) -> None:
+        require_at_least("redis", self, chunk_bytes=1024, retention=1, keyframe_every=1)
+        require(
+            self.retention_bytes >= 0,
+            f"redis.retention_bytes must be >= 0 (0: no bound), got {self.retention_bytes}",
+        )
+        require(
+            self.poll_interval_s > 0,
+            f"redis.poll_interval_s must be > 0, got {self.poll_interval_s}",
+        )
+
+    def resolved_url(self) -> str:
+        return self.url or "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature; behaviour log-probs and the learner's log-probs both use it."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+    def __post_init__(self) -> None:
+        require(self.temperature > 0, f"sampling.temperature must be > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class SecurityConfig:
+    curve_dir: str = ""
+    """CurveZMQ on the trajectory socket: a directory written by ``specrl keys DIR`` (the learner
+    reads ``learner.key_secret``; actors read ``actor.key_secret`` and ``learner.key``). Empty:
+    plain TCP, so keep the port firewalled to the actor machines."""
+    actor_key: str = "actor"
+    """Actors: the key pair in ``curve_dir`` this actor presents (``{actor_key}.key_secret``;
+    ``specrl keys DIR --actor NAME`` makes more)."""
+    authorized_keys: str = ""
+    """Learner: directory of the actor public keys let in (a ZAP allow-list, re-read when it
+    changes). Empty: ``{curve_dir}/authorized``."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the Prometheus ``/metrics`` servers listen on (loopback unless set, like every
+    other socket; ``0.0.0.0`` to let a scraper on another machine in)."""

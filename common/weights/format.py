@@ -1,0 +1,265 @@
+"""The bytes of a weights version: errors, the full-weights digest, the finite check, and
+safetensors written and read without a second copy of the state.
+
+``safetensors.torch.save``/``save_file`` first turn every tensor into a ``bytes`` object, so
+writing a state holds it twice at once (for a checkpoint's optimizer moments, or a published
+version in the upload process). The format is small (an 8-byte little-endian header length, a
+JSON header naming each tensor's dtype, shape and byte range, then the bytes), so the writers
+here lay it out themselves, in the library's order (largest element size first, then name) and
+with its 8-byte alignment; ``safetensors`` reads what they write
+(tests/unit/common/test_safetensors_io.py). The reader returns zero-copy views into one buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+
+class WeightsError(RuntimeError):
+    """A version is missing, expired, or cannot be published."""
+
+
+class WeightsCorrupt(WeightsError):
+    """Stored bytes disagree with their manifest: checksum, shape, dtype or a missing chunk."""
+
+
+class WeightsNonFinite(WeightsError):
+    """A version holds NaN or infinity: never published, and refused by every reader."""
+
+
+# safetensors dtype names -> torch dtypes (as in ``safetensors.torch``; left out where this torch
+# lacks the dtype). A name missing here is read through ``safetensors.torch.load`` (a copy).
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "C64": torch.complex64,
+        "U64": getattr(torch, "uint64", None),
+        "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+    }.items()
+    if dtype is not None
+}
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    _SAFETENSORS_DTYPES[name]: name
+    for name in ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+}
+"""The dtypes the writers here know, with their safetensors names."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of ``dtype``: "float32", "bfloat16", "int64"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def weights_digest(state_dict: Mapping[str, torch.Tensor], threads: int = 0) -> str:
+    """sha256 over (name, dtype, shape, sha256 of the raw bytes) of every tensor, names sorted.
+
+    Independent of how the tensors were obtained (a full fetch, deltas, the learner's snapshot);
+    the per-tensor hashes run on ``threads`` threads (0: up to 4, one per core; hashlib releases
+    the GIL).
+    """
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    names = sorted(state_dict)
+    tensors = [state_dict[n].detach().to("cpu").contiguous() for n in names]
+
+    def digest(t: torch.Tensor) -> bytes:
+        return hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
+
+    if threads == 1:
+        digests = [digest(t) for t in tensors]
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            digests = list(pool.map(digest, tensors))
+    outer = hashlib.sha256()
+    for name, t, d in zip(names, tensors, digests, strict=True):
+        outer.update(json.dumps([name, dtype_name(t.dtype), list(t.shape)]).encode() + d)
+    return outer.hexdigest()
+
+
+def check_finite(version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``WeightsNonFinite`` naming the first floating tensor with a NaN or an infinity."""
+    for name, t in state_dict.items():
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        # One pass without a temporary: a NaN or an infinity makes the sum non-finite. A finite
+        # tensor whose sum overflows takes the exact check below.
+        # 16-bit floats accumulate in float32, whose range their sums cannot leave.
+        widen = t.element_size() < 4 and not t.is_complex()
+        total = t.sum(dtype=torch.float32) if widen else t.sum()
+        if bool(torch.isfinite(total)):
+            continue
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise WeightsNonFinite(
+                f"version {version}: tensor {name} has {bad} non-finite value(s) (NaN/inf)"
+            )
+
+
+# ------------------------------------------------------------------------------------ write
+
+
+def writable(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every tensor has a dtype these writers know (others: use the library)."""
+    return all(t.dtype in DTYPE_NAMES for t in tensors.values())
+
+
+def _layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[list[str], bytes, int]:
+    """(tensor order, the header with its length prefix, bytes of data)."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
+    return order, len(text).to_bytes(8, "little") + text, offset
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 CPU view (a copy only if it is not contiguous)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def safetensors_bytes(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> bytearray:
+    """The safetensors file of ``tensors`` in one buffer (the state's bytes exist once more)."""
+    order, head, size = _layout(tensors, metadata)
+    out = bytearray(len(head) + size)
+    out[: len(head)] = head
+    if size:
+        body = torch.frombuffer(out, dtype=torch.uint8)[len(head) :]
+        position = 0
+        for name in order:
+            raw = _raw(tensors[name])
+            body[position : position + raw.numel()].copy_(raw)
+            position += raw.numel()
+    return out
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | Path,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``tensors`` to ``path`` one tensor at a time (no copy of the whole state)."""
+    order, head, _ = _layout(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        for name in order:
+            raw = _raw(tensors[name])
+            if raw.numel():
+                f.write(memoryview(raw.numpy()))
+
+
+def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes | bytearray:
+    """safetensors bytes of ``state_dict`` as contiguous CPU tensors.
+
+    Tensors that share storage (tied embedding / LM head) are cloned, because safetensors refuses
+    shared storage; the reader gets separate tensors, which ``load_state_dict`` handles.
+    """
+    seen_storages: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        t = tensor.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen_storages and t.numel() > 0:
+            t = t.clone()
+        seen_storages.add(ptr)
+        tensors[name] = t
+    if not writable(tensors):
+        return safetensors.torch.save(tensors)
+    return safetensors_bytes(tensors)
+
+
+# ------------------------------------------------------------------------------------- read
+
+
+def _header(version: int, raw) -> tuple[dict, int]:
+    """The parsed safetensors header of ``raw`` (uint8 numpy) and where the data starts."""
+    total = len(raw)
+    header_len = int.from_bytes(raw[:8].tobytes(), "little") if total >= 8 else -1
+    if not 0 <= header_len <= total - 8:
+        raise WeightsCorrupt(f"version {version}: not safetensors bytes (header length)")
+    try:
+        header = json.loads(raw[8 : 8 + header_len].tobytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightsCorrupt(f"version {version}: safetensors header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise WeightsCorrupt(f"version {version}: safetensors header is not a JSON object")
+    return header, 8 + header_len
+
+
+def tensors_from_safetensors(version: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors over ``buf`` (uint8, safetensors bytes) without copying: views of its storage.
+
+    A tensor whose offset is not aligned to its element size (safetensors does not promise it)
+    is copied; a dtype this module does not know goes through ``safetensors.torch.load``.
+    """
+    raw = buf.numpy()
+    header, base = _header(version, raw)
+    data_bytes = len(raw) - base
+    tensors: dict[str, torch.Tensor] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_label = spec["dtype"]
+            shape = [int(d) for d in spec["shape"]]
+            begin, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightsCorrupt(f"version {version}: safetensors entry {name!r}: {e!r}") from e
+        dtype = _SAFETENSORS_DTYPES.get(dtype_label)
+        if dtype is None:
+            try:
+                return safetensors.torch.load(raw.tobytes())
+            except SafetensorError as e:
+                raise WeightsCorrupt(f"version {version}: safetensors cannot parse: {e}") from e
+        if (
+            any(d < 0 for d in shape)
+            or not 0 <= begin <= end <= data_bytes
+            or end - begin != math.prod(shape) * dtype.itemsize
+        ):
+            raise WeightsCorrupt(
+                f"version {version}: safetensors entry {name!r} ({dtype_label}, {shape}) does "
+                f"not fit its bytes [{begin}, {end})"
+            )
+        flat = buf[base + begin : base + end]
+        if (base + begin) % dtype.itemsize:
+            flat = flat.clone()
+        tensors[name] = flat.view(dtype).view(shape)
+    return tensors

@@ -1,0 +1,146 @@
+"""The manifest of a stored version: what it holds, how its bytes are chunked and checksummed,
+and for a delta which version it applies to. Written last, read first, checked before use.
+
+Format 3 holds one sha256 per chunk (``chunk_sha256``) and ``chunks_sha256`` over those digests,
+which ties the chunk list together, so one hash per byte suffices on both sides; ``kind``
+full/delta, with ``base``/``base_sha256``/``keyframe`` and each tensor's ``encoding`` for a
+delta; ``weights_sha256``, the digest of the full resulting weights; and ``dtype``, the floats'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from common.weights.format import WeightsCorrupt, WeightsError, dtype_name
+
+MANIFEST_FORMAT = 3
+
+
+def sha256_of(data: memoryview) -> bytes:
+    """The sha256 of one chunk."""
+    return hashlib.sha256(data).digest()
+
+
+def digest_of_digests(chunk_sha256: list[str]) -> str:
+    """sha256 over the concatenated chunk digests: one checksum for the whole version."""
+    return hashlib.sha256(b"".join(bytes.fromhex(h) for h in chunk_sha256)).hexdigest()
+
+
+def tensor_specs(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Each tensor's shape and dtype, as the manifest lists them."""
+    return {
+        name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in state.items()
+    }
+
+
+def new_manifest(
+    run_id: str,
+    version: int,
+    state: Mapping[str, torch.Tensor],
+    digest: str,
+    keyframe: int,
+    chunk_sha256: list[str],
+    total_bytes: int,
+    meta: Mapping[str, str | int | float] | None,
+) -> dict[str, Any]:
+    """The manifest of a full version (a delta's adds ``base``, ``base_sha256``, ``encoding``
+    and its ``kind``)."""
+    floats = {dtype_name(t.dtype) for t in state.values() if t.is_floating_point()}
+    return {
+        "format": MANIFEST_FORMAT,
+        "run_id": run_id,
+        "version": version,
+        "kind": "full",
+        "keyframe": keyframe,
+        "weights_sha256": digest,
+        "dtype": floats.pop() if len(floats) == 1 else ("mixed" if floats else "none"),
+        "tensors": tensor_specs(state),
+        "num_chunks": len(chunk_sha256),
+        "chunk_sha256": chunk_sha256,
+        "chunks_sha256": digest_of_digests(chunk_sha256),
+        "total_bytes": total_bytes,
+        "meta": dict(meta or {}),
+        "created_at": time.time(),
+    }
+
+
+def check_manifest(run_id: str, version: int, manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """``manifest`` if it is one this reader can use; raises ``WeightsError`` if it is missing
+    or of another format, ``WeightsCorrupt`` if it is malformed."""
+    if manifest is None:
+        raise WeightsError(f"weights version {version} of run {run_id!r} not found")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise WeightsError(
+            f"weights version {version} of run {run_id!r} has manifest format "
+            f"{manifest.get('format')!r}; this reader reads format {MANIFEST_FORMAT}"
+        )
+    kind = manifest.get("kind")
+    digest = manifest.get("weights_sha256")
+    if kind not in ("full", "delta") or not isinstance(digest, str) or len(digest) != 64:
+        raise WeightsCorrupt(f"manifest of version {version} is malformed (kind/digest)")
+    if not isinstance(manifest.get("keyframe"), int) or not isinstance(
+        manifest.get("tensors"), dict
+    ):
+        raise WeightsCorrupt(f"manifest of version {version} is malformed (keyframe/tensors)")
+    if kind == "delta" and not (
+        isinstance(manifest.get("base"), int)
+        and isinstance(manifest.get("base_sha256"), str)
+        and isinstance(manifest.get("encoding"), dict)
+    ):
+        raise WeightsCorrupt(f"manifest of delta version {version} is malformed (base)")
+    return manifest
+
+
+def chunk_list(version: int, manifest: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The chunk digests and total bytes ``manifest`` lists, checked against its
+    ``chunks_sha256``."""
+    try:
+        num_chunks = int(manifest["num_chunks"])
+        chunk_sha256 = [str(h) for h in manifest["chunk_sha256"]]
+        chunks_sha256 = str(manifest["chunks_sha256"])
+        total_bytes = int(manifest["total_bytes"])
+        listed = digest_of_digests(chunk_sha256)
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightsCorrupt(f"manifest of version {version} is malformed: {e!r}") from e
+    if len(chunk_sha256) != num_chunks or total_bytes < 0:
+        raise WeightsCorrupt(
+            f"version {version}: manifest lists {len(chunk_sha256)} checksums for "
+            f"{num_chunks} chunks ({total_bytes} bytes)"
+        )
+    if listed != chunks_sha256:
+        raise WeightsCorrupt(
+            f"version {version}: the chunk checksums hash to {listed[:12]}…, manifest "
+            f"chunks_sha256 says {chunks_sha256[:12]}…"
+        )
+    return chunk_sha256, total_bytes
+
+
+def check_against_manifest(
+    version: int, state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, Mapping[str, Any]]
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` in the manifest's tensor order, once its names, shapes and dtypes are the
+    ones the manifest lists."""
+    if set(state_dict) != set(expected):
+        missing = sorted(set(expected) - set(state_dict))
+        extra = sorted(set(state_dict) - set(expected))
+        raise WeightsCorrupt(
+            f"version {version}: tensor names differ: missing {missing}, extra {extra}"
+        )
+    for name, tensor in state_dict.items():
+        spec = expected[name]
+        if list(tensor.shape) != list(spec.get("shape", ())):
+            raise WeightsCorrupt(
+                f"version {version}: {name} has shape {list(tensor.shape)}, manifest says "
+                f"{spec.get('shape')}"
+            )
+        if dtype_name(tensor.dtype) != spec.get("dtype"):
+            raise WeightsCorrupt(
+                f"version {version}: {name} has dtype {dtype_name(tensor.dtype)}, manifest says "
+                f"{spec.get('dtype')}"
+            )
+    return {name: state_dict[name] for name in expected}

@@ -1,0 +1,143 @@
+"""The Redis weight store (docs/design.md §6): versioned, chunked, checksummed safetensors bytes.
+
+What both sides share: ``WeightStore`` holds a run's Redis client and settings, rebuilds itself
+in another process (``recipe``/``from_recipe``) or from the config (``from_config``), and answers
+the read-only queries (the latest version, a version's manifest). The learner publishes through
+its subclass ``learner.weight_writer.WeightWriter``, the actors fetch through
+``actors.weight_reader.WeightReader``.
+
+Write order is the whole consistency story:
+
+1. chunks of one version (each with a TTL, so a writer that dies here leaves no garbage);
+2. one atomic Lua commit that checks every chunk is present, makes the chunks permanent, writes
+   the manifest, moves ``latest`` forward only, adds the version to the versions zset and
+   announces it on the channel.
+
+So a reader that follows ``latest`` (or any manifest) only ever sees complete versions, and
+``latest`` never goes backwards even with two writers. Retention deletes a whole version (manifest
+and chunks) in one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Self
+
+import redis
+import torch
+
+from common.config.run import RedisConfig
+from common.weights.connection import portable_kwargs
+from common.weights.format import WeightsCorrupt
+from common.weights.keys import weights_latest_key, weights_manifest_key
+from common.weights.manifest import check_manifest
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How a store writes and keeps versions (``WeightStore``'s arguments)."""
+
+    chunk_bytes: int = 8 * 2**20
+    retention: int = 3
+    pending_ttl_s: int = 600
+    keyframe_every: int = 1
+    retention_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name, ok, rule in (
+            ("chunk_bytes", self.chunk_bytes > 0, "> 0"),
+            ("retention", self.retention >= 1, ">= 1 (the latest is always kept)"),
+            ("retention_bytes", self.retention_bytes >= 0, ">= 0 (0: no bound)"),
+            ("pending_ttl_s", self.pending_ttl_s > 0, "> 0"),
+            ("keyframe_every", self.keyframe_every >= 1, ">= 1 (1: no deltas)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+
+
+@dataclass
+class HeldVersion:
+    """A full version a store published or fetched: the base of the next delta."""
+
+    version: int
+    digest: str
+    state: dict[str, torch.Tensor]
+    keyframe: int
+
+
+class WeightStore:
+    """One run's versions in Redis: the settings and the read-only queries both sides use."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        chunk_bytes: int = 8 * 2**20,
+        retention: int = 3,
+        pending_ttl_s: int = 600,
+        keyframe_every: int = 1,
+        retention_bytes: int = 0,
+    ) -> None:
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError("WeightStore needs a redis client with decode_responses=False")
+        self.settings = StoreSettings(
+            chunk_bytes, retention, pending_ttl_s, keyframe_every, retention_bytes
+        )
+        self.client = client
+        self.run_id = run_id
+
+    def recipe(self) -> dict[str, Any]:
+        """What another process needs to build an equal store (``from_recipe`` of the same
+        class): the Redis connection's class and arguments and this store's settings. A host
+        cache and what the store remembers (delta bases) stay behind."""
+        pool = self.client.connection_pool
+        return {
+            "connection_class": pool.connection_class,
+            "connection_kwargs": portable_kwargs(pool.connection_kwargs),
+            "run_id": self.run_id,
+            **asdict(self.settings),
+        }
+
+    @classmethod
+    def from_recipe(cls, recipe: Mapping[str, Any]) -> Self:
+        settings = dict(recipe)
+        pool = redis.ConnectionPool(
+            connection_class=settings.pop("connection_class"),
+            **settings.pop("connection_kwargs"),
+        )
+        return cls(redis.Redis(connection_pool=pool), **settings)
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, run_id: str) -> Self:
+        """The run's store on the configured Redis (learner and actors build it the same way)."""
+        return cls(
+            redis.Redis.from_url(cfg.resolved_url()),
+            run_id,
+            chunk_bytes=cfg.chunk_bytes,
+            retention=cfg.retention,
+            retention_bytes=cfg.retention_bytes,
+            keyframe_every=cfg.keyframe_every,
+        )
+
+    def latest_version(self) -> int | None:
+        raw = self.client.get(weights_latest_key(self.run_id))
+        return int(raw) if raw is not None else None
+
+    def manifest(self, version: int) -> dict[str, Any] | None:
+        """The parsed manifest of ``version``, or None if it does not exist (or was pruned)."""
+        raw = self.client.get(weights_manifest_key(self.run_id, version))
+        if raw is None:
+            return None
+        try:
+            manifest = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsCorrupt(f"manifest of version {version} is not valid JSON: {e}") from e
+        if not isinstance(manifest, dict):
+            raise WeightsCorrupt(f"manifest of version {version} is not a JSON object")
+        return manifest
+
+    def checked_manifest(self, version: int) -> dict[str, Any]:
+        """The manifest of ``version`` once it is one a reader can use (``check_manifest``)."""
+        return check_manifest(self.run_id, version, self.manifest(version))

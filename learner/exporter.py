@@ -1,0 +1,153 @@
+"""The learner's Prometheus ``/metrics`` (``specrl_learner_*``), served on ``learner.metrics_port``.
+
+Counters the learner holds as cumulative totals (receiver, buffer) are exported from the latest
+snapshot; staleness and weight publish times are histograms. The registry, server and port file
+are :class:`common.prometheus.MetricsServer`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Histogram
+
+from common.config import SpecRLConfig
+from common.prometheus import (
+    SECONDS_BUCKETS,
+    STALENESS_BUCKETS,
+    MetricsServer,
+    SnapshotCollector,
+    is_number,
+    metric_suffix,
+)
+
+# Metrics key -> (name, help): a counter (a cumulative total the receiver or the loop holds)
+# unless the key is one of _LEARNER_GAUGES (a latest value).
+_LEARNER_METRICS = {
+    "receiver/received": ("groups_received", "Trajectory groups received and accepted."),
+    "learner/dropped_stale": ("groups_dropped_stale", "Groups dropped beyond max_staleness."),
+    "receiver/duplicates": ("groups_duplicated", "Resent groups dropped by (actor_id, seq)."),
+    "learner/rejected_groups": ("groups_rejected", "Groups refused by the shape check."),
+    "learner/skipped_steps": (
+        "skipped_steps",
+        "Optimizer steps skipped because the loss or the gradients were not finite.",
+    ),
+    "learner/wal_skipped": (
+        "wal_skipped",
+        "Groups replayed from the write-ahead log or a checkpoint that this learner refused.",
+    ),
+    "receiver/unauthenticated": (
+        "unauthenticated_refused",
+        "Connections refused by CurveZMQ authentication.",
+    ),
+    "learner/version": ("version", "Newest published policy version."),
+    "learner/step": ("step", "Optimizer steps taken."),
+    "learner/reward_mean": ("reward_mean", "Mean reward of the last step's batch."),
+    "actor/tokens_per_s": ("actor_tokens_per_s", "Generated tokens/s, sum over live actors."),
+    "actor/live": ("live_actors", "Actors heard from recently."),
+    "receiver/queue_size": ("queue_depth", "Groups received, not yet trained on."),
+}
+_LEARNER_GAUGES = frozenset(
+    [
+        "learner/version",
+        "learner/step",
+        "learner/reward_mean",
+        "actor/tokens_per_s",
+        "actor/live",
+        "receiver/queue_size",
+    ]
+)
+# Cumulative totals by reason (``{prefix}{reason}``) -> counter name, help.
+_LEARNER_BY_REASON = {
+    "receiver/bad_frames/": ("bad_frames", "Frames refused by validation, by reason."),
+    "receiver/refused/": (
+        "groups_refused",
+        "Well-formed groups refused by admission (acked as refused, never trained), by reason.",
+    ),
+}
+
+
+class LearnerExporter(MetricsServer):
+    """``specrl_learner_*``: fed the learner loop's per-step metrics dict and staleness values."""
+
+    def __init__(self, port: int, host: str, run_dir: Path, publish_every: int = 1) -> None:
+        super().__init__("learner", port, host, run_dir)
+        self.publish_every = publish_every
+        self._snapshot = SnapshotCollector("specrl_learner")
+        self.registry.register(self._snapshot)
+        self._staleness = Histogram(
+            "specrl_learner_staleness",
+            "Versions between the learner and each trained group's policy.",
+            buckets=STALENESS_BUCKETS,
+            registry=self.registry,
+        )
+        self._publish = Histogram(
+            "specrl_learner_weight_publish_seconds",
+            "Time to publish one weights version to Redis.",
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self._groups_trained = 0.0
+        self._busy_s = 0.0
+        self._wait_s = 0.0
+
+    @classmethod
+    def start(cls, cfg: SpecRLConfig, run_dir: Path) -> LearnerExporter:
+        """Serve on ``learner.metrics_port`` (an object whose methods do nothing when off)."""
+        return cls(
+            cfg.learner.metrics_port,
+            cfg.security.metrics_host,
+            run_dir,
+            publish_every=cfg.learner.publish_every,
+        )
+
+    def update(self, metrics: Mapping[str, Any], staleness: Iterable[int] | Any = ()) -> None:
+        """One optimizer step: ``metrics`` is the loop's record, ``staleness`` one value per
+        trained group (a list or a tensor)."""
+        if not self.enabled:
+            return
+        snap = self._snapshot
+        for value in staleness.tolist() if hasattr(staleness, "tolist") else staleness:
+            self._staleness.observe(value)
+        self._set_totals(metrics)
+        for key, value in metrics.items():
+            if is_number(value) and key.startswith(("spec/", "verify/")):
+                snap.set("gauge", metric_suffix(key), f"Actors' {key}, mean over the step.", value)
+
+        self._groups_trained += float(metrics.get("learner/groups") or 0)
+        snap.set("counter", "groups_trained", "Groups trained on.", self._groups_trained)
+        publish_s = float(metrics.get("learner/publish_s") or 0.0)
+        step = int(metrics.get("learner/step") or 0)
+        if step % self.publish_every == 0:
+            self._publish.observe(publish_s)
+        self._busy_s += float(metrics.get("learner/train_s") or 0.0) + publish_s
+        self._wait_s += float(metrics.get("learner/wait_s") or 0.0)
+        snap.set("counter", "busy_seconds", "Time training and publishing.", self._busy_s)
+        snap.set("counter", "wait_seconds", "Time waiting for groups.", self._wait_s)
+        wall_s = float(metrics.get("learner/wall_s") or 0.0)
+        if wall_s > 0:
+            snap.set(
+                "gauge",
+                "busy_fraction",
+                "Share of wall-clock time spent training and publishing.",
+                min(1.0, self._busy_s / wall_s),
+            )
+
+    def watch(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``source()`` (the receiver's counters: received, refused, bad frames, queue
+        depth) at every scrape, so a refusal shows on ``/metrics`` when it happens even while
+        no optimizer step is taken."""
+        if self.enabled:
+            self._snapshot.refresh = lambda: self._set_totals(source())
+
+    def _set_totals(self, metrics: Mapping[str, Any]) -> None:
+        snap = self._snapshot
+        snap.set_known(_LEARNER_METRICS, metrics, _LEARNER_GAUGES)
+        for key, value in metrics.items():
+            if not is_number(value):
+                continue
+            for prefix, (name, doc) in _LEARNER_BY_REASON.items():
+                if key.startswith(prefix):
+                    snap.set("counter", name, doc, value, {"reason": key[len(prefix) :]})

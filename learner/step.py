@@ -1,0 +1,270 @@
+"""The learner's step math: one batch of groups → a PPO-clip loss on GRPO advantages → one
+optimizer step (or a skipped one when the loss or the gradients are not finite)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from common.config.actor import SpecConfig
+from common.config.learner import LearnerConfig
+from common.config.run import SamplingConfig
+from learner.batch import TrainBatch
+from learner.distributed import DistContext
+from learner.loss import ppo_clip_loss
+from learner.microbatch import (
+    MicroBatch,
+    chosen_logprobs,
+    empty_microbatch,
+    exit_kl_sum,
+    plan_microbatches,
+    row_lengths,
+    shard_rows,
+    take_rows,
+)
+from learner.policy import PolicyModule, backbone, num_layers, set_activation_checkpointing
+
+log = logging.getLogger(__name__)
+
+_SUM_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clip_frac",
+    "truncated_frac",
+    "ratio_mean",
+    "abs_log_ratio",
+    "usable",
+    "exit_kl",
+)
+"""The per-micro-batch figures summed over micro-batches and ranks (``_StepTerms.loss``)."""
+
+
+def make_optimizer(model: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters; its state takes their dtype (fp32 master weights and
+    moments unless ``learner.precision=bf16``)."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    cfg: LearnerConfig,
+    sampling: SamplingConfig,
+    ref_model: nn.Module | None = None,
+    spec: SpecConfig | None = None,
+    dist: DistContext | None = None,
+) -> dict[str, float]:
+    """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
+    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0``.
+
+    ``model``: the policy (built-in or ``transformers``), or its FSDP-sharded ``PolicyModule``
+    with ``dist``. The batch is the full step's batch on every rank; this rank trains its shard
+    of rows, in micro-batches of ``cfg.max_tokens_per_microbatch`` tokens, with log-probs of the
+    chosen tokens only at completion positions, ``cfg.logprob_chunk_tokens`` at a time
+    (``learner/microbatch.py``). Every term is normalised by the completion tokens of the whole
+    batch, so micro-batches and ranks give the one-batch update. A step whose loss (any
+    micro-batch, any rank) or gradient norm is not finite is skipped: no optimizer step."""
+    module = model if isinstance(model, PolicyModule) else PolicyModule(model)
+    module.train()
+    set_activation_checkpointing(module.policy, cfg.activation_checkpointing)
+    world = dist.world if dist is not None else 1
+    n_valid = batch.mask.sum()  # completion tokens of the global batch (every rank has it all)
+    terms = _StepTerms.for_policy(module.policy, cfg, sampling, spec, n_valid)
+    micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
+    autocast = torch.autocast(
+        batch.input_ids.device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.precision == "bf16-mixed",
+    )
+    optimizer.zero_grad(set_to_none=True)
+    sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
+    for mb in micro:
+        ref_lp = None
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad(), autocast:
+                ref_lp = _chosen(ref_model, mb, terms)
+        with autocast:
+            loss, stats = module(terms.loss, mb, ref_lp)
+        # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
+        (loss * world).backward()
+        sums += stats.double().cpu()
+    if dist is not None:
+        sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
+    stats = dict(zip(_SUM_KEYS, sums.tolist(), strict=True))
+    skipped, grad_norm = _apply_gradients(module, optimizer, stats["loss"], cfg.grad_clip)
+    return {
+        "learner/skipped": float(skipped),
+        "learner/loss": stats["loss"],
+        "learner/pg_loss": stats["pg_loss"],
+        "learner/kl": stats["kl"],
+        "learner/clip_frac": stats["clip_frac"],
+        "learner/truncated_frac": stats["truncated_frac"],
+        "learner/ratio_mean": stats["ratio_mean"],
+        "learner/abs_log_ratio": stats["abs_log_ratio"],
+        "learner/outside_nucleus_frac": 1.0 - stats["usable"] / max(float(n_valid), 1.0),
+        "learner/grad_norm": grad_norm,
+        "learner/microbatches": float(len(micro)),
+        "spec/exit_kl": stats["exit_kl"],
+    }
+
+
+def _rank_microbatches(
+    batch: TrainBatch, budget: int, dist: DistContext | None
+) -> list[MicroBatch]:
+    """This rank's shard of the batch's rows in micro-batches of at most ``budget`` tokens,
+    padded with empty micro-batches to the count of the rank with the most: FSDP runs
+    collectives in every forward/backward, so all ranks run as many micro-batches."""
+    world, rank = (dist.world, dist.rank) if dist is not None else (1, 0)
+    lengths = row_lengths(batch)
+    plans = [
+        plan_microbatches(shard_rows(lengths, world, r), lengths, budget) for r in range(world)
+    ]
+    micro = [take_rows(batch, rows, lengths) for rows in plans[rank]]
+    return micro + [empty_microbatch(batch)] * (max(len(p) for p in plans) - len(micro))
+
+
+def _apply_gradients(
+    module: PolicyModule, optimizer: torch.optim.Optimizer, loss: float, grad_clip: float
+) -> tuple[bool, float]:
+    """Clip the accumulated gradients and take the optimizer step, unless the loss or the
+    gradient norm is not finite; ``(skipped, gradient norm)``.
+
+    Defence in depth behind admission: a step whose loss or gradients are not finite would put
+    NaN into every weight (and every actor). It is skipped and counted, never taken."""
+    skipped = not math.isfinite(loss)
+    grad_norm = torch.full((), float("nan"))
+    if not skipped:
+        params = [p for p in module.parameters() if p.grad is not None]
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        skipped = not bool(torch.isfinite(grad_norm))
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+        log.error(
+            "learner: skipped a step with a non-finite loss (%s) or gradient norm (%s)",
+            loss,
+            float(grad_norm),
+        )
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return skipped, float(grad_norm)
+
+
+def _chosen(policy: nn.Module, mb: MicroBatch, terms: _StepTerms) -> torch.Tensor:
+    """Log-probs [N] of the completion tokens of a micro-batch under ``policy``."""
+    h, _ = backbone(policy, mb.input_ids)
+    sel = mb.mask > 0
+    return chosen_logprobs(
+        policy.lm_head,
+        h[:, :-1][sel],
+        mb.targets[sel],
+        terms.sampling.temperature,
+        terms.sampling.top_p,
+        terms.cfg.logprob_chunk_tokens,
+    )
+
+
+@dataclass
+class _StepTerms:
+    """The loss of one micro-batch (run inside ``PolicyModule.forward``)."""
+
+    cfg: LearnerConfig
+    sampling: SamplingConfig
+    exit_layer: int
+    aux_coef: float
+    n_valid: torch.Tensor
+
+    @classmethod
+    def for_policy(
+        cls,
+        policy: nn.Module,
+        cfg: LearnerConfig,
+        sampling: SamplingConfig,
+        spec: SpecConfig | None,
+        n_valid: torch.Tensor,
+    ) -> _StepTerms:
+        """The terms for ``policy``: the early-exit co-training loss only with
+        ``spec.aux_coef > 0``, at a layer the policy has below its last."""
+        aux_coef = spec.aux_coef if spec is not None else 0.0
+        exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
+        if exit_layer and not 1 <= exit_layer < num_layers(policy):
+            raise ValueError(
+                f"spec.exit_layer={exit_layer} must be in [1, {num_layers(policy) - 1}]"
+            )
+        return cls(cfg, sampling, exit_layer, aux_coef, n_valid)
+
+    def loss(
+        self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, sampling = self.cfg, self.sampling
+        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer)
+        sel = mb.mask > 0  # [b, s-1]: completion positions, the only ones the loss reads
+        h_sel = h[:, :-1][sel]  # [N, H]
+        logprobs = chosen_logprobs(
+            policy.lm_head,
+            h_sel,
+            mb.targets[sel],
+            sampling.temperature,
+            sampling.top_p,
+            cfg.logprob_chunk_tokens,
+        )
+        # With top-p < 1 a sampled token can fall outside the current (or reference) nucleus:
+        # its log-prob is -inf and the ratio undefined. Such tokens contribute nothing (they
+        # still count in the denominator, which must be known before any micro-batch's
+        # backward) and are counted.
+        usable = torch.isfinite(logprobs)
+        if ref_lp is not None:
+            usable &= torch.isfinite(ref_lp)
+            ref_lp = ref_lp.masked_fill(~usable, 0.0)[:, None]
+        logprobs = logprobs.masked_fill(~usable, 0.0)
+        advantages = mb.advantages[:, None].expand_as(mb.mask)[sel]  # [N]
+        out = ppo_clip_loss(
+            logprobs=logprobs[:, None],
+            behaviour_logprobs=mb.behaviour_logprobs[sel][:, None],
+            advantages=advantages,
+            mask=usable.float()[:, None],
+            clip_eps=cfg.clip_eps,
+            dual_clip=cfg.dual_clip,
+            ref_logprobs=ref_lp,
+            kl_coef=cfg.kl_coef,
+            num_tokens=self.n_valid,
+        )
+        loss = out.loss
+        exit_kl = torch.zeros((), device=h.device)
+        if self.exit_layer:
+            exit_sum = exit_kl_sum(
+                policy.lm_head,
+                h_sel,
+                h_exit[:, :-1][sel],
+                sampling.temperature,
+                cfg.logprob_chunk_tokens,
+            )
+            exit_kl = exit_sum / self.n_valid.clamp(min=1.0)
+            loss = loss + self.aux_coef * exit_kl
+        if h_sel.shape[0] == 0:
+            # No completion token here (a padding micro-batch): a zero that still reaches every
+            # parameter, so FSDP reduces the same gradients on every rank.
+            loss = loss + 0.0 * policy.lm_head(h[:, :1]).float().sum()
+        stats = torch.stack(
+            [
+                loss.detach().float(),
+                out.pg_loss.float(),
+                out.kl.float(),
+                out.clip_frac.float(),
+                out.truncated_frac.float(),
+                out.ratio_mean.float(),
+                out.abs_log_ratio.float(),
+                usable.sum().float(),
+                exit_kl.detach().float(),
+            ]
+        )
+        return loss, stats

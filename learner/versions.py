@@ -1,0 +1,108 @@
+"""What the learner publishes and how its versions stay monotonic: the policy view the Publisher
+reads, the version mark kept beside the checkpoints, and the republisher that puts the current
+version back when Redis has lost it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.entrypoint import StopFlag
+from common.model_args import ModelArgs
+from common.weights.connection import REDIS_DOWN, retry_redis
+from common.weights.format import WeightsError
+from common.weights.store import WeightStore
+from learner.distributed import DistContext, full_model_state
+from learner.policy import unwrap
+
+log = logging.getLogger(__name__)
+
+
+class PolicyView:
+    """What the Publisher reads of the policy (``args``, ``state_dict()``, ``parameters()``).
+
+    One process: the live model's state dict. FSDP: the full state dict gathered on rank 0 by the
+    last ``refresh`` (a collective every rank calls at the same point); the republisher re-sends
+    it without a collective."""
+
+    def __init__(self, model: nn.Module, args: ModelArgs, dist: DistContext | None) -> None:
+        self.model = model
+        self.args = args
+        self.dist = dist
+        self._full: dict[str, torch.Tensor] = {}
+
+    def refresh(self) -> None:
+        if self.dist is not None:
+            self._full = full_model_state(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._full if self.dist is not None else unwrap(self.model).state_dict()
+
+    def parameters(self):
+        if self.dist is None:
+            return unwrap(self.model).parameters()
+        return iter(self._full.values())
+
+
+def read_version_mark(path: Path) -> int:
+    """Highest version this run ever published (-1 if none), kept beside the checkpoints."""
+    return int(path.read_text()) if path.is_file() else -1
+
+
+def write_version_mark(path: Path, version: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(version))
+    tmp.replace(path)
+
+
+def next_version(store: WeightStore, checkpointed: int, mark: Path, stop: StopFlag) -> int:
+    """The first version this learner publishes. Versions only grow, across restarts too: it
+    continues after the newest of the checkpoint's, what Redis holds, and what this run ever
+    published (a private Redis may have lost everything)."""
+    latest = retry_redis("learner", "reading the latest version", store.latest_version, stop)
+    return max(checkpointed, latest if latest is not None else -1, read_version_mark(mark)) + 1
+
+
+class Republisher:
+    """Puts the current version back when Redis has lost it (restarted without persistence, or
+    flushed), so actors that start meanwhile find weights. Checks at most every ``every_s``."""
+
+    def __init__(
+        self,
+        store: WeightStore,
+        publish: Callable[[], None],
+        every_s: float = 2.0,
+        busy: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.store = store
+        self.publish = publish
+        self.every_s = every_s
+        self.busy = busy
+        """True while a version is still uploading: it is not missing, just not there yet."""
+        self.republished = 0
+        self._next = time.monotonic() + every_s
+
+    def check(self, version: int) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        try:
+            latest = self.store.latest_version()
+            if self.busy():
+                return
+            if latest is None or latest < version:
+                log.warning(
+                    "learner: Redis holds version %s, not %d (restarted?); republishing",
+                    latest,
+                    version,
+                )
+                self.publish()
+                self.republished += 1
+        except (*REDIS_DOWN, WeightsError) as e:
+            log.warning("learner: cannot check or republish weights (%s); will retry", e)

@@ -1,0 +1,181 @@
+"""The learner's side of the weight store: ``WeightWriter`` publishes a version (its chunks, then
+one atomic commit) and prunes what retention no longer keeps.
+
+With ``keyframe_every > 1`` a version is written as a sparse delta against the one this writer
+published before, while that is still the latest, and in full every ``keyframe_every`` versions;
+the manifest of every version carries the digest of the full resulting weights, so a reader can
+check what it built. A version with a non-finite floating tensor is refused before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import redis
+import torch
+
+from common.weights.deltas import delta_bytes
+from common.weights.format import WeightsError, check_finite, serialize_state_dict, weights_digest
+from common.weights.keys import (
+    weights_channel,
+    weights_chunk_key,
+    weights_latest_key,
+    weights_manifest_key,
+    weights_versions_key,
+)
+from common.weights.manifest import new_manifest, sha256_of
+from common.weights.store import HeldVersion, WeightStore
+from learner.weight_retention import prune
+
+logger = logging.getLogger(__name__)
+
+# KEYS[1]=latest KEYS[2]=versions zset KEYS[3]=manifest KEYS[4..]=chunks
+# ARGV[1]=version ARGV[2]=manifest json ARGV[3]=channel
+# Returns {1, version} on commit, {0, current latest} if not newer, {-1, key} if a chunk is gone.
+_COMMIT_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return {0, cur} end
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return {-1, KEYS[i]} end
+end
+for i = 4, #KEYS do redis.call('PERSIST', KEYS[i]) end
+redis.call('SET', KEYS[3], ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+redis.call('PUBLISH', ARGV[3], ARGV[1])
+return {1, ARGV[1]}
+"""
+
+
+def write_chunks(
+    client: redis.Redis, run_id: str, version: int, data: bytes | bytearray, size: int, ttl_s: int
+) -> tuple[list[str], list[str]]:
+    """Write ``data`` as the ``size``-byte chunks of ``version``, each expiring after ``ttl_s``
+    unless a commit makes it permanent (a writer that dies here leaves no garbage); their keys
+    and sha256s."""
+    view = memoryview(data)
+    chunks = [view[i : i + size] for i in range(0, len(data), size)]
+    keys = [weights_chunk_key(run_id, version, i) for i in range(len(chunks))]
+    # Hash on a helper thread (hashlib releases the GIL) while the chunks go out; the digests
+    # are only needed by the manifest, which is written last.
+    with ThreadPoolExecutor(1, thread_name_prefix="weights-sha256") as hasher:
+        digests = hasher.map(sha256_of, chunks)
+        pipe = client.pipeline(transaction=False)
+        for key, chunk in zip(keys, chunks, strict=True):
+            pipe.set(key, chunk, ex=ttl_s)
+        pipe.execute()
+        return keys, [d.hex() for d in digests]
+
+
+class WeightWriter(WeightStore):
+    """Publishes versions of a state dict for one run; remembers the last version it published
+    (the base of the next delta), so a process uses one writer per run."""
+
+    def __init__(self, client: redis.Redis, run_id: str, **settings: int) -> None:
+        super().__init__(client, run_id, **settings)
+        self._commit_script = client.register_script(_COMMIT_LUA)
+        self._published: HeldVersion | None = None  # base of the next delta we write
+        self.last_publish_bytes = 0
+        """Bytes written for the last published version (a delta's, or the full size)."""
+
+    def publish(
+        self,
+        version: int,
+        state_dict: Mapping[str, torch.Tensor],
+        meta: Mapping[str, str | int | float] | None = None,
+        snapshot: bool = True,
+    ) -> None:
+        """Write ``version`` and make it the latest; raises ``WeightsError`` unless it is newer,
+        ``WeightsNonFinite`` (writing nothing) if a floating tensor holds NaN or infinity.
+
+        With ``keyframe_every > 1`` the version is written as a delta against the previous one
+        when that is still the latest, and in full every ``keyframe_every`` versions. The writer
+        keeps the published tensors as the next delta's base: a copy when ``snapshot`` (False:
+        the caller hands them over and will not modify them).
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise WeightsError(f"version must be a non-negative int, got {version!r}")
+        current = self.latest_version()
+        if current is not None and version <= current:
+            raise WeightsError(
+                f"refusing to publish version {version} for run {self.run_id!r}: latest is "
+                f"{current} and versions only grow"
+            )
+        state = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+        check_finite(version, state)
+        # One thread: publishing runs beside a training step and should take one core at most.
+        digest = weights_digest(state, threads=1)
+        base = self._delta_base(version, current, state)
+        delta = delta_bytes(base.state, state) if base is not None else None
+        if delta is None:
+            base = None  # written in full
+        data, encoding = delta if delta is not None else (serialize_state_dict(state), {})
+        settings = self.settings
+        chunk_keys, chunk_sha256 = write_chunks(
+            self.client, self.run_id, version, data, settings.chunk_bytes, settings.pending_ttl_s
+        )
+        keyframe = base.keyframe if base is not None else version
+        manifest = new_manifest(
+            self.run_id, version, state, digest, keyframe, chunk_sha256, len(data), meta
+        )
+        if base is not None:
+            manifest["kind"] = "delta"
+            manifest |= {"base": base.version, "base_sha256": base.digest, "encoding": encoding}
+        self._commit(version, json.dumps(manifest), chunk_keys)
+        self.last_publish_bytes = len(data)
+        self._published = None
+        if self.settings.keyframe_every > 1:
+            kept = {name: t.clone() for name, t in state.items()} if snapshot else state
+            self._published = HeldVersion(version, digest, kept, keyframe)
+        self._prune()
+
+    def _delta_base(
+        self, version: int, current: int | None, state: Mapping[str, torch.Tensor]
+    ) -> HeldVersion | None:
+        """What ``version`` may be a delta against: the version this writer published last,
+        while it is still the latest, the chain since its keyframe is shorter than
+        ``keyframe_every``, and it has the same tensors."""
+        base = self._published
+        if (
+            self.settings.keyframe_every == 1
+            or base is None
+            or base.version != current
+            or version - base.keyframe >= self.settings.keyframe_every
+        ):
+            return None
+        layout = {n: (t.shape, t.dtype) for n, t in state.items()}
+        return base if {n: (t.shape, t.dtype) for n, t in base.state.items()} == layout else None
+
+    def _commit(self, version: int, manifest_json: str, chunk_keys: list[str]) -> None:
+        keys = [
+            weights_latest_key(self.run_id),
+            weights_versions_key(self.run_id),
+            weights_manifest_key(self.run_id, version),
+            *chunk_keys,
+        ]
+        args = [version, manifest_json, weights_channel(self.run_id)]
+        status, detail = self._commit_script(keys=keys, args=args)
+        if status == 1:
+            logger.info(
+                "published weights %s v%d (%d chunks)", self.run_id, version, len(chunk_keys)
+            )
+            return
+        if status == 0:
+            # Another writer got ahead between our check and the commit. Our chunks may have
+            # overwritten a retained version's, whose checksums now catch that on fetch.
+            raise WeightsError(
+                f"refusing to publish version {version} for run {self.run_id!r}: latest moved "
+                f"to {int(detail)} meanwhile (two writers?)"
+            )
+        raise WeightsError(
+            f"chunk {detail.decode()} of version {version} expired before commit; the write took "
+            f"longer than pending_ttl_s={self.settings.pending_ttl_s}"
+        )
+
+    def _prune(self) -> None:
+        settings = self.settings
+        prune(self.client, self.run_id, settings.retention, settings.retention_bytes, self.manifest)

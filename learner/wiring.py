@@ -1,0 +1,200 @@
+"""The learner's parts built from the config: its trained state (from the newest checkpoint or
+the model directory), what it admits, and the receiver actors deliver to."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.config import SpecRLConfig
+from common.curve_keys import authorized_dir, learner_keys
+from common.model_args import ModelArgs
+from common.protocol import DecodeLimits, TrajectoryGroup
+from common.tokenizer import Tokenizer, load_tokenizer
+from common.transport import DEFAULT_HWM
+from learner.admission import Admission
+from learner.batch import TrainBatch
+from learner.checkpoint import (
+    FullState,
+    full_state,
+    latest_checkpoint,
+    load_checkpoint,
+    load_pending,
+    restore_optimizer,
+)
+from learner.distributed import (
+    DistContext,
+    full_model_state,
+    full_optimizer_state,
+    load_optimizer_state,
+    shard,
+)
+from learner.policy import (
+    hf_config,
+    load_policy,
+    model_args,
+    param_dtype,
+    set_activation_checkpointing,
+    unwrap,
+)
+from learner.receiver import GroupReceiver
+from learner.step import make_optimizer, train_step
+from learner.wal import WalWriter
+from learner.warm_start import ensure_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerState:
+    model: nn.Module
+    """The policy (built-in ``Transformer`` or ``transformers`` model), or its FSDP-sharded
+    ``PolicyModule`` on N ranks."""
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    ref_model: nn.Module | None
+    step: int
+    version: int
+    dedupe: dict
+    """Receiver dedupe state restored from the checkpoint (empty on a fresh start)."""
+    pending: list[TrajectoryGroup]
+    """Groups acked before the restart but never trained on (from the checkpoint)."""
+    wal_from: int = 0
+    """First write-ahead-log segment the checkpoint does not cover (0: none, or a fresh run)."""
+    args: ModelArgs | None = None
+    """The architecture actors build from published versions (``common.policy_meta``)."""
+
+
+def setup(
+    cfg: SpecRLConfig,
+    checkpoint_root: Path,
+    device: torch.device,
+    dist: DistContext | None = None,
+) -> LearnerState:
+    """Model, optimizer and counters: from the newest checkpoint, else from the model directory.
+    With ``dist``, every rank loads the same full weights and then shards them (FSDP2)."""
+    lcfg = cfg.learner
+    dtype = param_dtype(lcfg.precision)
+    ckpt = latest_checkpoint(checkpoint_root) if lcfg.resume else None
+    opt_tensors, param_groups = {}, []
+    if ckpt is not None:
+        policy, opt_tensors, trainer, param_groups = load_checkpoint(
+            ckpt, device, lcfg.model_impl, dtype
+        )
+        tokenizer = load_tokenizer(ckpt)
+        step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
+        wal_from = trainer.wal_from
+        log.info(
+            "resumed from %s (step %d, version %d)",
+            ckpt,
+            step,
+            version,
+        )
+    else:
+        if dist is not None and not dist.is_main:
+            dist.barrier()  # rank 0 builds the model directory first (a warm start, once)
+        model_dir = ensure_model(cfg)
+        if dist is not None and dist.is_main:
+            dist.barrier()
+        policy = load_policy(model_dir, lcfg.model_impl, device, dtype)
+        tokenizer = load_tokenizer(model_dir)
+        step, version, dedupe, wal_from = 0, -1, {}, 0
+    args = model_args(policy)  # refuses a model whose versions actors could not load
+    set_activation_checkpointing(policy, lcfg.activation_checkpointing)
+    ref_model = None
+    if lcfg.kl_coef > 0:
+        # The reference is the policy the run started from (the checkpoint's, after a resume);
+        # a full replica on every rank.
+        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+    model: nn.Module = policy if dist is None else shard(policy)
+    optimizer = make_optimizer(model, lcfg)
+    if ckpt is not None:
+        if dist is None:
+            restore_optimizer(model, optimizer, opt_tensors, param_groups)
+        else:
+            load_optimizer_state(model, optimizer, opt_tensors, param_groups)
+    pending = []
+    if ckpt is not None and (dist is None or dist.is_main):
+        pending = load_pending(ckpt, DecodeLimits(vocab_size=args.vocab_size))
+        log.info("%d groups carried over from the checkpoint", len(pending))
+    return LearnerState(
+        model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from, args
+    )
+
+
+def gather_checkpoint(state: LearnerState, dist: DistContext | None) -> FullState | None:
+    """The model and optimizer to checkpoint: a collective under FSDP (None on ranks > 0)."""
+    if dist is None:
+        return full_state(state.model, state.optimizer)
+    weights = full_model_state(state.model)
+    opt_tensors, groups = full_optimizer_state(state.model, state.optimizer)
+    if not dist.is_main:
+        return None
+    policy = unwrap(state.model)
+    dtype = next(iter(weights.values())).dtype
+    return FullState(hf_config(policy, dtype), weights, opt_tensors, groups)
+
+
+def train_on(
+    state: LearnerState, batch: TrainBatch, cfg: SpecRLConfig, dist: DistContext | None
+) -> dict[str, float]:
+    """One optimizer step on ``batch``: the same call on rank 0 and on the other ranks."""
+    return train_step(
+        state.model,
+        state.optimizer,
+        batch,
+        cfg.learner,
+        cfg.sampling,
+        state.ref_model,
+        cfg.spec,
+        dist,
+    )
+
+
+def make_admission(cfg: SpecRLConfig, args: ModelArgs) -> Admission:
+    """What this run trains on: its group size, the model's context (or a smaller learner
+    budget) and the reward bound."""
+    context = args.max_position_embeddings
+    budget = cfg.learner.max_seq_tokens
+    return Admission(
+        group_size=cfg.actor.group_size,
+        max_seq_tokens=min(context, budget) if budget > 0 else context,
+        max_abs_reward=cfg.learner.max_abs_reward,
+    )
+
+
+def build_receiver(
+    cfg: SpecRLConfig,
+    limits: DecodeLimits,
+    frame_bytes: int,
+    admission: Admission,
+    wal_dir: Path,
+    latest_version: Callable[[], int],
+) -> GroupReceiver:
+    """The receiver on ``learner.bind``: CURVE and its allow-list when ``security.curve_dir`` is
+    set, the write-ahead log when ``learner.wal`` is, and a receive buffer of about
+    ``learner.recv_buffer_bytes`` (in frames of at most ``frame_bytes``)."""
+    curve = None
+    authorized = None
+    if cfg.security.curve_dir:
+        curve = learner_keys(Path(cfg.security.curve_dir))
+        authorized = Path(
+            cfg.security.authorized_keys or authorized_dir(Path(cfg.security.curve_dir))
+        )
+    return GroupReceiver(
+        cfg.learner.resolved_bind(),
+        limits,
+        queue_max=cfg.learner.queue_max,
+        curve=curve,
+        authorized_keys=authorized,
+        wal=WalWriter(wal_dir, fsync=cfg.learner.wal_fsync) if cfg.learner.wal else None,
+        hwm=max(2, min(DEFAULT_HWM, cfg.learner.recv_buffer_bytes // frame_bytes)),
+        admission=admission,
+        latest_version=latest_version,
+    )

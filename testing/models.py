@@ -1,0 +1,30 @@
+"""Small randomly initialised models for tests and benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from common.model import Transformer
+from common.model_args import ModelArgs
+
+SMALL_SHAPE: dict[str, int] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+"""The shape of :func:`random_model` unless overridden: 2 query heads of 32 channels (vLLM's CPU
+attention needs a head_dim of at least 32), 1 KV head."""
+
+
+def random_model(vocab_size: int, seed: int = 0, **fields: Any) -> Transformer:
+    """A randomly initialised model in eval mode: :data:`SMALL_SHAPE` with any `ModelArgs` field
+    overridden by ``fields``, its weights drawn after ``torch.manual_seed(seed)``. Tests and
+    benchmarks use it to run the real-model code paths on a CPU, at a tiny vocabulary that can be
+    enumerated or at a real one (e.g. Qwen's 151,936)."""
+    args = ModelArgs(vocab_size=vocab_size, **{**SMALL_SHAPE, **fields})
+    torch.manual_seed(seed)
+    return Transformer(args).eval()

@@ -1,0 +1,84 @@
+"""``specrl``'s command line: usage, exit codes of argument and configuration errors, and what each
+subcommand hands on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from ops.cli import USAGE, main
+from ops.processes import ROOT, child_env
+
+
+def test_no_command_and_help_print_the_usage(capsys):
+    for argv in ([], ["-h"], ["--help"], ["help"]):
+        assert main(argv) == 0
+        assert capsys.readouterr().out.strip() == USAGE.strip()
+
+
+def test_unknown_command_exits_2_naming_it(capsys):
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err
+    assert "usage: specrl COMMAND" in err
+
+
+def test_report_needs_exactly_one_directory(capsys, tmp_path):
+    assert main(["report", str(tmp_path), str(tmp_path)]) == 2
+    assert main(["report", "-h"]) == 0
+    assert "usage: specrl report RUN_DIR" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 1  # no metrics.jsonl: a report error
+    assert "specrl report:" in capsys.readouterr().err
+
+
+def test_run_help_starts_nothing(capsys, tmp_path):
+    assert main(["run", "--help", f"run.dir={tmp_path / 'run'}"]) == 0
+    assert "usage: specrl run" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_refuses_a_bad_override_before_starting_anything(tmp_path):
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        main(["run", "steps"])
+    with pytest.raises(SystemExit, match="invalid configuration"):
+        main(["run", "run.no_such_field=1", f"run.dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_preflight_error_exits_2_with_the_offending_value(capsys, tmp_path):
+    model = tmp_path / "no-model"
+    model.mkdir()
+    code = main(["run", f"model.path={model}", f"run.dir={tmp_path / 'run'}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specrl run: model.path=")
+    assert "no config.json" in err
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_keys_writes_once_and_refuses_a_bad_name(capsys, tmp_path):
+    assert main(["keys", str(tmp_path), "--actor", "a1"]) == 0
+    written = capsys.readouterr().out.split()
+    assert written and all(p.startswith(str(tmp_path)) for p in written)
+    assert main(["keys", str(tmp_path), "--actor", "a1"]) == 0
+    assert "already exists" in capsys.readouterr().out
+    assert main(["keys", str(tmp_path), "--actor", "learner"]) == 2
+    assert "specrl keys:" in capsys.readouterr().err
+
+
+def test_learner_and_actor_commands_exec_their_process_with_the_arguments():
+    for command, prog in (("learner", "specrl-learner"), ("actor", "specrl-actor")):
+        out = subprocess.run(
+            [sys.executable, "-m", "ops.cli", command, "--help"],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"usage: {prog}"), out.stdout[:200]
