@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.prometheus import (
     SECONDS_BUCKETS,
@@ -27,38 +28,38 @@ from common.prometheus import (
 # holds) unless the key is one of _ACTOR_GAUGES (a latest value) or _ACTOR_SUMS (a per-batch
 # amount the engine resets at each stats() call, summed into a counter here).
 _ACTOR_METRICS = {
-    "actor/batches": ("batches", "Rollout batches generated."),
-    "actor/groups_sent": ("groups_sent", "Trajectory groups submitted to the learner."),
-    "sender/acked_total": ("groups_acked", "Groups acked by the learner."),
-    "sender/refused_total": ("groups_refused", "Groups the learner refused (never trained)."),
-    "sender/resent_total": ("groups_resent", "Groups sent again after a timeout or reconnect."),
-    "sender/reconnects": ("reconnects", "Reconnections to the learner."),
-    "sender/bad_replies": ("bad_replies", "Undecodable replies from the learner."),
-    "actor/wait_s": ("wait_seconds", "Idle time waiting for a new version (synchronous mode)."),
-    "actor/tokens_per_s": ("tokens_per_s", "Generated tokens/s of the last batch."),
-    "actor/reward_mean": ("reward_mean", "Mean reward of every completion generated so far."),
-    "sender/unacked": ("outbox_depth", "Groups in the outbox, not yet acked."),
-    "sender/unsent": ("outbox_unsent", "Outbox groups waiting to be sent."),
-    "actor/tokens": ("tokens", "Tokens generated."),
-    "actor/gen_time_s": ("generation_seconds", "Time spent generating."),
-    "verify/swaps": ("verify_swaps", "Weight swaps applied to rollouts in flight."),
-    "verify/inflight_tokens": ("verify_inflight_tokens", "Tokens in flight at weight swaps."),
-    "verify/salvaged_tokens": ("verify_salvaged_tokens", "In-flight tokens kept by verification."),
-    "verify/wasted_tokens": ("verify_wasted_tokens", "In-flight tokens discarded."),
-    "verify/forward_tokens": ("verify_forward_tokens", "Tokens re-run by delayed verification."),
+    mn.ACTOR_BATCHES: ("batches", "Rollout batches generated."),
+    mn.ACTOR_GROUPS_SENT: ("groups_sent", "Trajectory groups submitted to the learner."),
+    mn.SENDER_ACKED_TOTAL: ("groups_acked", "Groups acked by the learner."),
+    mn.SENDER_REFUSED_TOTAL: ("groups_refused", "Groups the learner refused (never trained)."),
+    mn.SENDER_RESENT_TOTAL: ("groups_resent", "Groups sent again after a timeout or reconnect."),
+    mn.SENDER_RECONNECTS: ("reconnects", "Reconnections to the learner."),
+    mn.SENDER_BAD_REPLIES: ("bad_replies", "Undecodable replies from the learner."),
+    mn.ACTOR_WAIT_S: ("wait_seconds", "Idle time waiting for a new version (synchronous mode)."),
+    mn.ACTOR_TOKENS_PER_S: ("tokens_per_s", "Generated tokens/s of the last batch."),
+    mn.ACTOR_REWARD_MEAN: ("reward_mean", "Mean reward of every completion generated so far."),
+    mn.SENDER_UNACKED: ("outbox_depth", "Groups in the outbox, not yet acked."),
+    mn.SENDER_UNSENT: ("outbox_unsent", "Outbox groups waiting to be sent."),
+    mn.ACTOR_TOKENS: ("tokens", "Tokens generated."),
+    mn.ACTOR_GEN_TIME_S: ("generation_seconds", "Time spent generating."),
+    mn.VERIFY_SWAPS: ("verify_swaps", "Weight swaps applied to rollouts in flight."),
+    mn.VERIFY_INFLIGHT_TOKENS: ("verify_inflight_tokens", "Tokens in flight at weight swaps."),
+    mn.VERIFY_SALVAGED_TOKENS: ("verify_salvaged_tokens", "In-flight tokens kept by verification."),
+    mn.VERIFY_WASTED_TOKENS: ("verify_wasted_tokens", "In-flight tokens discarded."),
+    mn.VERIFY_FORWARD_TOKENS: ("verify_forward_tokens", "Tokens re-run by delayed verification."),
 }
 _ACTOR_GAUGES = frozenset(
-    {"actor/tokens_per_s", "actor/reward_mean", "sender/unacked", "sender/unsent"}
+    {mn.ACTOR_TOKENS_PER_S, mn.ACTOR_REWARD_MEAN, mn.SENDER_UNACKED, mn.SENDER_UNSENT}
 )
 _ACTOR_SUMS = frozenset(
     [
-        "actor/tokens",
-        "actor/gen_time_s",
-        "verify/swaps",
-        "verify/inflight_tokens",
-        "verify/salvaged_tokens",
-        "verify/wasted_tokens",
-        "verify/forward_tokens",
+        mn.ACTOR_TOKENS,
+        mn.ACTOR_GEN_TIME_S,
+        mn.VERIFY_SWAPS,
+        mn.VERIFY_INFLIGHT_TOKENS,
+        mn.VERIFY_SALVAGED_TOKENS,
+        mn.VERIFY_WASTED_TOKENS,
+        mn.VERIFY_FORWARD_TOKENS,
     ]
 )
 _ACTOR_TOTALS = {key: entry for key, entry in _ACTOR_METRICS.items() if key not in _ACTOR_SUMS}
@@ -107,5 +108,5 @@ class ActorExporter(MetricsServer):
                 self._sums[key] += float(status[key])
             snap.set("counter", name, doc, self._sums[key])
         for key, value in status.items():
-            if is_number(value) and key.startswith(("spec/", "verify/")) and key not in _ACTOR_SUMS:
+            if is_number(value) and key.startswith(mn.ROLLOUT_GROUPS) and key not in _ACTOR_SUMS:
                 snap.set("gauge", metric_suffix(key), f"{key} of the last batch.", value)

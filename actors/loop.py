@@ -24,6 +24,7 @@ from actors.sender import GroupSender, unique_actor_id
 from actors.spool import Spool, orphans
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
+from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.curve_keys import actor_keys
 from common.entrypoint import StopFlag
@@ -206,7 +207,7 @@ def make_groups(
     return groups
 
 
-GROUP_STAT_KEYS = ("actor/tokens_per_s", "spec/acceptance_rate", "spec/mean_accepted_len")
+GROUP_STAT_KEYS = (mn.ACTOR_TOKENS_PER_S, mn.SPEC_ACCEPTANCE_RATE, mn.SPEC_MEAN_ACCEPTED_LEN)
 
 
 class GroupSubmitter:
@@ -243,7 +244,7 @@ class GroupSubmitter:
         group.stats = {
             k: v
             for k, v in self.engine.stats(reset=False).items()
-            if k in GROUP_STAT_KEYS or k.startswith("verify/")
+            if k in GROUP_STAT_KEYS or k.startswith(mn.VERIFY_GROUP)
         }
         if not submit_until_stopped(self.sender, group, self.should_stop):
             self.stopped = True
@@ -434,17 +435,17 @@ class ActorPhases:
         """Phase 4: the batch's figures to the learner (heartbeat status) and to Prometheus."""
         stats = self.stats
         stats.batches += 1
-        stats.tokens += int(engine_stats["actor/tokens"])
+        stats.tokens += int(engine_stats[mn.ACTOR_TOKENS])
         status = {
             **engine_stats,
             **sender.stats(),
-            "actor/weight_fetch_s": stats.weight_fetch_s,
-            "actor/wait_s": stats.wait_s,
-            "actor/reward_mean": stats.reward_sum / max(stats.completions, 1),
+            mn.ACTOR_WEIGHT_FETCH_S: stats.weight_fetch_s,
+            mn.ACTOR_WAIT_S: stats.wait_s,
+            mn.ACTOR_REWARD_MEAN: stats.reward_sum / max(stats.completions, 1),
         }
         sender.set_status(self.engine.version, status)
         self.exporter.update(
-            {**status, "actor/batches": stats.batches, "actor/groups_sent": stats.groups_sent},
+            {**status, mn.ACTOR_BATCHES: stats.batches, mn.ACTOR_GROUPS_SENT: stats.groups_sent},
             version=self.engine.version,
         )
 

@@ -33,6 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from actors.spool import Spool
+from common import metric_names as mn
 from common.curve_keys import CurveKeys
 from common.protocol import (
     Ack,
@@ -302,16 +303,16 @@ class GroupSender(SocketThread):
     def stats(self) -> dict[str, float]:
         with self._cond:
             return {
-                "sender/unacked": float(len(self._outbox)),
+                mn.SENDER_UNACKED: float(len(self._outbox)),
                 # Waiting for a send (new, or due again after a reconnect/timeout).
-                "sender/unsent": float(sum(e.last_sent is None for e in self._outbox.values())),
-                "sender/acked_total": float(self._acked_total),
-                "sender/refused_total": float(sum(self._refused.values())),
-                **{f"sender/refused/{r}": float(n) for r, n in self._refused.items()},
-                "sender/resent_total": float(self._resent_total),
-                "sender/connects": float(self._connects),
-                "sender/reconnects": float(self._reconnects),
-                "sender/bad_replies": float(self._bad_replies),
+                mn.SENDER_UNSENT: float(sum(e.last_sent is None for e in self._outbox.values())),
+                mn.SENDER_ACKED_TOTAL: float(self._acked_total),
+                mn.SENDER_REFUSED_TOTAL: float(sum(self._refused.values())),
+                **{f"{mn.SENDER_REFUSED_PREFIX}{r}": float(n) for r, n in self._refused.items()},
+                mn.SENDER_RESENT_TOTAL: float(self._resent_total),
+                mn.SENDER_CONNECTS: float(self._connects),
+                mn.SENDER_RECONNECTS: float(self._reconnects),
+                mn.SENDER_BAD_REPLIES: float(self._bad_replies),
             }
 
     # ------------------------------------------------------------------ caller-side helpers

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import provenance, rl_model, workloads  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.config.actor import SpecConfig  # noqa: E402
 from common.model import load_pretrained  # noqa: E402
@@ -114,7 +115,7 @@ class Mode:
             engine.generate(prompts, GROUP, max_new, on_group=on_group)
             engine.admission_log = None
         wall = time.perf_counter() - started
-        forwards = engine.stats()["actor/forward_passes"]
+        forwards = engine.stats()[mn.ACTOR_FORWARD_PASSES]
         tokens = sum(len(r.token_ids) for g in rollouts.values() for r in g)
         if not record:
             return

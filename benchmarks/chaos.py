@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.sender import GroupSender  # noqa: E402
 from benchmarks import cli  # noqa: E402
+from common import metric_names as mn
 from common.config import load_config  # noqa: E402
 from common.curve_keys import CurveKeys, actor_keys, learner_keys  # noqa: E402
 from common.model import load_pretrained  # noqa: E402
@@ -115,7 +116,7 @@ class Cluster:
 
 
 def steps(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "learner/step" in r]
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if mn.LEARNER_STEP in r]
 
 
 def wait_steps(cluster: Cluster, n_more: int, timeout_s: float) -> None:
@@ -212,7 +213,7 @@ def poison(
 ) -> dict[str, int]:
     """Send every poisoned kind (testing/hostile.py) from an authenticated peer; refused ones
     must come back in an ack's ``refused`` map with their reason, the others get no answer."""
-    latest = max((r["learner/version"] for r in steps(run_dir)), default=0)
+    latest = max((r[mn.LEARNER_VERSION] for r in steps(run_dir)), default=0)
     poisons = poisoned_frames(FLOOD_ID, group_size, context, latest, first_seq=1_000_000)
     want = {p.seq: p.reason for p in poisons if p.verdict == "refused"}
     dealer = _flood_dealer(address, keys)
@@ -400,7 +401,7 @@ def outcome(chaos: Chaos, exit_codes: dict[str, int | None]) -> dict:
     records = read_metrics(run_dir / "metrics.jsonl")
     exits = [r for r in records if r.get("event") == "learner_exit"]
     final = exits[-1] if exits else {}
-    versions = [r["learner/version"] for r in records if "learner/step" in r and "event" not in r]
+    versions = [r[mn.LEARNER_VERSION] for r in records if mn.LEARNER_STEP in r and "event" not in r]
     poisoned = figures.get("poisoned", {})
     unauthenticated = figures.get("unauthenticated", {})
     return {
@@ -418,21 +419,21 @@ def outcome(chaos: Chaos, exit_codes: dict[str, int | None]) -> dict:
         "outcomes_voided_by_learner_restart": ledger.voided,
         "bad_frames_sent": sum(figures.get("bad_frames_by_kind", {}).values())
         + poisoned.get("bad_sent", 0),
-        "bad_frames_rejected": int(final.get("receiver/bad_frames", -1)),
+        "bad_frames_rejected": int(final.get(mn.RECEIVER_BAD_FRAMES, -1)),
         "bad_frames_by_reason": {
-            k.removeprefix("receiver/bad_frames/"): int(v)
+            k.removeprefix(mn.RECEIVER_BAD_FRAMES_PREFIX): int(v)
             for k, v in final.items()
-            if k.startswith("receiver/bad_frames/") and v
+            if k.startswith(mn.RECEIVER_BAD_FRAMES_PREFIX) and v
         },
         "poisoned_sent": poisoned.get("sent", 0),
         "poisoned_refused_sent": poisoned.get("refused_sent", 0),
         "poisoned_refused_acked": poisoned.get("refused_acked", 0),
-        "groups_refused_by_learner": int(final.get("receiver/refused", -1)),
+        "groups_refused_by_learner": int(final.get(mn.RECEIVER_REFUSED, -1)),
         "groups_refused_in_ledger": sum(ledger.refused.values()),
         "policy_finite": policy_finite(run_dir),
         "unauthenticated_attempted": unauthenticated.get("attempted", 0),
         "unauthenticated_acked": unauthenticated.get("acked", 0),
-        "unauthenticated_refused": int(final.get("receiver/unauthenticated", 0)),
+        "unauthenticated_refused": int(final.get(mn.RECEIVER_UNAUTHENTICATED, 0)),
         "learner_crashes_unplanned": chaos.cluster.learner_crashes_unplanned,
         "actor_crashes_unplanned": chaos.cluster.actor_crashes_unplanned,
         "learner_starts": ledger.learner_starts,

@@ -51,6 +51,7 @@ from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import rl_model, workloads  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.config.actor import EngineConfig, SpecConfig  # noqa: E402
 from common.model import Transformer, load_pretrained, save_pretrained  # noqa: E402
@@ -117,7 +118,7 @@ def speed_rows(
             for name, engine in engines.items():
                 tokens, seconds = epoch(engine, prompts, per_call, task.max_new_tokens)
                 speeds[name].append(tokens / seconds)
-                accept[name].append(engine.stats().get("spec/acceptance_rate", float("nan")))
+                accept[name].append(engine.stats().get(mn.SPEC_ACCEPTANCE_RATE, float("nan")))
         for name in engines:
             figures[f"{work.label}_{name}_b{batch}_tokens_per_s"] = round(
                 statistics.median(speeds[name]), 1
@@ -188,9 +189,9 @@ def record_size() -> dict[str, float]:
     del engine
     return {
         "vllm_verify_vocab": vocab,
-        "vllm_verify_record_bytes_per_token": round(stats["verify/record_bytes_per_token"], 1),
+        "vllm_verify_record_bytes_per_token": round(stats[mn.VERIFY_RECORD_BYTES_PER_TOKEN], 1),
         "vllm_verify_full_vocab_bytes_per_token": vocab * 4,
-        "vllm_verify_bigvocab_salvaged_frac": round(stats["verify/salvaged_frac"], 3),
+        "vllm_verify_bigvocab_salvaged_frac": round(stats[mn.VERIFY_SALVAGED_FRAC], 3),
     }
 
 
@@ -264,8 +265,8 @@ def verification(demo, quick: bool) -> dict[str, float]:
 
         engine.generate(prompts[i : i + 4], GROUP, task.max_new_tokens, weight_source=source)
         stats = engine.stats()
-        salvaged += stats.get("verify/salvaged_tokens", 0.0)
-        inflight += stats.get("verify/inflight_tokens", 0.0)
+        salvaged += stats.get(mn.VERIFY_SALVAGED_TOKENS, 0.0)
+        inflight += stats.get(mn.VERIFY_INFLIGHT_TOKENS, 0.0)
     del engine
     figures["vllm_salvaged_frac"] = round(salvaged / inflight, 3) if inflight else float("nan")
     figures["vllm_salvaged_inflight_tokens"] = inflight
@@ -283,7 +284,7 @@ def lossless(quick: bool) -> dict[str, float]:
     out = []
     for _ in range(20 if quick else 40):
         out += engine.generate([prompt], 100, 3)[0]
-    acceptance = engine.stats()["spec/acceptance_rate"]
+    acceptance = engine.stats()[mn.SPEC_ACCEPTANCE_RATE]
     del engine
     p = rollouts_pvalue(exact, out)
     return {

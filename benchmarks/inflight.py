@@ -32,6 +32,7 @@ from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.loop import make_groups  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks.rollout import Workload, rl_model  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.config.learner import LearnerConfig  # noqa: E402
 from common.config.modes import INFLIGHT_MODES  # noqa: E402
@@ -123,18 +124,18 @@ def run_mode(mode, versions, task, tokenizer, problems, args) -> dict[str, float
         tokens_seen += n
     elapsed = time.perf_counter() - started
     stats = engine.stats()
-    inflight = stats.get("verify/inflight_tokens", 0.0)
-    salvaged = stats.get("verify/salvaged_tokens", 0.0)
+    inflight = stats.get(mn.VERIFY_INFLIGHT_TOKENS, 0.0)
+    salvaged = stats.get(mn.VERIFY_SALVAGED_TOKENS, 0.0)
     kept = {"keep": inflight, "abort": 0.0}.get(mode, salvaged)
     return {
         "inflight_tokens": inflight,
         "kept_frac": kept / inflight if inflight else float("nan"),
-        "wasted_tokens": stats.get("verify/wasted_tokens", 0.0),
-        "verify_forward_tokens": stats.get("verify/forward_tokens", 0.0),
+        "wasted_tokens": stats.get(mn.VERIFY_WASTED_TOKENS, 0.0),
+        "verify_forward_tokens": stats.get(mn.VERIFY_FORWARD_TOKENS, 0.0),
         "tokens_per_s": delivered / elapsed,
         "abs_log_ratio": abs_lr / tokens_seen,
         "clip_frac": clip / tokens_seen,
-        "acceptance_gap1": stats.get("verify/acceptance_gap1", float("nan")),
+        "acceptance_gap1": stats.get(mn.VERIFY_ACCEPTANCE_GAP1, float("nan")),
     }
 
 

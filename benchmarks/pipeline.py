@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import cli  # noqa: E402
 from benchmarks.procstat import Monitor, proc_figures  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 from learner.warm_start import ensure_model  # noqa: E402
 from ops.metrics_file import read_metrics  # noqa: E402
@@ -115,13 +116,13 @@ def _ladder_key(level: float) -> str:
 
 
 def metrics_figures(rows: list[dict], group_size: int, target: float, window: int) -> dict:
-    steps = [r for r in rows if "learner/step" in r and "learner/reward_mean" in r]
+    steps = [r for r in rows if mn.LEARNER_STEP in r and mn.LEARNER_REWARD_MEAN in r]
     if len(steps) < 2:
         return {"steps": len(steps)}
-    t0 = steps[0]["learner/wall_s"]
-    train_window_s = steps[-1]["learner/wall_s"] - t0
-    samples = sum(r["learner/groups"] for r in steps[1:]) * group_size
-    rewards = [r["learner/reward_mean"] for r in steps]
+    t0 = steps[0][mn.LEARNER_WALL_S]
+    train_window_s = steps[-1][mn.LEARNER_WALL_S] - t0
+    samples = sum(r[mn.LEARNER_GROUPS] for r in steps[1:]) * group_size
+    rewards = [r[mn.LEARNER_REWARD_MEAN] for r in steps]
     smooth = moving_average(rewards, window)
 
     def first_step_at(level: float) -> int | None:
@@ -131,10 +132,10 @@ def metrics_figures(rows: list[dict], group_size: int, target: float, window: in
     times = {}
     for level in ladder(target):
         i = first_step_at(level)
-        times[_ladder_key(level)] = steps[i]["learner/wall_s"] - t0 if i is not None else None
+        times[_ladder_key(level)] = steps[i][mn.LEARNER_WALL_S] - t0 if i is not None else None
     later = steps[1:]
-    wait = sum(r["learner/wait_s"] for r in later)
-    busy = sum(r["learner/train_s"] + r["learner/publish_s"] for r in later)
+    wait = sum(r[mn.LEARNER_WAIT_S] for r in later)
+    busy = sum(r[mn.LEARNER_TRAIN_S] + r[mn.LEARNER_PUBLISH_S] for r in later)
     tenth = max(1, len(steps) // 10)
     return {
         "steps": len(steps),
@@ -142,8 +143,8 @@ def metrics_figures(rows: list[dict], group_size: int, target: float, window: in
         "samples_trained": samples,
         "samples_per_s": samples / train_window_s,
         "steps_per_s": (len(steps) - 1) / train_window_s,
-        "time_to_target_s": steps[hit]["learner/wall_s"] - t0 if hit is not None else None,
-        "steps_to_target": steps[hit]["learner/step"] if hit is not None else None,
+        "time_to_target_s": steps[hit][mn.LEARNER_WALL_S] - t0 if hit is not None else None,
+        "steps_to_target": steps[hit][mn.LEARNER_STEP] if hit is not None else None,
         **times,
         "reward_first_10pct": statistics.mean(rewards[:tenth]),
         "final_reward": statistics.mean(rewards[-tenth:]),
@@ -153,12 +154,12 @@ def metrics_figures(rows: list[dict], group_size: int, target: float, window: in
         "best_moving_avg_reward": max((m for m in smooth if m is not None), default=None),
         "learner_idle_frac": wait / max(wait + busy, 1e-9),
         "learner_wait_s_per_step": wait / len(later),
-        "learner_train_s_per_step": sum(r["learner/train_s"] for r in later) / len(later),
-        "learner_publish_s_per_step": sum(r["learner/publish_s"] for r in later) / len(later),
-        "staleness_mean": statistics.mean(r.get("learner/staleness_mean", 0.0) for r in steps),
-        "groups_dropped_stale": steps[-1].get("learner/dropped_stale", 0),
-        "actor_tokens_per_s": statistics.mean(r.get("actor/tokens_per_s", 0.0) for r in later),
-        "spec_acceptance_rate": statistics.mean(r.get("spec/acceptance_rate", 0.0) for r in later),
+        "learner_train_s_per_step": sum(r[mn.LEARNER_TRAIN_S] for r in later) / len(later),
+        "learner_publish_s_per_step": sum(r[mn.LEARNER_PUBLISH_S] for r in later) / len(later),
+        "staleness_mean": statistics.mean(r.get(mn.LEARNER_STALENESS_MEAN, 0.0) for r in steps),
+        "groups_dropped_stale": steps[-1].get(mn.LEARNER_DROPPED_STALE, 0),
+        "actor_tokens_per_s": statistics.mean(r.get(mn.ACTOR_TOKENS_PER_S, 0.0) for r in later),
+        "spec_acceptance_rate": statistics.mean(r.get(mn.SPEC_ACCEPTANCE_RATE, 0.0) for r in later),
     }
 
 

@@ -10,6 +10,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import metric_names as mn
+
+# Every learner record carries the reward: one mark per completed step in the raw file.
+_STEP_MARK = f'"{mn.LEARNER_REWARD_MEAN}"'.encode()
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -138,7 +143,7 @@ class Monitor:
             return self._steps
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self._offset += len(complete)
-        self._steps += complete.count(b'"learner/reward_mean"')
+        self._steps += complete.count(_STEP_MARK)
         return self._steps
 
     def sample(self) -> None:

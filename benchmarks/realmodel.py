@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from benchmarks import cli  # noqa: E402
 from benchmarks.procstat import descendants  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 
 PRESET = ["model=smollm2-135m", "task=word_problems"]
@@ -158,7 +159,7 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, list[fl
 
 def by_quarter(rows: list[dict]) -> list[dict[str, float]]:
     """Mean training reward (and its standard error over steps) per quarter of the run."""
-    rewards = [r["learner/reward_mean"] for r in rows]
+    rewards = [r[mn.LEARNER_REWARD_MEAN] for r in rows]
     out = []
     for q in range(4):
         part = rewards[q * len(rewards) // 4 : (q + 1) * len(rewards) // 4]
@@ -191,7 +192,7 @@ def specrl_run(overrides: list[str], run_name: str, timeout_s: float) -> tuple[P
 
 def metric_rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "learner/step" in r and "event" not in r]
+    return [r for r in rows if mn.LEARNER_STEP in r and "event" not in r]
 
 
 def final_checkpoint(run_dir: Path) -> Path:
@@ -282,8 +283,8 @@ def main() -> int:
     print(f"evaluating {ckpt} after RL", flush=True)
     after = evaluate(ckpt, problems, opts.eval_samples, temperature, max_new, seed=7)
     gain, interval = paired_gain(before, after)
-    publish = [r["learner/publish_upload_s"] for r in rows if r.get("learner/publish_upload_s")]
-    fetch = [r["actor/weight_fetch_s"] for r in rows if r.get("actor/weight_fetch_s")]
+    publish = [r[mn.LEARNER_PUBLISH_UPLOAD_S] for r in rows if r.get(mn.LEARNER_PUBLISH_UPLOAD_S)]
+    fetch = [r[mn.ACTOR_WEIGHT_FETCH_S] for r in rows if r.get(mn.ACTOR_WEIGHT_FETCH_S)]
     figures |= {
         "realmodel_eval_before": round(statistics.fmean(before), 4),
         "realmodel_eval_after": round(statistics.fmean(after), 4),

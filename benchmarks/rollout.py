@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from benchmarks import cli  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.config.actor import SpecConfig  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
@@ -246,29 +247,29 @@ def run_workload(
             model, methods, timed, warm, batch, task.max_new_tokens, repeats, tokenizer
         )
         base = timings["none"]
-        base_speed = base.median("actor/tokens_per_s")
-        base_fwd_s = base.median("actor/gen_time_s") / base.median("actor/forward_passes")
+        base_speed = base.median(mn.ACTOR_TOKENS_PER_S)
+        base_fwd_s = base.median(mn.ACTOR_GEN_TIME_S) / base.median(mn.ACTOR_FORWARD_PASSES)
         flat[f"{work.label}_mean_completion_tokens"] = round(
-            base.median("actor/tokens") / (len(timed) * (1 if batch == 1 else GROUP)), 1
+            base.median(mn.ACTOR_TOKENS) / (len(timed) * (1 if batch == 1 else GROUP)), 1
         )
         for name, timing in timings.items():
             key = f"{work.label}_{name}_b{batch}"
-            speed = timing.median("actor/tokens_per_s")
+            speed = timing.median(mn.ACTOR_TOKENS_PER_S)
             flat[f"{key}_tokens_per_s"] = round(speed, 1)
             flat[f"{key}_speedup"] = round(speed / base_speed, 3)
             if name == "none":
                 rows.append(f"| {title} | {batch} | none | {speed:,.0f} | 1.00x | – | – | – | – |")
                 continue
-            fwd_s = timing.median("actor/gen_time_s") / timing.median("actor/forward_passes")
+            fwd_s = timing.median(mn.ACTOR_GEN_TIME_S) / timing.median(mn.ACTOR_FORWARD_PASSES)
             figures = {
-                "acceptance": timing.median("spec/acceptance_rate"),
-                "mean_accepted_len": timing.median("spec/mean_accepted_len"),
-                "forwards_per_token": timing.median("spec/forwards_per_token"),
+                "acceptance": timing.median(mn.SPEC_ACCEPTANCE_RATE),
+                "mean_accepted_len": timing.median(mn.SPEC_MEAN_ACCEPTED_LEN),
+                "forwards_per_token": timing.median(mn.SPEC_FORWARDS_PER_TOKEN),
                 # Wall time per verify step (drafting included) over a plain decode step's.
                 "step_cost_vs_decode": fwd_s / base_fwd_s,
             }
             for i in range(1, methods[name].k + 1):
-                figures[f"acceptance_pos{i}"] = timing.median(f"spec/acceptance_pos{i}")
+                figures[f"acceptance_pos{i}"] = timing.median(f"{mn.SPEC_ACCEPTANCE_POS_PREFIX}{i}")
             for fig, value in figures.items():
                 flat[f"{key}_{fig}"] = round(value, 3)
             rows.append(

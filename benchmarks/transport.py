@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender, unique_actor_id  # noqa: E402
 from benchmarks import cli  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config.actor import ActorConfig  # noqa: E402
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode  # noqa: E402
 from common.transport import DEFAULT_HWM  # noqa: E402
@@ -87,7 +88,7 @@ def make_group(label: str, seed: int = 0) -> TrajectoryGroup:
         prompt_ids=rng.integers(0, VOCAB, prompt_tokens, dtype=np.int32),
         version=3,
         completions=completions,
-        stats={"actor/generate_s": 0.5, "actor/tokens": float(group_size * tokens)},
+        stats={mn.ACTOR_GENERATE_S: 0.5, mn.ACTOR_TOKENS: float(group_size * tokens)},
     )
 
 

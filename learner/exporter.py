@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.prometheus import (
     SECONDS_BUCKETS,
@@ -26,43 +27,43 @@ from common.prometheus import (
 # Metrics key -> (name, help): a counter (a cumulative total the receiver or the loop holds)
 # unless the key is one of _LEARNER_GAUGES (a latest value).
 _LEARNER_METRICS = {
-    "receiver/received": ("groups_received", "Trajectory groups received and accepted."),
-    "learner/dropped_stale": ("groups_dropped_stale", "Groups dropped beyond max_staleness."),
-    "receiver/duplicates": ("groups_duplicated", "Resent groups dropped by (actor_id, seq)."),
-    "learner/rejected_groups": ("groups_rejected", "Groups refused by the shape check."),
-    "learner/skipped_steps": (
+    mn.RECEIVER_RECEIVED: ("groups_received", "Trajectory groups received and accepted."),
+    mn.LEARNER_DROPPED_STALE: ("groups_dropped_stale", "Groups dropped beyond max_staleness."),
+    mn.RECEIVER_DUPLICATES: ("groups_duplicated", "Resent groups dropped by (actor_id, seq)."),
+    mn.LEARNER_REJECTED_GROUPS: ("groups_rejected", "Groups refused by the shape check."),
+    mn.LEARNER_SKIPPED_STEPS: (
         "skipped_steps",
         "Optimizer steps skipped because the loss or the gradients were not finite.",
     ),
-    "learner/wal_skipped": (
+    mn.LEARNER_WAL_SKIPPED: (
         "wal_skipped",
         "Groups replayed from the write-ahead log or a checkpoint that this learner refused.",
     ),
-    "receiver/unauthenticated": (
+    mn.RECEIVER_UNAUTHENTICATED: (
         "unauthenticated_refused",
         "Connections refused by CurveZMQ authentication.",
     ),
-    "learner/version": ("version", "Newest published policy version."),
-    "learner/step": ("step", "Optimizer steps taken."),
-    "learner/reward_mean": ("reward_mean", "Mean reward of the last step's batch."),
-    "actor/tokens_per_s": ("actor_tokens_per_s", "Generated tokens/s, sum over live actors."),
-    "actor/live": ("live_actors", "Actors heard from recently."),
-    "receiver/queue_size": ("queue_depth", "Groups received, not yet trained on."),
+    mn.LEARNER_VERSION: ("version", "Newest published policy version."),
+    mn.LEARNER_STEP: ("step", "Optimizer steps taken."),
+    mn.LEARNER_REWARD_MEAN: ("reward_mean", "Mean reward of the last step's batch."),
+    mn.ACTOR_TOKENS_PER_S: ("actor_tokens_per_s", "Generated tokens/s, sum over live actors."),
+    mn.ACTOR_LIVE: ("live_actors", "Actors heard from recently."),
+    mn.RECEIVER_QUEUE_SIZE: ("queue_depth", "Groups received, not yet trained on."),
 }
 _LEARNER_GAUGES = frozenset(
     [
-        "learner/version",
-        "learner/step",
-        "learner/reward_mean",
-        "actor/tokens_per_s",
-        "actor/live",
-        "receiver/queue_size",
+        mn.LEARNER_VERSION,
+        mn.LEARNER_STEP,
+        mn.LEARNER_REWARD_MEAN,
+        mn.ACTOR_TOKENS_PER_S,
+        mn.ACTOR_LIVE,
+        mn.RECEIVER_QUEUE_SIZE,
     ]
 )
 # Cumulative totals by reason (``{prefix}{reason}``) -> counter name, help.
 _LEARNER_BY_REASON = {
-    "receiver/bad_frames/": ("bad_frames", "Frames refused by validation, by reason."),
-    "receiver/refused/": (
+    mn.RECEIVER_BAD_FRAMES_PREFIX: ("bad_frames", "Frames refused by validation, by reason."),
+    mn.RECEIVER_REFUSED_PREFIX: (
         "groups_refused",
         "Well-formed groups refused by admission (acked as refused, never trained), by reason.",
     ),
@@ -113,20 +114,20 @@ class LearnerExporter(MetricsServer):
             self._staleness.observe(value)
         self._set_totals(metrics)
         for key, value in metrics.items():
-            if is_number(value) and key.startswith(("spec/", "verify/")):
+            if is_number(value) and key.startswith(mn.ROLLOUT_GROUPS):
                 snap.set("gauge", metric_suffix(key), f"Actors' {key}, mean over the step.", value)
 
-        self._groups_trained += float(metrics.get("learner/groups") or 0)
+        self._groups_trained += float(metrics.get(mn.LEARNER_GROUPS) or 0)
         snap.set("counter", "groups_trained", "Groups trained on.", self._groups_trained)
-        publish_s = float(metrics.get("learner/publish_s") or 0.0)
-        step = int(metrics.get("learner/step") or 0)
+        publish_s = float(metrics.get(mn.LEARNER_PUBLISH_S) or 0.0)
+        step = int(metrics.get(mn.LEARNER_STEP) or 0)
         if step % self.publish_every == 0:
             self._publish.observe(publish_s)
-        self._busy_s += float(metrics.get("learner/train_s") or 0.0) + publish_s
-        self._wait_s += float(metrics.get("learner/wait_s") or 0.0)
+        self._busy_s += float(metrics.get(mn.LEARNER_TRAIN_S) or 0.0) + publish_s
+        self._wait_s += float(metrics.get(mn.LEARNER_WAIT_S) or 0.0)
         snap.set("counter", "busy_seconds", "Time training and publishing.", self._busy_s)
         snap.set("counter", "wait_seconds", "Time waiting for groups.", self._wait_s)
-        wall_s = float(metrics.get("learner/wall_s") or 0.0)
+        wall_s = float(metrics.get(mn.LEARNER_WALL_S) or 0.0)
         if wall_s > 0:
             snap.set(
                 "gauge",

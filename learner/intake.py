@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from common import metric_names as mn
 from common.protocol import PROTOCOL_ERROR_REASONS, Heartbeat, TrajectoryGroup
 from common.transport import SocketThread, guarded
 from learner.admission import ADMISSION_REFUSAL_REASONS, Admission
@@ -201,23 +202,29 @@ class Intake(SocketThread):
     def stats(self) -> dict[str, float]:
         with self._cond:
             out = {
-                "receiver/received": float(self._received),
-                "receiver/duplicates": float(self._duplicates),
-                "receiver/bad_frames": float(sum(self._bad_by_reason.values())),
-                "receiver/refused": float(sum(self._refused_by_reason.values())),
-                "receiver/acks_sent": float(self._acks_sent),
-                "receiver/heartbeats": float(self._heartbeats),
-                "receiver/unauthenticated": float(self._unauthenticated),
-                "receiver/handover_dropped": float(self._handover_dropped),
-                "receiver/queue_size": float(len(self._queue)),
+                mn.RECEIVER_RECEIVED: float(self._received),
+                mn.RECEIVER_DUPLICATES: float(self._duplicates),
+                mn.RECEIVER_BAD_FRAMES: float(sum(self._bad_by_reason.values())),
+                mn.RECEIVER_REFUSED: float(sum(self._refused_by_reason.values())),
+                mn.RECEIVER_ACKS_SENT: float(self._acks_sent),
+                mn.RECEIVER_HEARTBEATS: float(self._heartbeats),
+                mn.RECEIVER_UNAUTHENTICATED: float(self._unauthenticated),
+                mn.RECEIVER_HANDOVER_DROPPED: float(self._handover_dropped),
+                mn.RECEIVER_QUEUE_SIZE: float(len(self._queue)),
             }
             out.update(
-                {f"receiver/bad_frames/{r}": float(n) for r, n in self._bad_by_reason.items()}
+                {
+                    f"{mn.RECEIVER_BAD_FRAMES_PREFIX}{r}": float(n)
+                    for r, n in self._bad_by_reason.items()
+                }
             )
             out.update(
-                {f"receiver/refused/{r}": float(n) for r, n in self._refused_by_reason.items()}
+                {
+                    f"{mn.RECEIVER_REFUSED_PREFIX}{r}": float(n)
+                    for r, n in self._refused_by_reason.items()
+                }
             )
-        out["receiver/live_actors"] = float(len(self.live_actors()))
+        out[mn.RECEIVER_LIVE_ACTORS] = float(len(self.live_actors()))
         return out
 
     def _close_queue(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
@@ -77,7 +78,7 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
         batch = collate(groups, version, state.tokenizer.pad_id, dist.device)
         last = train_on(state, batch, cfg, dist)
         state.step += 1
-        if state.step % cfg.learner.publish_every == 0 and not last["learner/skipped"]:
+        if state.step % cfg.learner.publish_every == 0 and not last[mn.LEARNER_SKIPPED]:
             view.refresh()
         if state.step % cfg.learner.checkpoint_every == 0:
             gather_checkpoint(state, dist)
@@ -135,7 +136,7 @@ class Learner:
             cfg, limits, frame_bytes, admission, self.wal_dir, lambda: state.version
         )
         self.exporter.watch(
-            lambda: {**self.receiver.stats(), "learner/wal_skipped": self.readmission.skipped}
+            lambda: {**self.receiver.stats(), mn.LEARNER_WAL_SKIPPED: self.readmission.skipped}
         )
         self.skipped_steps = 0
         self.trainer = TrainerState(step=state.step, version=state.version)
@@ -207,7 +208,7 @@ class Learner:
             self.dist.send_step(groups, state.version)
         batch = collate(groups, state.version, state.tokenizer.pad_id, self.device)
         step_metrics = train_on(state, batch, self.cfg, self.dist)
-        skipped = step_metrics["learner/skipped"] > 0
+        skipped = step_metrics[mn.LEARNER_SKIPPED] > 0
         self.skipped_steps += skipped
         for group in groups:
             self.buffer.record(group, "skipped" if skipped else "trained", state.version)
@@ -232,23 +233,23 @@ class Learner:
         """Phase 4: the step's figures to metrics.jsonl and Prometheus."""
         state, receiver = self.state, self.receiver
         self.last = {
-            "learner/step": state.step,
-            "learner/version": state.version,
+            mn.LEARNER_STEP: state.step,
+            mn.LEARNER_VERSION: state.version,
             **step_metrics,
             **_batch_metrics(batch, groups),
             **_actor_metrics(receiver),
             **receiver.stats(),
-            "learner/dropped_stale": self.buffer.dropped_stale,
-            "learner/republished": self.republisher.republished,
-            "learner/rejected_groups": self.buffer.rejected,
-            "learner/skipped_steps": self.skipped_steps,
-            "learner/wal_skipped": self.readmission.skipped,
-            "learner/wait_s": times.collected - times.started,
-            "learner/train_s": times.trained - times.collected,
-            "learner/publish_s": times.published - times.trained,
-            "learner/publish_upload_s": self.publisher.last_publish_s,
-            "learner/publish_refused": self.publisher.refused,
-            "learner/wall_s": times.published - self.wall_start,
+            mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
+            mn.LEARNER_REPUBLISHED: self.republisher.republished,
+            mn.LEARNER_REJECTED_GROUPS: self.buffer.rejected,
+            mn.LEARNER_SKIPPED_STEPS: self.skipped_steps,
+            mn.LEARNER_WAL_SKIPPED: self.readmission.skipped,
+            mn.LEARNER_WAIT_S: times.collected - times.started,
+            mn.LEARNER_TRAIN_S: times.trained - times.collected,
+            mn.LEARNER_PUBLISH_S: times.published - times.trained,
+            mn.LEARNER_PUBLISH_UPLOAD_S: self.publisher.last_publish_s,
+            mn.LEARNER_PUBLISH_REFUSED: self.publisher.refused,
+            mn.LEARNER_WALL_S: times.published - self.wall_start,
         }
         self.exporter.update(self.last, batch.staleness)
         if state.step % self.cfg.learner.metrics_every == 0 or state.step == self.cfg.run.steps:
@@ -296,8 +297,8 @@ class Learner:
         self.metrics.write(
             {
                 "event": "learner_exit",
-                "learner/step": state.step,
-                "learner/version": state.version,
+                mn.LEARNER_STEP: state.step,
+                mn.LEARNER_VERSION: state.version,
                 **receiver.stats(),
             }
         )
@@ -321,7 +322,7 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
             times.collected = time.perf_counter()
             batch, step_metrics = learner.train(groups)
             times.trained = time.perf_counter()
-            learner.publish(skipped=step_metrics["learner/skipped"] > 0)
+            learner.publish(skipped=step_metrics[mn.LEARNER_SKIPPED] > 0)
             times.published = time.perf_counter()
             learner.log(batch, groups, step_metrics, times)
             if state.step % cfg.learner.checkpoint_every == 0:
@@ -335,22 +336,22 @@ def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
     lengths = batch.mask.sum(dim=-1)
     finished = [c.finished for g in groups for c in g.completions]
     # Rollout figures the actors attached to each group (e.g. spec/acceptance_rate), averaged.
-    rollout_keys = {k for g in groups for k in g.stats if k.startswith(("spec/", "verify/"))}
+    rollout_keys = {k for g in groups for k in g.stats if k.startswith(mn.ROLLOUT_GROUPS)}
     rollout = {
         k: sum(g.stats[k] for g in groups if k in g.stats) / sum(k in g.stats for g in groups)
         for k in sorted(rollout_keys)
     }
     return {
         **rollout,
-        "learner/reward_mean": float(batch.rewards.mean()),
-        "learner/reward_max": float(batch.rewards.max()),
-        "learner/staleness_mean": float(batch.staleness.float().mean()),
-        "learner/staleness_max": int(batch.staleness.max()),
-        "learner/staleness_hist": torch.bincount(batch.staleness.clamp(min=0)).tolist(),
-        "learner/groups": len(groups),
-        "learner/tokens": batch.num_tokens,
-        "learner/completion_len_mean": float(lengths.mean()),
-        "learner/finished_frac": sum(finished) / max(len(finished), 1),
+        mn.LEARNER_REWARD_MEAN: float(batch.rewards.mean()),
+        mn.LEARNER_REWARD_MAX: float(batch.rewards.max()),
+        mn.LEARNER_STALENESS_MEAN: float(batch.staleness.float().mean()),
+        mn.LEARNER_STALENESS_MAX: int(batch.staleness.max()),
+        mn.LEARNER_STALENESS_HIST: torch.bincount(batch.staleness.clamp(min=0)).tolist(),
+        mn.LEARNER_GROUPS: len(groups),
+        mn.LEARNER_TOKENS: batch.num_tokens,
+        mn.LEARNER_COMPLETION_LEN_MEAN: float(lengths.mean()),
+        mn.LEARNER_FINISHED_FRAC: sum(finished) / max(len(finished), 1),
     }
 
 
@@ -361,10 +362,10 @@ def _actor_metrics(receiver: GroupReceiver) -> dict[str, float]:
         return sum(info.stats.get(key, 0.0) for info in live.values())
 
     return {
-        "actor/live": len(live),
-        "actor/tokens_per_s": total("actor/tokens_per_s"),
+        mn.ACTOR_LIVE: len(live),
+        mn.ACTOR_TOKENS_PER_S: total(mn.ACTOR_TOKENS_PER_S),
         # Cumulative seconds the live actors idled waiting for a version (synchronous mode).
-        "actor/wait_s": total("actor/wait_s"),
+        mn.ACTOR_WAIT_S: total(mn.ACTOR_WAIT_S),
         # The live actors' last weights fetch, averaged (0 before the first).
-        "actor/weight_fetch_s": total("actor/weight_fetch_s") / max(len(live), 1),
+        mn.ACTOR_WEIGHT_FETCH_S: total(mn.ACTOR_WEIGHT_FETCH_S) / max(len(live), 1),
     }

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
@@ -99,18 +100,18 @@ def train_step(
     stats = dict(zip(_SUM_KEYS, sums.tolist(), strict=True))
     skipped, grad_norm = _apply_gradients(module, optimizer, stats["loss"], cfg.grad_clip)
     return {
-        "learner/skipped": float(skipped),
-        "learner/loss": stats["loss"],
-        "learner/pg_loss": stats["pg_loss"],
-        "learner/kl": stats["kl"],
-        "learner/clip_frac": stats["clip_frac"],
-        "learner/truncated_frac": stats["truncated_frac"],
-        "learner/ratio_mean": stats["ratio_mean"],
-        "learner/abs_log_ratio": stats["abs_log_ratio"],
-        "learner/outside_nucleus_frac": 1.0 - stats["usable"] / max(float(n_valid), 1.0),
-        "learner/grad_norm": grad_norm,
-        "learner/microbatches": float(len(micro)),
-        "spec/exit_kl": stats["exit_kl"],
+        mn.LEARNER_SKIPPED: float(skipped),
+        mn.LEARNER_LOSS: stats["loss"],
+        mn.LEARNER_PG_LOSS: stats["pg_loss"],
+        mn.LEARNER_KL: stats["kl"],
+        mn.LEARNER_CLIP_FRAC: stats["clip_frac"],
+        mn.LEARNER_TRUNCATED_FRAC: stats["truncated_frac"],
+        mn.LEARNER_RATIO_MEAN: stats["ratio_mean"],
+        mn.LEARNER_ABS_LOG_RATIO: stats["abs_log_ratio"],
+        mn.LEARNER_OUTSIDE_NUCLEUS_FRAC: 1.0 - stats["usable"] / max(float(n_valid), 1.0),
+        mn.LEARNER_GRAD_NORM: grad_norm,
+        mn.LEARNER_MICROBATCHES: float(len(micro)),
+        mn.SPEC_EXIT_KL: stats["exit_kl"],
     }
 
 

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.host_cache import HostCache
+from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
 from common.model_args import ModelArgs
 from common.tasks import task_from_config
@@ -288,14 +289,14 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
                 return "interrupted"
             code = learner.poll()
             rows = [
-                r for r in read_metrics(metrics_path) if "learner/step" in r and "event" not in r
+                r for r in read_metrics(metrics_path) if mn.LEARNER_STEP in r and "event" not in r
             ]
             if rows:
                 last = rows[-1]
                 line = _progress_line(rows)
-                progress.update(task_id, completed=last["learner/step"], line=line)
+                progress.update(task_id, completed=last[mn.LEARNER_STEP], line=line)
                 if not console.is_terminal and time.monotonic() - last_plain > 10:
-                    console.print(f"step {last['learner/step']}/{cfg.run.steps} {line}")
+                    console.print(f"step {last[mn.LEARNER_STEP]}/{cfg.run.steps} {line}")
                     last_plain = time.monotonic()
             if code == 0:
                 return "completed"
@@ -310,15 +311,15 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
 def _progress_line(rows: list[dict]) -> str:
     last = rows[-1]
     window = rows[-10:]
-    reward = sum(r.get("learner/reward_mean", 0.0) for r in window) / len(window)
+    reward = sum(r.get(mn.LEARNER_REWARD_MEAN, 0.0) for r in window) / len(window)
     line = (
-        f"v{last['learner/version']} reward {reward:.3f} "
-        f"tok/s {last.get('actor/tokens_per_s', 0):.0f} "
-        f"stale {last.get('learner/staleness_mean', 0):.2f} "
-        f"actors {last.get('actor/live', 0)}"
+        f"v{last[mn.LEARNER_VERSION]} reward {reward:.3f} "
+        f"tok/s {last.get(mn.ACTOR_TOKENS_PER_S, 0):.0f} "
+        f"stale {last.get(mn.LEARNER_STALENESS_MEAN, 0):.2f} "
+        f"actors {last.get(mn.ACTOR_LIVE, 0)}"
     )
-    if last.get("spec/acceptance_rate") is not None:
-        line += f" accept {last['spec/acceptance_rate']:.2f}"
+    if last.get(mn.SPEC_ACCEPTANCE_RATE) is not None:
+        line += f" accept {last[mn.SPEC_ACCEPTANCE_RATE]:.2f}"
     return line
 
 

@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from common import metric_names as mn
 from ops.metrics_file import read_metrics
 from ops.run_summary import learner_wall_s, staleness_counts, step_rows, summarize
 
@@ -110,7 +111,7 @@ def _curve(ax, x: list, y: list, label: str, smooth: bool = True) -> None:
 
 
 def _version(r: dict) -> float:
-    return r["learner/version"]
+    return r[mn.LEARNER_VERSION]
 
 
 def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") -> None:
@@ -136,7 +137,7 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
 
     # Reward against wall-clock and against policy version.
     for ax, x_of, xlabel in ((ax_rt, clock, clock_label), (ax_rv, _version, "version")):
-        x, y = _series(steps, x_of, "learner/reward_mean")
+        x, y = _series(steps, x_of, mn.LEARNER_REWARD_MEAN)
         name = "reward vs " + ("wall-clock" if x_of is clock else "version")
         if not y:
             _no_data(ax, name)
@@ -146,8 +147,8 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
         ax.legend(loc="lower right")
 
     # Draft acceptance against version (and the in-flight tokens verification kept).
-    x, y = _series(steps, _version, "spec/acceptance_rate")
-    xs, ys = _series(steps, _version, "verify/salvaged_frac")
+    x, y = _series(steps, _version, mn.SPEC_ACCEPTANCE_RATE)
+    xs, ys = _series(steps, _version, mn.VERIFY_SALVAGED_FRAC)
     if y or ys:
         if y:
             _curve(ax_acc, x, y, "draft acceptance rate")
@@ -173,7 +174,7 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
 def _plot_staleness(ax_st, steps: list[dict]) -> None:
     """Staleness: per-group counts when recorded, else the per-step means."""
     counts = staleness_counts(steps)
-    dropped = steps[-1].get("learner/dropped_stale")
+    dropped = steps[-1].get(mn.LEARNER_DROPPED_STALE)
     dropped_text = f"; {int(dropped)} dropped as stale" if isinstance(dropped, int | float) else ""
     if counts:
         ax_st.bar(range(len(counts)), counts)
@@ -184,7 +185,7 @@ def _plot_staleness(ax_st, steps: list[dict]) -> None:
         )
         ax_st.set_xticks(range(len(counts)))
     else:
-        _, means = _series(steps, _version, "learner/staleness_mean")
+        _, means = _series(steps, _version, mn.LEARNER_STALENESS_MEAN)
         if means:
             ax_st.hist(means, bins=min(20, max(5, len(means) // 5)))
             ax_st.set(
@@ -198,11 +199,11 @@ def _plot_staleness(ax_st, steps: list[dict]) -> None:
 
 def _plot_throughput(ax_tok, steps: list[dict], clock, clock_label: str) -> None:
     """Throughput: tokens generated (all actors) and trained (learner) per second."""
-    x, y = _series(steps, clock, "actor/tokens_per_s")
+    x, y = _series(steps, clock, mn.ACTOR_TOKENS_PER_S)
     trained = [
-        (clock(r), r["learner/tokens"] / step_s)
+        (clock(r), r[mn.LEARNER_TOKENS] / step_s)
         for r in steps
-        if isinstance(r.get("learner/tokens"), int | float) and (step_s := _step_s(r)) > 0
+        if isinstance(r.get(mn.LEARNER_TOKENS), int | float) and (step_s := _step_s(r)) > 0
     ]
     if y or trained:
         if y:
@@ -218,9 +219,9 @@ def _plot_throughput(ax_tok, steps: list[dict], clock, clock_label: str) -> None
 def _plot_busy(ax_busy, steps: list[dict], clock, clock_label: str) -> None:
     """Learner busy (train + publish) and idle (waiting for groups) shares of each step."""
     busy = [
-        (clock(r), (r["learner/train_s"] + float(r.get("learner/publish_s") or 0.0)) / step_s)
+        (clock(r), (r[mn.LEARNER_TRAIN_S] + float(r.get(mn.LEARNER_PUBLISH_S) or 0.0)) / step_s)
         for r in steps
-        if isinstance(r.get("learner/train_s"), int | float) and (step_s := _step_s(r)) > 0
+        if isinstance(r.get(mn.LEARNER_TRAIN_S), int | float) and (step_s := _step_s(r)) > 0
     ]
     if busy:
         x = [p[0] for p in busy]
@@ -229,7 +230,7 @@ def _plot_busy(ax_busy, steps: list[dict], clock, clock_label: str) -> None:
             x, share, [1 - s for s in share], labels=["busy (train + publish)", "idle (wait)"]
         )
         busy_s = sum(
-            float(r.get("learner/train_s") or 0.0) + float(r.get("learner/publish_s") or 0.0)
+            float(r.get(mn.LEARNER_TRAIN_S) or 0.0) + float(r.get(mn.LEARNER_PUBLISH_S) or 0.0)
             for r in steps
         )
         overall = busy_s / max(learner_wall_s(steps), 1e-9)
@@ -246,7 +247,8 @@ def _plot_busy(ax_busy, steps: list[dict], clock, clock_label: str) -> None:
 
 def _step_s(r: dict) -> float:
     return sum(
-        float(r.get(k) or 0.0) for k in ("learner/wait_s", "learner/train_s", "learner/publish_s")
+        float(r.get(k) or 0.0)
+        for k in (mn.LEARNER_WAIT_S, mn.LEARNER_TRAIN_S, mn.LEARNER_PUBLISH_S)
     )
 
 
@@ -272,7 +274,7 @@ def render_markdown(rows: list[dict], summary: dict, name: str) -> str:
     bad_reasons = {
         k.rsplit("/", 1)[-1]: v
         for k, v in final.items()
-        if k.startswith("receiver/bad_frames/") and v
+        if k.startswith(mn.RECEIVER_BAD_FRAMES_PREFIX) and v
     }
     bad = _fmt(summary.get("bad_frames"), ".0f")
     if bad_reasons:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from common import metric_names as mn
+
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
@@ -9,14 +11,14 @@ def _mean(values: list[float]) -> float:
 
 def step_rows(rows: list[dict]) -> list[dict]:
     """The records of optimizer steps (not events such as ``learner_exit``)."""
-    return [r for r in rows if "learner/step" in r and "learner/reward_mean" in r]
+    return [r for r in rows if mn.LEARNER_STEP in r and mn.LEARNER_REWARD_MEAN in r]
 
 
 def learner_wall_s(steps: list[dict]) -> float:
     """Learner wall-clock over all its processes: ``learner/wall_s`` restarts at a resume."""
     total, previous = 0.0, 0.0
     for r in steps:
-        wall = r.get("learner/wall_s")
+        wall = r.get(mn.LEARNER_WALL_S)
         if wall is None:
             continue
         if wall < previous:
@@ -30,7 +32,7 @@ def staleness_counts(steps: list[dict]) -> list[int]:
     ``learner/staleness_hist``; empty when none do."""
     counts: list[int] = []
     for r in steps:
-        hist = r.get("learner/staleness_hist") or []
+        hist = r.get(mn.LEARNER_STALENESS_HIST) or []
         counts.extend([0] * (len(hist) - len(counts)))
         for staleness, n in enumerate(hist):
             counts[staleness] += int(n)
@@ -44,8 +46,8 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
     if not steps:
         return summary
     tenth = max(1, len(steps) // 10)
-    first = [r["learner/reward_mean"] for r in steps[:tenth]]
-    last = [r["learner/reward_mean"] for r in steps[-tenth:]]
+    first = [r[mn.LEARNER_REWARD_MEAN] for r in steps[:tenth]]
+    last = [r[mn.LEARNER_REWARD_MEAN] for r in steps[-tenth:]]
     final = steps[-1]
     learner_wall = max(learner_wall_s(steps), 1e-9)
     summary.update(
@@ -53,19 +55,19 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
             "reward_first_10pct": _mean(first),
             "reward_last_10pct": _mean(last),
             "reward_gain": _mean(last) - _mean(first),
-            "first_version": steps[0]["learner/version"],
-            "final_version": final["learner/version"],
-            "groups_trained": sum(r.get("learner/groups", 0) for r in steps),
-            "groups_dropped_stale": final.get("learner/dropped_stale", 0),
-            "duplicates_dropped": final.get("receiver/duplicates", 0),
-            "bad_frames": final.get("receiver/bad_frames", 0),
-            "staleness_mean": _mean([r.get("learner/staleness_mean", 0.0) for r in steps]),
-            "staleness_max": max(r.get("learner/staleness_max", 0) for r in steps),
-            "actor_tokens_per_s": _mean([r.get("actor/tokens_per_s", 0.0) for r in steps]),
-            "trained_tokens_per_s": sum(r.get("learner/tokens", 0) for r in steps) / learner_wall,
-            "learner_wait_frac": sum(r.get("learner/wait_s", 0.0) for r in steps) / learner_wall,
+            "first_version": steps[0][mn.LEARNER_VERSION],
+            "final_version": final[mn.LEARNER_VERSION],
+            "groups_trained": sum(r.get(mn.LEARNER_GROUPS, 0) for r in steps),
+            "groups_dropped_stale": final.get(mn.LEARNER_DROPPED_STALE, 0),
+            "duplicates_dropped": final.get(mn.RECEIVER_DUPLICATES, 0),
+            "bad_frames": final.get(mn.RECEIVER_BAD_FRAMES, 0),
+            "staleness_mean": _mean([r.get(mn.LEARNER_STALENESS_MEAN, 0.0) for r in steps]),
+            "staleness_max": max(r.get(mn.LEARNER_STALENESS_MAX, 0) for r in steps),
+            "actor_tokens_per_s": _mean([r.get(mn.ACTOR_TOKENS_PER_S, 0.0) for r in steps]),
+            "trained_tokens_per_s": sum(r.get(mn.LEARNER_TOKENS, 0) for r in steps) / learner_wall,
+            "learner_wait_frac": sum(r.get(mn.LEARNER_WAIT_S, 0.0) for r in steps) / learner_wall,
             "learner_busy_frac": sum(
-                r.get("learner/train_s", 0.0) + r.get("learner/publish_s", 0.0) for r in steps
+                r.get(mn.LEARNER_TRAIN_S, 0.0) + r.get(mn.LEARNER_PUBLISH_S, 0.0) for r in steps
             )
             / learner_wall,
         }
@@ -76,14 +78,14 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
         summary["staleness_hist"] = counts
         summary["staleness_mean"] = sum(s * n for s, n in enumerate(counts)) / max(sum(counts), 1)
     accepted = [
-        r["spec/acceptance_rate"] for r in steps if r.get("spec/acceptance_rate") is not None
+        r[mn.SPEC_ACCEPTANCE_RATE] for r in steps if r.get(mn.SPEC_ACCEPTANCE_RATE) is not None
     ]
     if accepted:
         tenth_a = max(1, len(accepted) // 10)
         lengths = [
-            r["spec/mean_accepted_len"]
+            r[mn.SPEC_MEAN_ACCEPTED_LEN]
             for r in steps
-            if r.get("spec/mean_accepted_len") is not None
+            if r.get(mn.SPEC_MEAN_ACCEPTED_LEN) is not None
         ]
         summary.update(
             {
@@ -94,7 +96,7 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
             }
         )
     salvaged = [
-        r["verify/salvaged_frac"] for r in steps if r.get("verify/salvaged_frac") is not None
+        r[mn.VERIFY_SALVAGED_FRAC] for r in steps if r.get(mn.VERIFY_SALVAGED_FRAC) is not None
     ]
     if salvaged:
         summary["verify_salvaged_frac"] = _mean(salvaged)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from actors.engines.rollout_engine import Rollout
+from common import metric_names as mn
 
 
 @dataclass
@@ -121,11 +122,11 @@ class Counters:
     def report(self, gen_time_s: float, speculative: bool) -> dict[str, float]:
         """The figures: throughput, acceptance (``speculative``) and in-flight weights."""
         out = {
-            "actor/tokens": float(self.tokens),
-            "actor/forward_passes": float(self.full_forwards),
-            "actor/gen_time_s": gen_time_s,
-            "actor/tokens_per_s": self.tokens / gen_time_s if gen_time_s else 0.0,
-            "spec/forwards_per_token": self.full_forwards / self.tokens if self.tokens else 0.0,
+            mn.ACTOR_TOKENS: float(self.tokens),
+            mn.ACTOR_FORWARD_PASSES: float(self.full_forwards),
+            mn.ACTOR_GEN_TIME_S: gen_time_s,
+            mn.ACTOR_TOKENS_PER_S: self.tokens / gen_time_s if gen_time_s else 0.0,
+            mn.SPEC_FORWARDS_PER_TOKEN: self.full_forwards / self.tokens if self.tokens else 0.0,
         }
         if speculative:
             out.update(self._spec_report())
@@ -135,33 +136,35 @@ class Counters:
 
     def _spec_report(self) -> dict[str, float]:
         out = {
-            "spec/acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            mn.SPEC_ACCEPTANCE_RATE: self.accepted / self.proposed if self.proposed else 0.0,
             # Tokens emitted per verification: accepted drafts + the one sampled token.
-            "spec/mean_accepted_len": (
+            mn.SPEC_MEAN_ACCEPTED_LEN: (
                 (self.accepted + self.verify_steps) / self.verify_steps
                 if self.verify_steps
                 else 0.0
             ),
-            "spec/draft_layer_passes_per_token": (
+            mn.SPEC_DRAFT_LAYER_PASSES_PER_TOKEN: (
                 self.draft_layer_passes / self.tokens if self.tokens else 0.0
             ),
         }
         for i, (p, a) in enumerate(zip(self.proposed_at, self.accepted_at, strict=True)):
-            out[f"spec/acceptance_pos{i + 1}"] = a / p if p else 0.0
+            out[f"{mn.SPEC_ACCEPTANCE_POS_PREFIX}{i + 1}"] = a / p if p else 0.0
         return out
 
     def _swap_report(self) -> dict[str, float]:
         out = {
-            "verify/swaps": float(self.swaps),
-            "verify/inflight_tokens": float(self.inflight_tokens),
-            "verify/salvaged_tokens": float(self.salvaged_tokens),
-            "verify/wasted_tokens": float(self.wasted_tokens),
-            "verify/forward_tokens": float(self.verify_forward_tokens),
+            mn.VERIFY_SWAPS: float(self.swaps),
+            mn.VERIFY_INFLIGHT_TOKENS: float(self.inflight_tokens),
+            mn.VERIFY_SALVAGED_TOKENS: float(self.salvaged_tokens),
+            mn.VERIFY_WASTED_TOKENS: float(self.wasted_tokens),
+            mn.VERIFY_FORWARD_TOKENS: float(self.verify_forward_tokens),
             # Share of the tokens in flight at swaps that survived (abort: 0; keep: not checked).
-            "verify/salvaged_frac": (
+            mn.VERIFY_SALVAGED_FRAC: (
                 self.salvaged_tokens / self.inflight_tokens if self.inflight_tokens else 1.0
             ),
         }
         for gap, proposed in sorted(self.gap_proposed.items()):
-            out[f"verify/acceptance_gap{gap}"] = self.gap_accepted.get(gap, 0) / proposed
+            out[f"{mn.VERIFY_ACCEPTANCE_GAP_PREFIX}{gap}"] = (
+                self.gap_accepted.get(gap, 0) / proposed
+            )
         return out

@@ -57,6 +57,7 @@ from actors.engines.vllm_setup import (
     resolve_dtype,
 )
 from actors.engines.vllm_verify import dense_logprobs, record_ids, record_of, verify_row
+from common import metric_names as mn
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.sampling import processed_logprobs
 
@@ -463,34 +464,34 @@ class VllmEngine(RolloutEngine):
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Counters since the last reset (``reset=False``: read them and keep counting)."""
         out = {
-            "actor/tokens": float(self._tokens),
-            "actor/gen_time_s": self._gen_time_s,
-            "actor/tokens_per_s": self._tokens / self._gen_time_s if self._gen_time_s else 0.0,
+            mn.ACTOR_TOKENS: float(self._tokens),
+            mn.ACTOR_GEN_TIME_S: self._gen_time_s,
+            mn.ACTOR_TOKENS_PER_S: self._tokens / self._gen_time_s if self._gen_time_s else 0.0,
         }
         if self.spec_enabled:
             now = self._spec_counters()
             delta = {k: now[k] - self._spec_base[k] for k in now}
             if reset:
                 self._spec_base = now
-            out["spec/acceptance_rate"] = (
+            out[mn.SPEC_ACCEPTANCE_RATE] = (
                 delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else 0.0
             )
-            out["spec/mean_accepted_len"] = (
+            out[mn.SPEC_MEAN_ACCEPTED_LEN] = (
                 1 + delta["accepted_tokens"] / delta["drafts"] if delta["drafts"] else 0.0
             )
-            out["spec/draft_tokens"] = delta["draft_tokens"]
+            out[mn.SPEC_DRAFT_TOKENS] = delta["draft_tokens"]
         if self._swaps:
-            out["verify/swaps"] = float(self._swaps)
-            out["verify/wasted_tokens"] = float(self._wasted)
-            out["verify/inflight_tokens"] = float(self._inflight)
-            out["verify/salvaged_tokens"] = float(self._salvaged)
-            out["verify/forward_tokens"] = float(self._verify_forward_tokens)
+            out[mn.VERIFY_SWAPS] = float(self._swaps)
+            out[mn.VERIFY_WASTED_TOKENS] = float(self._wasted)
+            out[mn.VERIFY_INFLIGHT_TOKENS] = float(self._inflight)
+            out[mn.VERIFY_SALVAGED_TOKENS] = float(self._salvaged)
+            out[mn.VERIFY_FORWARD_TOKENS] = float(self._verify_forward_tokens)
             if self.inflight == "verify_on_swap":
-                out["verify/salvaged_frac"] = (
+                out[mn.VERIFY_SALVAGED_FRAC] = (
                     self._salvaged / self._inflight if self._inflight else 1.0
                 )
                 if self._recorded_tokens:
-                    out["verify/record_bytes_per_token"] = (
+                    out[mn.VERIFY_RECORD_BYTES_PER_TOKEN] = (
                         self._record_bytes / self._recorded_tokens
                     )
         if reset:

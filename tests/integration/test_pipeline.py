@@ -12,6 +12,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.sender import GroupSender
+from common import metric_names as mn
 from common.weights.store import WeightStore
 from learner.checkpoint import latest_checkpoint
 from ops.cli import main as cli_main
@@ -86,6 +87,9 @@ def test_learner_and_two_actors(tmp_path, redis_server, model_dir):
 
     steps = pipeline.steps()
     assert len(steps) == STEPS
+    # Every key the run wrote is one the registry defines.
+    unknown = {k for r in steps for k in r if "/" in k and not mn.is_known(k)}
+    assert not unknown, sorted(unknown)
     # Prometheus: every process served /metrics while it ran.
     assert scraped["learner"]["specrl_learner_version"] >= 1
     assert scraped["learner"]["specrl_learner_groups_received_total"] >= 1

@@ -151,6 +151,7 @@ def test_stop_all_kills_what_ignores_sigterm_and_restart_appends_to_the_log(tmp_
     stubborn = child(tmp_path, "learner", STUBBORN).start()
     polite = child(tmp_path, "actor-0", SLEEPER).start()
     wait_for_log(stubborn, "ignoring SIGTERM")
+    wait_for_log(polite, "up")  # the restarted one appends a second line
     started = time.monotonic()
     codes = processes.stop_all([polite, stubborn], grace_s=1.0)
     assert time.monotonic() - started < 10

@@ -1,0 +1,126 @@
+"""Every metric key specrl writes to its metrics files and reads back, defined once.
+
+Writers (the actor loop, the engines, the sender, the learner, the receiver) and readers (the
+Prometheus exporters, the launcher's progress line, reports, benchmarks) use these names, never
+the strings. A key is ``<side>/<name>``; a ``*_PREFIX`` name starts a family of keys with a
+suffix (a reason, a position).
+"""
+
+from __future__ import annotations
+
+# The two groups of per-batch rollout figures an engine reports; both sides pass them through.
+SPEC_GROUP = "spec/"
+VERIFY_GROUP = "verify/"
+ROLLOUT_GROUPS = (SPEC_GROUP, VERIFY_GROUP)
+
+# Actor loop: one record per generated batch.
+ACTOR_BATCHES = "actor/batches"
+ACTOR_FORWARD_PASSES = "actor/forward_passes"
+ACTOR_GENERATE_S = "actor/generate_s"
+ACTOR_GEN_TIME_S = "actor/gen_time_s"
+ACTOR_GROUPS_SENT = "actor/groups_sent"
+ACTOR_LIVE = "actor/live"
+ACTOR_REWARD_MEAN = "actor/reward_mean"
+ACTOR_TOKENS = "actor/tokens"
+ACTOR_TOKENS_PER_S = "actor/tokens_per_s"
+ACTOR_WAIT_S = "actor/wait_s"
+ACTOR_WEIGHT_FETCH_S = "actor/weight_fetch_s"
+
+# Speculative decoding, per batch (from the engine's counters).
+SPEC_ACCEPTANCE_POS_PREFIX = "spec/acceptance_pos"
+SPEC_ACCEPTANCE_RATE = "spec/acceptance_rate"
+SPEC_DRAFT_LAYER_PASSES_PER_TOKEN = "spec/draft_layer_passes_per_token"
+SPEC_DRAFT_TOKENS = "spec/draft_tokens"
+SPEC_EXIT_KL = "spec/exit_kl"
+SPEC_FORWARDS_PER_TOKEN = "spec/forwards_per_token"
+SPEC_MEAN_ACCEPTED_LEN = "spec/mean_accepted_len"
+
+# Delayed verification of rollouts in flight at a weight swap.
+VERIFY_ACCEPTANCE_GAP_PREFIX = "verify/acceptance_gap"
+VERIFY_ACCEPTANCE_GAP1 = "verify/acceptance_gap1"
+VERIFY_FORWARD_TOKENS = "verify/forward_tokens"
+VERIFY_INFLIGHT_TOKENS = "verify/inflight_tokens"
+VERIFY_RECORD_BYTES_PER_TOKEN = "verify/record_bytes_per_token"
+VERIFY_SALVAGED_FRAC = "verify/salvaged_frac"
+VERIFY_SALVAGED_TOKENS = "verify/salvaged_tokens"
+VERIFY_SWAPS = "verify/swaps"
+VERIFY_WASTED_TOKENS = "verify/wasted_tokens"
+
+# The actor's ZeroMQ sender.
+SENDER_ACKED_TOTAL = "sender/acked_total"
+SENDER_BAD_REPLIES = "sender/bad_replies"
+SENDER_CONNECTS = "sender/connects"
+SENDER_RECONNECTS = "sender/reconnects"
+SENDER_REFUSED_PREFIX = "sender/refused/"
+SENDER_REFUSED_TOTAL = "sender/refused_total"
+SENDER_RESENT_TOTAL = "sender/resent_total"
+SENDER_UNACKED = "sender/unacked"
+SENDER_UNSENT = "sender/unsent"
+
+# Learner: one record per optimizer step.
+LEARNER_ABS_LOG_RATIO = "learner/abs_log_ratio"
+LEARNER_CLIP_FRAC = "learner/clip_frac"
+LEARNER_COMPLETION_LEN_MEAN = "learner/completion_len_mean"
+LEARNER_DROPPED_STALE = "learner/dropped_stale"
+LEARNER_FINISHED_FRAC = "learner/finished_frac"
+LEARNER_GRAD_NORM = "learner/grad_norm"
+LEARNER_GROUPS = "learner/groups"
+LEARNER_KL = "learner/kl"
+LEARNER_LOSS = "learner/loss"
+LEARNER_MICROBATCHES = "learner/microbatches"
+LEARNER_OUTSIDE_NUCLEUS_FRAC = "learner/outside_nucleus_frac"
+LEARNER_PG_LOSS = "learner/pg_loss"
+LEARNER_PUBLISH_REFUSED = "learner/publish_refused"
+LEARNER_PUBLISH_S = "learner/publish_s"
+LEARNER_PUBLISH_UPLOAD_S = "learner/publish_upload_s"
+LEARNER_RATIO_MEAN = "learner/ratio_mean"
+LEARNER_REJECTED_GROUPS = "learner/rejected_groups"
+LEARNER_REPUBLISHED = "learner/republished"
+LEARNER_REWARD_MAX = "learner/reward_max"
+LEARNER_REWARD_MEAN = "learner/reward_mean"
+LEARNER_SKIPPED = "learner/skipped"
+LEARNER_SKIPPED_STEPS = "learner/skipped_steps"
+LEARNER_STALENESS_HIST = "learner/staleness_hist"
+LEARNER_STALENESS_MAX = "learner/staleness_max"
+LEARNER_STALENESS_MEAN = "learner/staleness_mean"
+LEARNER_STEP = "learner/step"
+LEARNER_TOKENS = "learner/tokens"
+LEARNER_TRAIN_S = "learner/train_s"
+LEARNER_TRUNCATED_FRAC = "learner/truncated_frac"
+LEARNER_VERSION = "learner/version"
+LEARNER_WAIT_S = "learner/wait_s"
+LEARNER_WALL_S = "learner/wall_s"
+LEARNER_WAL_SKIPPED = "learner/wal_skipped"
+
+# The learner's ZeroMQ receiver and intake.
+RECEIVER_ACKS_SENT = "receiver/acks_sent"
+RECEIVER_BAD_FRAMES = "receiver/bad_frames"
+RECEIVER_BAD_FRAMES_PREFIX = "receiver/bad_frames/"
+RECEIVER_DUPLICATES = "receiver/duplicates"
+RECEIVER_HANDOVER_DROPPED = "receiver/handover_dropped"
+RECEIVER_HEARTBEATS = "receiver/heartbeats"
+RECEIVER_LIVE_ACTORS = "receiver/live_actors"
+RECEIVER_QUEUE_SIZE = "receiver/queue_size"
+RECEIVER_RECEIVED = "receiver/received"
+RECEIVER_REFUSED = "receiver/refused"
+RECEIVER_REFUSED_PREFIX = "receiver/refused/"
+RECEIVER_UNAUTHENTICATED = "receiver/unauthenticated"
+
+ALL = frozenset(
+    value
+    for name, value in dict(globals()).items()
+    if name.isupper() and not name.endswith(("_PREFIX", "_GROUP")) and isinstance(value, str)
+)
+"""Every whole key (not the prefixes)."""
+
+PREFIXES = tuple(
+    value
+    for name, value in dict(globals()).items()
+    if name.endswith("_PREFIX") and isinstance(value, str)
+)
+"""The starts of key families (``<prefix><reason or position>``)."""
+
+
+def is_known(key: str) -> bool:
+    """Whether ``key`` is a registered key or a member of a registered family."""
+    return key in ALL or key.startswith(PREFIXES)
