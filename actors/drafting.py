@@ -1,17 +1,8 @@
-"""Draft proposers for self-speculative decoding (docs/design.md §2).
-
-- :class:`EarlyExitDrafter`: the policy's own first ``exit_layer`` layers + final norm + LM head
-  draft ``k`` tokens. Their KV-cache slots are the full model's slots for those layers (same
-  weights, same inputs), so verification resumes the drafted hidden states at layer
-  ``exit_layer`` instead of recomputing the early layers.
-- :class:`NgramDrafter`: proposals copied from history — the prompt, the other completions of the
-  same prompt (the GRPO group) and earlier completions of it — by matching the longest suffix of
-  the row's context. Deterministic drafts (q is one-hot), no forward pass. ``sources`` picks how
-  much history it may copy from (:data:`~common.config.modes.NGRAM_SOURCES`), so a benchmark can
-  tell drafting from the replay of earlier answers.
-
-Both return what the rejection sampler needs; the verify forward and the acceptance rule live in
-the engine and in :mod:`actors.speculative`.
+"""Draft proposers for self-speculative decoding (docs/design.md §2.1): :class:`EarlyExitDrafter`
+(the policy's first ``exit_layer`` layers, whose KV slots are the full model's, so verification
+resumes at that layer) and :class:`NgramDrafter` (copies from the prompt, the GRPO group and
+earlier completions; one-hot q, no forward). Both return what the rejection sampler needs; the
+verify forward and the acceptance rule live in the engine and in :mod:`actors.speculative`.
 """
 
 from __future__ import annotations
@@ -121,8 +112,7 @@ def index_ngrams(index: NgramIndex, seq: Sequence[int], min_n: int, max_n: int) 
 class NgramDrafter:
     """Longest-suffix match against the tokens of the same prompt: the row's own context, the
     rows that share its prompt (the GRPO group) and a bounded memory of earlier completions per
-    prompt (``history_prompts`` prompts kept, LRU, the newest ``per_prompt`` to ``2 * per_prompt``
-    completions each), as far as ``sources`` allows.
+    prompt, as far as ``sources`` allows.
 
     Rows are followed incrementally: :meth:`add_row` indexes a row's prompt once, :meth:`extend`
     indexes only the tokens added, :meth:`truncate` (a rollback, rare) re-indexes that row alone,
@@ -133,10 +123,8 @@ class NgramDrafter:
     indexed from scratch (``tests/unit/actors`` checks that both give the same drafts).
     """
 
-    history_prompts = 4096
-    """Prompts whose earlier completions are kept (the least recently used go first)."""
-    per_prompt = 16
-    """Earlier completions kept per prompt: the newest ``per_prompt`` to ``2 * per_prompt``."""
+    history_prompts = 4096  # prompts whose earlier completions are kept (LRU)
+    per_prompt = 16  # earlier completions kept per prompt: the newest per_prompt to 2 * per_prompt
 
     def __init__(self, max_n: int, min_n: int, sources: str = "history") -> None:
         if sources not in NGRAM_SOURCES:
@@ -207,9 +195,6 @@ class NgramDrafter:
             kept = seq[:length]
             self._rows[row] = (key, [], {})
             self.extend(row, kept)
-
-    def context(self, row: int) -> list[int]:
-        return self._rows[row][1]
 
     def propose_rows(self, rows: Sequence[int], k: int) -> list[list[int]]:
         """Up to ``k`` draft tokens for each followed row (see the class docstring)."""

@@ -1,9 +1,7 @@
 """An actor's Prometheus ``/metrics`` (``specrl_actor_*{actor_id=...}``), served on
-``actor.metrics_port + actor.index``.
-
-Fed the status dict the actor sends with heartbeats: the sender's cumulative totals, the
-engine's per-batch amounts (summed here) and the latest gauges; weight fetch times are a
-histogram. The registry, server and port file are :class:`common.prometheus.MetricsServer`'s.
+``actor.metrics_port + actor.index`` by :class:`common.prometheus.MetricsServer`: the sender's
+cumulative totals, the engine's per-batch amounts (summed here), the latest gauges, and a
+histogram of weight fetch times.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""One fetch per host: actors on one machine share each fetched weights version through files in
-shared memory (``/dev/shm``), so Redis sends a version once per host, not once per actor.
+"""One fetch per host (docs/design.md §6.5): the actors of one machine share each fetched weights
+version through a file in shared memory (``/dev/shm``), so Redis sends a version once per host.
 
-A cached version is the safetensors bytes of the *full* weights, in one file named by run,
-version and the manifest's ``weights_sha256``::
-
-    {root}/specrl-weights-{uid}/{run}/v{version:012d}-{digest}.safetensors
-
-Consistency:
-
-- a file appears only by ``rename`` of a finished temp file, after the fetcher verified the
-  bytes (chunk checksums, or the weights digest after applying deltas) and checked they are
-  finite; a reader therefore sees a whole verified version or no file, never a half-written one;
-- the name carries the digest, so two runs or two Redis servers that reuse a run name and a
-  version number cannot serve each other's weights;
-- the actors of one host elect the fetcher with an ``flock`` per version: the first takes it and
-  fetches from Redis, the others block on it and then find the file;
-- each put deletes the run's versions older than the ``keep`` newest (readers that mapped one
-  keep their mapping: an unlinked file lives until its last mapping goes).
-
-Reads are ``mmap`` copy-on-write: no copy until someone writes, and a writer never changes the
-shared file.
-
-Design: docs/design.md §6.5.
+A file holds the safetensors bytes of the *full* weights, named by run, version and the
+manifest's ``weights_sha256`` (so runs or Redis servers that reuse a run name and version
+cannot serve each other's weights). It appears only by ``rename`` of a finished temp file, after
+the fetcher verified the bytes, so a reader sees a whole verified version or no file. Each put
+deletes the run's versions older than the ``keep`` newest (a reader that mapped one keeps its
+mapping). Reads are ``mmap`` copy-on-write: a writer never changes the shared file.
 """
 
 from __future__ import annotations

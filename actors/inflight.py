@@ -1,16 +1,8 @@
-"""Delayed verification (docs/design.md §3): in-flight tokens sampled under older weights, treated as a
-draft of the old policy for the new one.
-
-For rows with prompt ``x`` and generated tokens ``y_1..y_n`` (token ``i`` sampled from
-``pi_{v_i}``), one forward of the new weights over ``x + y`` gives ``pi_new`` at every position
-and, as a by-product, the new KV cache. Token ``y_i`` is accepted with probability
-``min(1, pi_new(y_i) / pi_{v_i}(y_i))``; at the first rejection ``j`` the row is cut there and
-``y'_j`` is drawn from ``norm(max(0, pi_new - pi_{v_j}))``, which needs the *full* old
-distribution at ``j``: the engine keeps the old weights until verification is done and scores the
-rows with them (exact, no top-k approximation). Tokens already of the new version have
-``q = p`` and are always accepted. Kept tokens get ``log pi_new`` as behaviour log-probability
-and the new version, so the row is an exact sample of ``pi_new``. The acceptance rule and the
-residual are :func:`actors.speculative.rejection_sample`, the same code speculative decoding uses.
+"""Delayed verification (docs/design.md §3.2-3.3): in-flight tokens sampled under older weights
+are a draft of the old policy for the new one, verified by one forward of the new weights over
+``prompt + tokens`` (which also writes the new KV cache) and the rejection sampler of
+:func:`actors.speculative.rejection_sample`. The residual needs the *full* old distribution, so
+the engine keeps the old weights until verification is done and scores the rows with them.
 """
 
 from __future__ import annotations
@@ -31,19 +23,12 @@ class Verification:
     tokens: list[list[int]]  # per row: accepted prefix, then the residual/bonus token if any
     logprobs: list[list[float]]  # log pi_new of each kept token
     accepted: list[int]  # tokens of the old prefix kept, per row
-    rejected: list[bool]  # whether the row was cut (then its last token is a residual sample)
     gaps: list[list[int]]  # per row: new_version - v_i for every verified token (for metrics)
-    cache: Any  # new-weights cache of the rows (prompt + verified tokens written)
     forward_tokens: int  # tokens pushed through verification forwards (its cost)
 
     @classmethod
     def of(
-        cls,
-        result: SpecResult,
-        n: list[int],
-        gaps: list[list[int]],
-        cache: Any,
-        forward_tokens: int,
+        cls, result: SpecResult, n: list[int], gaps: list[list[int]], forward_tokens: int
     ) -> Verification:
         """From the rejection sampler's ``result`` over rows of ``n[b]`` verified tokens whose
         version gaps start ``gaps[b]``."""
@@ -56,22 +41,18 @@ class Verification:
             tokens=[tokens[b][: emitted[b]] for b in rows],
             logprobs=[logprobs[b][: emitted[b]] for b in rows],
             accepted=accepted,
-            rejected=[accepted[b] < n[b] for b in rows],
             gaps=[gaps[b][: n[b]] for b in rows],
-            cache=cache,
             forward_tokens=forward_tokens,
         )
 
     @classmethod
     def concat(cls, parts: Sequence[Verification]) -> Verification:
-        """The verification of several row chunks, rows in chunk order (the last chunk's cache)."""
+        """The verification of several row chunks, rows in chunk order."""
         return cls(
             tokens=[t for p in parts for t in p.tokens],
             logprobs=[lp for p in parts for lp in p.logprobs],
             accepted=[a for p in parts for a in p.accepted],
-            rejected=[r for p in parts for r in p.rejected],
             gaps=[g for p in parts for g in p.gaps],
-            cache=parts[-1].cache,
             forward_tokens=sum(p.forward_tokens for p in parts),
         )
 
@@ -145,7 +126,7 @@ def verify_rows(
         target_lp, draft_tokens, draft_lp, num_drafts, generator=generator, bonus=bonus
     )
     gaps = (target_version - version_of).tolist()
-    return Verification.of(result, n, gaps, cache, forward_tokens)
+    return Verification.of(result, n, gaps, forward_tokens)
 
 
 def _draft_logprobs(

@@ -51,16 +51,6 @@ class ActorStats:
         self.wait_s = 0.0  # idle, waiting for a new version (synchronous mode only)
 
 
-def wait_for_first_version(watcher: VersionWatcher, timeout_s: float, should_stop) -> int | None:
-    """Block until the learner has published a version (or the timeout passes)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not should_stop():
-        version = watcher.poll(timeout_s=1.0)
-        if version is not None:
-            return version
-    return None
-
-
 def build_engine(
     store: WeightReader, version: int, cfg: SpecRLConfig, seed: int
 ) -> tuple[RolloutEngine, Tokenizer, ModelArgs]:
@@ -124,24 +114,20 @@ def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLCon
     with tempfile.TemporaryDirectory(prefix="specrl-vllm-") as model_dir:
         save_pretrained(model, Path(model_dir))
         del model
-        return _open_vllm(Path(model_dir), args, version, tokenizer, cfg, seed)
+        from actors.engines.vllm_engine import VllmEngine
 
-
-def _open_vllm(model_dir: Path, args, version: int, tokenizer: Tokenizer, cfg, seed: int):
-    from actors.engines.vllm_engine import VllmEngine
-
-    max_model_len = min(cfg.engine.vllm_max_model_len, args.max_position_embeddings)
-    return VllmEngine(
-        model_dir,
-        tokenizer.eos_id,
-        replace(cfg.engine, vllm_max_model_len=max_model_len),
-        spec=cfg.spec,
-        inflight=cfg.actor.inflight,
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        seed=seed,
-        version=version,
-    )
+        max_model_len = min(cfg.engine.vllm_max_model_len, args.max_position_embeddings)
+        return VllmEngine(
+            Path(model_dir),
+            tokenizer.eos_id,
+            replace(cfg.engine, vllm_max_model_len=max_model_len),
+            spec=cfg.spec,
+            inflight=cfg.actor.inflight,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            seed=seed,
+            version=version,
+        )
 
 
 def fetch_update(
@@ -216,44 +202,38 @@ class GroupSubmitter:
 
     def __init__(
         self,
+        phases: ActorPhases,
         problems: list[Problem],
         prompts: list[list[int]],
-        task: Task,
-        tokenizer: Tokenizer,
-        engine: RolloutEngine,
         sender: GroupSender,
-        should_stop,
-        stats: ActorStats,
-        ledger: MetricsWriter | None,
-        actor_id: str,
     ) -> None:
-        self.problems, self.prompts = problems, prompts
-        self.task, self.tokenizer, self.engine = task, tokenizer, engine
-        self.sender, self.should_stop, self.stats = sender, should_stop, stats
-        self.ledger, self.actor_id = ledger, actor_id
+        self.phases, self.problems, self.prompts, self.sender = phases, problems, prompts, sender
         self.stopped = False
 
     def __call__(self, index: int, rollouts: list[Rollout]) -> None:
         if self.stopped:
             return  # a stop came while waiting out backpressure: send nothing more
+        phases = self.phases
         [group] = make_groups(
-            [self.problems[index]], [self.prompts[index]], [rollouts], self.task, self.tokenizer
+            [self.problems[index]], [self.prompts[index]], [rollouts], phases.task, phases.tokenizer
         )
         # Per-group copies of the rollout figures so far (not reset): the learner averages them
         # per step, which gives acceptance against policy version.
         group.stats = {
             k: v
-            for k, v in self.engine.stats(reset=False).items()
+            for k, v in phases.engine.stats(reset=False).items()
             if k in GROUP_STAT_KEYS or k.startswith(mn.VERIFY_GROUP)
         }
-        if not submit_until_stopped(self.sender, group, self.should_stop):
+        if not submit_until_stopped(self.sender, group, phases.stop):
             self.stopped = True
             return
-        if self.ledger is not None:
-            self.ledger.write({"actor_id": self.actor_id, "seq": group.seq, "event": "submitted"})
-        self.stats.groups_sent += 1
-        self.stats.reward_sum += sum(c.reward for c in group.completions)
-        self.stats.completions += len(group.completions)
+        if phases.ledger is not None:
+            phases.ledger.write(
+                {"actor_id": phases.actor_id, "seq": group.seq, "event": "submitted"}
+            )
+        phases.stats.groups_sent += 1
+        phases.stats.reward_sum += sum(c.reward for c in group.completions)
+        phases.stats.completions += len(group.completions)
 
 
 def submit_until_stopped(sender: GroupSender, group: TrajectoryGroup, should_stop) -> bool:
@@ -273,14 +253,12 @@ class Recovery:
 
     def __init__(self, cfg: SpecRLConfig, name: str, actor_id: str, limits: DecodeLimits) -> None:
         self.senders: list[tuple[GroupSender, Spool]] = []
-        self.recovered = 0
         for old_id, spool in orphans(spool_root(cfg), name, exclude=actor_id):
             frames = spool.frames()
             sender = group_sender(cfg, old_id, limits, spool, max(len(frames), 1))
             sender.preload(frames)
             sender.start()
             self.senders.append((sender, spool))
-            self.recovered += len(frames)
             log.info(
                 "actor: resending %d unacked group(s) of dead incarnation %s", len(frames), old_id
             )
@@ -312,19 +290,17 @@ def group_sender(
         resend_timeout_s=cfg.actor.resend_timeout_s,
         heartbeat_interval_s=cfg.actor.heartbeat_interval_s,
         limits=limits,
-        curve=curve_from_config(cfg),
+        curve=(
+            actor_keys(Path(cfg.security.curve_dir), cfg.security.actor_key)
+            if cfg.security.curve_dir
+            else None
+        ),
         spool=spool,
     )
 
 
 def spool_root(cfg: SpecRLConfig) -> Path:
     return cfg.run.resolved_dir() / "spool"
-
-
-def curve_from_config(cfg: SpecRLConfig):
-    if not cfg.security.curve_dir:
-        return None
-    return actor_keys(Path(cfg.security.curve_dir), cfg.security.actor_key)
 
 
 class GenerationStopped(Exception):
@@ -360,40 +336,26 @@ class ActorPhases:
         return update
 
     def weight_source(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """What the engine polls between decoding steps: a newer version, if any; raises
-        :class:`GenerationStopped` once a stop is requested (completions in flight are dropped;
-        finished groups were already handed to the sender)."""
+        """What the engine polls between decoding steps: a newer version, if any, or
+        :class:`GenerationStopped` once a stop is requested (finished groups are already sent)."""
         if self.stop():
             raise GenerationStopped
         return self.fetch()
 
-    def sync_weights(self) -> None:
-        """Phase 1: pick up the newest weights."""
-        update = self.fetch()
+    def sync_weights(self, timeout_s: float = 0.0) -> None:
+        """Phase 1: pick up the newest weights (waiting up to ``timeout_s`` for one)."""
+        update = self.fetch(timeout_s)
         if update is not None:
             self.engine.load_weights(*update)
 
     def generate_and_send(self, sender: GroupSender) -> int:
-        """Phases 2 and 3: generate G completions for each prompt of a batch; weights that arrive
-        meanwhile reach the rollouts in flight (``actor.inflight`` says how), and each group is
-        scored and sent as soon as its G completions are done (blocking while the outbox is
-        full). Returns the version the batch started on."""
+        """Phases 2 and 3: generate G completions for each prompt of a batch, each group scored
+        and sent as soon as its G completions are done. Returns the version the batch started on."""
         cfg = self.cfg
         batch_version = self.engine.version
         problems = self.task.sample(self.rng, cfg.actor.prompts_per_batch)
         prompts = [self.encode(p.prompt) for p in problems]
-        submit = GroupSubmitter(
-            problems,
-            prompts,
-            self.task,
-            self.tokenizer,
-            self.engine,
-            sender,
-            self.stop,
-            self.stats,
-            self.ledger,
-            self.actor_id,
-        )
+        submit = GroupSubmitter(self, problems, prompts, sender)
         try:
             self.engine.generate(
                 prompts,
@@ -413,9 +375,7 @@ class ActorPhases:
             return
         wait_started = time.perf_counter()
         while self.engine.version <= batch_version and not self.stop():
-            update = self.fetch(timeout_s=0.5)
-            if update is not None:
-                self.engine.load_weights(*update)
+            self.sync_weights(timeout_s=0.5)
         self.stats.wait_s += time.perf_counter() - wait_started
 
     def run_batches(self, sender: GroupSender, recovery: Recovery | None) -> None:
@@ -460,7 +420,10 @@ def first_engine(
 ) -> tuple[RolloutEngine, Tokenizer, ModelArgs] | None:
     """The engine on the first published version; None when none is published in time or a
     stop comes first."""
-    first = wait_for_first_version(watcher, cfg.actor.wait_version_timeout_s, stop)
+    first = None
+    deadline = time.monotonic() + cfg.actor.wait_version_timeout_s
+    while first is None and time.monotonic() < deadline and not stop():
+        first = watcher.poll(timeout_s=1.0)
     if first is None:
         log.error(
             "actor: no weights version published within %.0fs", cfg.actor.wait_version_timeout_s

@@ -1,20 +1,14 @@
-"""A block-pool KV cache for the torch engine: memory follows the rows' actual lengths.
+"""A block-pool KV cache for the torch engine (docs/design.md §2.4): memory follows the rows'
+actual lengths.
 
 k/v live in one pool per tensor, ``[L, N * block_size, H_kv, D]`` in the model's dtype, cut into
-``N`` fixed-size blocks. Each row (a completion being decoded, by id) owns a list of blocks, its
-block table: slot ``s`` of the row is slot ``s % block_size`` of block ``table[s // block_size]``.
-Blocks come from a free list and go back to it when a row finishes or is rolled back
-(:meth:`trim`); the pool grows by small steps when the free list runs out and never shrinks, so
-its size is the peak of what the rows held (``peak_bytes``).
-
-For a forward, :meth:`bind` names the rows of the batch in order; the model then calls
-:meth:`attention_mask` (validation, the usual ``slot <= position`` mask, and the gather/scatter
-indices of this forward) and :meth:`update` per layer (write the new k/v, then gather the first
-``S`` slots of every row as a dense ``[B, H_kv, S, D]``). Writes past a row's blocks (right
-padding, the padded drafts of a shorter row) land in block 0, a scratch block no row owns, and no
-query of the row ever attends to them: the causal mask stops at the query's own position, which
-the row's blocks always cover. Same semantics as :class:`common.model.KVCache`: write first,
-then attend; rollback is just decoding again from an earlier position.
+``N`` blocks; each row (by id) owns a block table. For a forward, :meth:`bind` names the rows of
+the batch in order; the model then calls :meth:`attention_mask` (validation, the usual
+``slot <= position`` mask, and the gather/scatter indices of this forward) and :meth:`update` per
+layer (write the new k/v, then gather the first ``S`` slots of every row as a dense
+``[B, H_kv, S, D]``). Writes past a row's blocks land in block 0, a scratch block no row owns and
+no query attends to: the causal mask stops at the query's own position, which the row's blocks
+always cover.
 """
 
 from __future__ import annotations
@@ -25,30 +19,25 @@ from torch import Tensor
 from common.model_args import ModelArgs
 
 SCRATCH = 0
+MIN_GROW = 4  # the fewest blocks the pool grows by
 
 
 class PagedKVCache:
     def __init__(
         self,
         args: ModelArgs,
-        block_size: int = 8,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        min_grow: int = 4,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         assert args.head_dim is not None
-        self.block_size = block_size
-        self.min_grow = min_grow
+        self.block_size, self.device, self.dtype = block_size, device, dtype
         self._shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.dtype = dtype
         self.k = self._empty(1)  # the scratch block only
         self.v = self._empty(1)
         self.free: list[int] = []  # a stack: the lowest ids are handed out first
         self.tables: dict[int, list[int]] = {}
-        self._used = 0  # blocks the rows hold
         self.peak_bytes = self.bytes()
-        self.peak_used_blocks = 0
         self._rows: list[int] = []
         self._table: Tensor | None = None  # [B, W] block ids of the bound rows, SCRATCH-padded
         self._counts: Tensor | None = None  # [B] blocks each bound row owns
@@ -63,11 +52,6 @@ class PagedKVCache:
             (L, blocks * self.block_size, H, D), device=self.device, dtype=self.dtype
         )
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool, the scratch block included."""
-        return self.k.shape[1] // self.block_size
-
     def bytes(self) -> int:
         """Bytes the pool holds now (k and v)."""
         return 2 * self.k.numel() * self.k.element_size()
@@ -77,11 +61,11 @@ class PagedKVCache:
 
     def _grow(self, needed: int) -> None:
         """At least ``needed`` more free blocks: the pool grows by what is missing (at least
-        ``min_grow`` blocks), so it stays the size of the most the rows held at once."""
+        ``MIN_GROW`` blocks), so it stays the size of the most the rows held at once."""
         if len(self.free) >= needed:
             return
-        old = self.num_blocks
-        extra = max(needed - len(self.free), self.min_grow)
+        old = self.k.shape[1] // self.block_size  # blocks in the pool, scratch included
+        extra = max(needed - len(self.free), MIN_GROW)
         self.k = torch.cat([self.k, self._empty(extra)], dim=1)
         self.v = torch.cat([self.v, self._empty(extra)], dim=1)
         self.free = list(range(old + extra - 1, old - 1, -1)) + self.free
@@ -94,8 +78,6 @@ class PagedKVCache:
         if need > 0:
             self._grow(need)
             table.extend(self.free.pop() for _ in range(need))
-            self._used += need
-            self.peak_used_blocks = max(self.peak_used_blocks, self._used)
 
     def trim(self, row: int, length: int) -> None:
         """Free the row's blocks past slot ``length`` (a rolled-back or finished tail)."""
@@ -105,7 +87,6 @@ class PagedKVCache:
         keep = -(-length // self.block_size)
         while len(table) > keep:
             self.free.append(table.pop())
-            self._used -= 1
 
     def release(self, row: int) -> None:
         self.trim(row, 0)

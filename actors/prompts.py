@@ -9,19 +9,6 @@ from common.config.modes import CHAT_TEMPLATE_MODES
 from common.tokenizer import HFTokenizer, Tokenizer, encode_prompt
 
 
-def uses_chat_template(tokenizer: Tokenizer, mode: str = "auto", dataset: bool = False) -> bool:
-    """Whether prompts go through the tokenizer's chat template: ``true`` (the tokenizer must
-    have one), ``false``, or ``auto`` (when it has one and the prompts come from a data set)."""
-    if mode not in CHAT_TEMPLATE_MODES:
-        raise ValueError(f"chat_template must be one of auto, true, false; got {mode!r}")
-    available = isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
-    if mode == "true" and not available:
-        raise ValueError(
-            f"task.chat_template=true, but the tokenizer {tokenizer!r} has no chat template"
-        )
-    return mode == "true" or (mode == "auto" and dataset and available)
-
-
 def prompt_encoder(
     tokenizer: Tokenizer,
     chat_template: str = "auto",
@@ -30,12 +17,22 @@ def prompt_encoder(
 ) -> Callable[[str], list[int]]:
     """The function that turns a task's prompt text into the ids the policy generates from.
 
-    With the chat template: :meth:`~common.tokenizer.HFTokenizer.encode_chat` (system message optional). Without:
-    :func:`~common.tokenizer.encode_prompt` (BOS, then the text). The actor calls it once per prompt and ships the
-    ids in the group, so the behaviour log-probs and the learner see the same tokens.
+    ``chat_template``: ``true`` (the tokenizer must have one), ``false``, or ``auto`` (when it
+    has one and the prompts come from a data set). With the template:
+    :meth:`~common.tokenizer.HFTokenizer.encode_chat` (system message optional); without:
+    :func:`~common.tokenizer.encode_prompt` (BOS, then the text). The actor ships the ids in the
+    group, so the behaviour log-probs and the learner see the same tokens.
     """
-    chat = uses_chat_template(tokenizer, chat_template, dataset)
-    if chat and isinstance(tokenizer, HFTokenizer):
+    if chat_template not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template must be one of auto, true, false; got {chat_template!r}")
+    available = isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template
+    if chat_template == "true" and not available:
+        raise ValueError(
+            f"task.chat_template=true, but the tokenizer {tokenizer!r} has no chat template"
+        )
+    if isinstance(tokenizer, HFTokenizer) and (
+        chat_template == "true" or (chat_template == "auto" and dataset and available)
+    ):
         hf = tokenizer
         return lambda text: hf.encode_chat(text, system_prompt)
     if system_prompt:

@@ -1,22 +1,12 @@
 """The actor's end of the delivery contract (docs/design.md §5.2): outbox, acks, resend, heartbeats.
 
-Delivery is at-least-once: a group stays in a bounded outbox from ``submit`` until the learner
-acks its ``(actor_id, seq)``; the learner drops duplicates. A full outbox blocks ``submit``,
-which is how a slow or absent learner slows actors down instead of growing their memory.
-
-Resend triggers:
-- timeout: a group sent ``resend_timeout_s`` ago and still unacked is sent again;
-- reconnect: the DEALER runs with IMMEDIATE, so frames are only queued onto a live connection,
-  and a socket monitor reports every completed ZMTP handshake (``EVENT_HANDSHAKE_SUCCEEDED``).
-  Frames written to a connection that then died may be lost, so on the first handshake after a
-  ``EVENT_DISCONNECTED``, each group already sent once is sent again at once, without waiting
-  for the timeout.
-  The resend timeout stays the backstop for anything the monitor cannot see (a learner that
-  received but lost a group, a dropped ack).
-
-A group the learner refuses (an ack's ``refused`` map: wrong group size, too long, reward out of
-range, version ahead) leaves the outbox like an acked one, is counted by reason
-(``sender/refused/{reason}``) and logged: resending it could never succeed.
+Resend triggers: a group still unacked ``resend_timeout_s`` after its last send, and a
+reconnect. The DEALER runs with IMMEDIATE, so frames are only queued onto a live connection;
+frames written to a connection that then died may be lost, so on the first completed handshake
+after an ``EVENT_DISCONNECTED`` (seen by a socket monitor) every group already sent is sent again
+at once. The timeout stays the backstop for what the monitor cannot see (a learner that lost a
+group, a dropped ack). A group the learner refuses leaves the outbox like an acked one and is
+counted by reason and logged: resending it could never succeed.
 """
 
 from __future__ import annotations
@@ -98,7 +88,6 @@ class GroupSender(SocketThread):
         resend_timeout_s: float = 10.0,
         heartbeat_interval_s: float = 2.0,
         limits: DecodeLimits | None = None,
-        context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
         spool: Spool | None = None,
     ) -> None:
@@ -108,13 +97,6 @@ class GroupSender(SocketThread):
         identity = actor_id.encode("utf-8")
         if not 1 <= len(identity) <= 255 or identity.startswith(b"\x00"):
             raise ValueError(f"actor_id must be 1..255 UTF-8 bytes, not NUL-led: {actor_id!r}")
-        if outbox_max < 1:
-            raise ValueError(f"outbox_max must be >= 1, got {outbox_max}")
-        if resend_timeout_s <= 0 or heartbeat_interval_s <= 0:
-            raise ValueError(
-                f"resend_timeout_s ({resend_timeout_s}) and heartbeat_interval_s "
-                f"({heartbeat_interval_s}) must be > 0"
-            )
         self.address = address
         self.actor_id = actor_id
         self._identity = identity
@@ -125,7 +107,7 @@ class GroupSender(SocketThread):
         self._curve = curve  # CurveZMQ client keys, with the learner's public key
         self._spool = spool
         self._max_frame_bytes = limits.max_frame_bytes if limits else DEFAULT_MAX_FRAME_BYTES
-        self._context = context or shared_context()
+        self._context = shared_context()
         # _cond guards the outbox, counters, status and lifecycle flags; it is notified when
         # acks free outbox space, and when the I/O thread stops or fails.
         super().__init__("sender", f"group-sender-{actor_id}")
@@ -163,10 +145,7 @@ class GroupSender(SocketThread):
         self._require_not_started("preload")
         with self._cond:
             for seq, frame in sorted(frames.items()):
-                self._outbox[seq] = _Entry(frame)
-                self._unsent.append(seq)
-            if frames:
-                self._next_seq = max(self._next_seq, max(frames) + 1)
+                self._enqueue(seq, frame)
 
     def start(self) -> GroupSender:
         self._require_not_started()
@@ -231,8 +210,9 @@ class GroupSender(SocketThread):
             raise ValueError(f"group.actor_id {group.actor_id!r} != sender {self.actor_id!r}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         lock_timeout_s = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        full = f"submit: outbox full ({self._outbox_max}) for {timeout_s} s"
         if not self._submit_lock.acquire(timeout=lock_timeout_s):
-            raise TimeoutError(f"submit: outbox full ({self._outbox_max}) for {timeout_s} s")
+            raise TimeoutError(full)
         try:
             with self._cond:
                 while True:
@@ -241,9 +221,7 @@ class GroupSender(SocketThread):
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        raise TimeoutError(
-                            f"submit: outbox full ({self._outbox_max}) for {timeout_s} s"
-                        )
+                        raise TimeoutError(full)
                     self._cond.wait(remaining)
                 seq = self._next_seq
             # Encode outside _cond so the I/O thread keeps handling acks meanwhile.
@@ -258,9 +236,7 @@ class GroupSender(SocketThread):
             if self._spool is not None:
                 self._spool.put(seq, frame)  # on disk before it can be sent (and acked)
             with self._cond:
-                self._outbox[seq] = _Entry(frame)
-                self._unsent.append(seq)
-                self._next_seq = seq + 1
+                self._enqueue(seq, frame)
             group.actor_id = self.actor_id
             group.seq = seq
         finally:
@@ -317,6 +293,20 @@ class GroupSender(SocketThread):
 
     # ------------------------------------------------------------------ caller-side helpers
 
+    def _enqueue(self, seq: int, frame: bytes) -> None:
+        """Under ``_cond``: a new frame in the outbox, due for its first send."""
+        self._outbox[seq] = _Entry(frame)
+        self._unsent.append(seq)
+        self._next_seq = max(self._next_seq, seq + 1)
+
+    def _requeue_sent(self, older_than: float | None = None) -> None:
+        """Under ``_cond``: queue again every sent entry (last sent before ``older_than``)."""
+        for seq, entry in self._outbox.items():
+            sent = entry.last_sent
+            if sent is not None and (older_than is None or sent <= older_than):
+                entry.last_sent = None
+                self._unsent.append(seq)
+
     def _check_usable(self) -> None:
         self._raise_if_failed()
         if self._closed:
@@ -346,7 +336,8 @@ class GroupSender(SocketThread):
             wait_s = min(next_heartbeat, self._next_scan) - time.monotonic()
             if blocked or now >= next_heartbeat:
                 wait_s = min(wait_s, _BLOCKED_RETRY_S)
-            events = dict(poller.poll(_ms(min(max(wait_s, 0.0), _MAX_POLL_S))))
+            wait_s = min(max(wait_s, 0.0), _MAX_POLL_S)
+            events = dict(poller.poll(int(wait_s * 1000) + 1 if wait_s > 0 else 0))  # ms
             if doorbell_rx in events:
                 for _ in ready(doorbell_rx.recv):
                     pass  # wake-ups only: the outbox says what to send
@@ -362,13 +353,7 @@ class GroupSender(SocketThread):
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval_s
             with self._cond:
-                for seq, entry in self._outbox.items():
-                    if (
-                        entry.last_sent is not None
-                        and now - entry.last_sent >= self._resend_timeout_s
-                    ):
-                        entry.last_sent = None
-                        self._unsent.append(seq)
+                self._requeue_sent(older_than=now - self._resend_timeout_s)
         while True:
             with self._cond:
                 if not self._unsent:
@@ -425,10 +410,7 @@ class GroupSender(SocketThread):
                     self._reconnects += 1
                     # Anything sent before now may have died with the old connection (some of
                     # it may arrive twice now; the learner drops those duplicates).
-                    for seq, entry in self._outbox.items():
-                        if entry.last_sent is not None:
-                            entry.last_sent = None
-                            self._unsent.append(seq)
+                    self._requeue_sent()
         return connected
 
     def _on_replies(self, sock: zmq.Socket) -> None:
@@ -472,7 +454,3 @@ class GroupSender(SocketThread):
         # Powers of two: visible at first, quiet if a peer keeps sending garbage.
         if n & (n - 1) == 0:
             log.warning("sender %s: %s (%d bad replies so far)", self.actor_id, what, n)
-
-
-def _ms(seconds: float) -> int:
-    return int(seconds * 1000) + 1 if seconds > 0 else 0

@@ -1,6 +1,7 @@
-"""Speculative-sampling verification: one pure, batched rejection sampler (docs/design.md §2.2, §3).
+"""Speculative-sampling verification: one pure, batched rejection sampler. The rule and why it is
+exact: docs/design.md §2.2; its use for delayed verification: §3.
 
-Terms (used with these meanings everywhere in this module):
+Terms:
 
 - ``K``: the padded number of draft positions in a batch; ``V``: the vocabulary size.
 - **target** ``p_i`` (``i = 0..K``): the *processed* distribution (after temperature / top-p) of
@@ -12,13 +13,10 @@ Terms (used with these meanings everywhere in this module):
   In delayed verification the draft is the stale policy ``π_old`` and the target ``π_new``.
 - ``num_drafts`` ``n_b``: how many of row ``b``'s ``K`` draft positions are real; the rest are
   padding and are never read (their token ids may be ``-1``).
-- **acceptance probability** ``a_i = min(1, p_{i-1}(d_i) / q_{i-1}(d_i))``.
-- **accepted** ``m_b``: the length of the longest accepted draft prefix, ``0 <= m_b <= n_b``.
-- **residual** ``norm(max(0, p - q))``: what is sampled at the first rejection. Together with the
-  accept step it makes every emitted token an exact sample of the target (Leviathan et al. 2023,
-  Chen et al. 2023). With one-hot ``q`` it is ``p`` with the draft token removed, renormalised.
-- **bonus**: when all ``n_b`` drafts are accepted, one extra token sampled from ``p_{n_b}``.
-- **emitted**: the accepted drafts followed by one extra token (residual or bonus sample).
+- **acceptance probability** ``a_i = min(1, p_{i-1}(d_i) / q_{i-1}(d_i))``; **accepted**
+  ``m_b``: the longest accepted draft prefix; **residual** ``norm(max(0, p - q))``, sampled at
+  the first rejection; **bonus**: the token sampled from ``p_{n_b}`` when all drafts are
+  accepted; **emitted**: the accepted drafts, then the residual or bonus token.
 
 Edge-case conventions:
 
@@ -65,9 +63,8 @@ class SpecResult:
     accepted: torch.Tensor  # [B] int64, accepted drafts m_b, 0..num_drafts[b]
     tokens: torch.Tensor  # [B, K+1] int64, accepted drafts then the extra token, then -1
     logprobs: torch.Tensor  # [B, K+1] float32, target log p of each emitted token, 0 after the end
-    num_emitted: (
-        torch.Tensor
-    )  # [B] int64, accepted + 1 (accepted when bonus=False and none rejected)
+    # [B] int64, accepted + 1 (accepted when bonus=False and none rejected)
+    num_emitted: torch.Tensor
 
 
 def acceptance_probs(
@@ -161,13 +158,8 @@ def rejection_sample(
     generator: torch.Generator | None = None,
     bonus: bool = True,
 ) -> SpecResult:
-    """Verify drafts against the target with the speculative-sampling rule (see module terms).
-
-    Per row: accept ``d_i`` with probability ``a_i`` for ``i = 1..n_b`` until the first
-    rejection ``j``, where one token is sampled from ``norm(max(0, p_{j-1} - q_{j-1}))``; if all
-    ``n_b`` are accepted, a bonus token is sampled from ``p_{n_b}`` (skipped when ``bonus`` is
-    False, for delayed-verification callers that continue decoding themselves). The emitted
-    tokens are then distributed exactly as plain sampling from the target.
+    """Verify drafts against the target with the speculative-sampling rule (see module terms);
+    ``bonus=False`` skips the bonus token (finish-time verification does not decode on).
 
     ``num_drafts`` outside ``[0, K]`` breaks the caller's contract; it is clamped (not checked,
     which would cost a device synchronisation) so that it can never index out of bounds.

@@ -1,15 +1,10 @@
-"""The actor's on-disk outbox: unacked groups survive an actor killed outright.
+"""The actor's on-disk outbox (docs/design.md §5.4): unacked groups survive an actor killed outright.
 
-``GroupSender`` writes each group's wire frame here before the group enters its outbox and
-deletes it when the learner acks it, so at any moment the directory holds exactly the groups
-this incarnation produced and the learner has not confirmed. Layout:
-``{root}/{name}/{actor_id}/{seq:012d}.frame`` plus a ``lock`` file that the live incarnation holds
-an exclusive ``flock`` on for its whole life.
-
-A restarted actor (same ``name``, new ``actor_id``) looks at its siblings: a directory whose lock
-it can take belongs to a dead incarnation, and its frames are sent again under that dead
-incarnation's ``actor_id`` and seqs. The learner acks (and drops) any it already had, so a group
-acked just before the kill, whose file survived, is not trained twice.
+``GroupSender`` writes each group's wire frame to ``{root}/{name}/{actor_id}/{seq:012d}.frame``
+before the group enters its outbox and deletes it when acked; the live incarnation holds a
+``flock`` on the directory's ``lock`` file. A restarted actor (same ``name``) takes the lock of a
+dead incarnation's directory and resends its frames under that ``actor_id`` and seqs; the
+learner drops any it already had.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The actors' side of the weight store: ``WeightReader`` fetches a version, verified end to end.
-
-A full version is read from its chunks (each checked against the manifest's sha256); a delta is
-applied to the version this reader fetched last when that is its base, else to the chain from
-its keyframe (retention keeps every version from the keyframe of the oldest retained version
-on), and the result must match the manifest's ``weights_sha256``, so a wrong, tampered or
-missing delta is refused, never loaded. Non-finite floating tensors are refused after decoding
-and after applying a delta. With a host cache (``actors.host_cache``) one process per host reads
-a version from Redis and the others map its copy.
+"""The actors' side of the weight store (docs/design.md §6.4): ``WeightReader`` fetches a version,
+verified end to end (see :meth:`WeightReader.fetch`).
 """
 
 from __future__ import annotations

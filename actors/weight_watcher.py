@@ -27,8 +27,6 @@ class VersionWatcher:
         last_seen: int | None = None,
         poll_interval_s: float = 1.0,
     ) -> None:
-        if poll_interval_s <= 0:
-            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self.client = client
         self.run_id = run_id
         self.last_seen = last_seen

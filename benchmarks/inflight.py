@@ -38,7 +38,6 @@ from common.config.learner import LearnerConfig  # noqa: E402
 from common.config.modes import INFLIGHT_MODES  # noqa: E402
 from common.config.run import SamplingConfig  # noqa: E402
 from common.model import Transformer, load_pretrained  # noqa: E402
-from common.sampling import token_logprobs  # noqa: E402
 from common.tasks import task_from_config  # noqa: E402
 from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from learner.batch import collate  # noqa: E402
@@ -49,6 +48,7 @@ from testing.lossless_check import (  # noqa: E402
     peaky_model,
     rollouts_pvalue,
 )
+from testing.models import token_logprobs  # noqa: E402
 
 GROUP = 8
 PROMPTS_PER_BATCH = 2

@@ -50,10 +50,10 @@ from common.config.learner import LearnerConfig  # noqa: E402
 from common.config.run import SamplingConfig  # noqa: E402
 from common.model import Transformer  # noqa: E402
 from common.protocol import Completion, TrajectoryGroup  # noqa: E402
-from common.sampling import token_logprobs  # noqa: E402
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
 from learner.batch import TrainBatch, collate  # noqa: E402
 from learner.loss import ppo_clip_loss  # noqa: E402
+from testing.models import token_logprobs  # noqa: E402
 
 CHAR_VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size
 MODELS = {

@@ -1,7 +1,5 @@
 """Data set tasks: prompts with numeric answers read from a JSONL or Parquet file (GSM8K and MATH
-style), and the numeric answer parsing their reward (and :mod:`common.word_problems`') uses.
-
-:class:`DatasetTask` (also named ``jsonl``) validates every record on load; the reward is 1.0
+style), and the numeric answer parsing their reward (and :mod:`common.word_problems`') uses: 1.0
 when the final number of a completion equals the reference answer numerically.
 """
 
@@ -90,16 +88,11 @@ def numeric_reward(answer: str, completion: str) -> float:
 
 
 class DatasetTask:
-    """Prompts with numeric answers from a data set file: JSONL (one JSON object per line) or
-    Parquet, with the prompt and answer read from configurable columns.
+    """Prompts with numeric answers from a JSONL (one JSON object per line) or Parquet file, read
+    from configurable columns; the answer column is read by :func:`reference_answer`.
 
-    The answer column holds a number (``42``, ``"1,000"``), or a worked solution whose final
-    answer follows ``####`` (GSM8K) or is the whole of its last ``\boxed{}`` (MATH), as
-    :func:`reference_answer` reads it. Every record is validated on load (blank JSONL lines are
-    skipped, other keys and columns ignored); an error names the file and the line (JSONL,
-    1-based) or row (Parquet, 0-based) and what is wrong. The reward is 1.0 when the number
-    extracted from the completion by :func:`extract_numeric_answer` equals the answer
-    numerically, else 0.0.
+    Every record is validated on load (blank JSONL lines are skipped, other keys and columns
+    ignored); an error names the file and the line (JSONL, 1-based) or row (Parquet, 0-based).
     """
 
     name: ClassVar[str] = "dataset"
@@ -119,20 +112,20 @@ class DatasetTask:
         self.prompt_key = prompt_key
         self.answer_key = answer_key
         self.format = dataset_format(self.path, format)
-        self.problems: list[Problem] = load_dataset_problems(
-            self.path, self.format, prompt_key, answer_key, id_prefix=self.name
-        )
+        if not self.path.is_file():
+            raise FileNotFoundError(f"data set file {self.path} does not exist")
+        load = _load_parquet_problems if self.format == "parquet" else _load_jsonl_problems
+        self.problems: list[Problem] = load(self.path, prompt_key, answer_key, self.name)
+        if not self.problems:
+            raise ValueError(f"data set file {self.path} holds no problems")
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
-        """``n`` problems drawn uniformly with replacement using ``rng``."""
         return [self.problems[rng.randrange(len(self.problems))] for _ in range(n)]
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """1.0 if the completion's final number equals the answer, else 0.0."""
         return numeric_reward(problem.answer, completion)
 
     def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
-        """Not available: the file holds answers, not worked solutions."""
         raise NotImplementedError(
             f"{type(self).__name__} ({self.path}) has no demonstrations: the file holds answers "
             "only, so a supervised warm start is not possible for it"
@@ -152,7 +145,7 @@ class JsonlTask(DatasetTask):
     name: ClassVar[str] = "jsonl"
 
 
-def dataset_format(path: Path, format: str = "auto") -> str:
+def dataset_format(path: Path, format: str) -> str:
     """``jsonl`` or ``parquet``: ``format``, or for ``auto`` the one ``path``'s suffix names."""
     if format in ("jsonl", "parquet"):
         return format
@@ -165,28 +158,6 @@ def dataset_format(path: Path, format: str = "auto") -> str:
             f"(known: {', '.join(DATASET_SUFFIXES)}); give the format (task.format=jsonl|parquet)"
         )
     return found
-
-
-def load_dataset_problems(
-    path: str | Path,
-    format: str = "auto",
-    prompt_key: str = "prompt",
-    answer_key: str = "answer",
-    id_prefix: str = "dataset",
-) -> list[Problem]:
-    """Read and validate every record of a JSONL or Parquet data set; errors name the file and
-    the line (JSONL, 1-based) or row (Parquet, 0-based)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data set file {path} does not exist")
-    keys = (prompt_key, answer_key, id_prefix)
-    if dataset_format(path, format) == "parquet":
-        problems = _load_parquet_problems(path, *keys)
-    else:
-        problems = _load_jsonl_problems(path, *keys)
-    if not problems:
-        raise ValueError(f"data set file {path} holds no problems")
-    return problems
 
 
 def _load_jsonl_problems(

@@ -40,7 +40,12 @@ def parse(argv: list[str], prog: str, description: str) -> SpecRLConfig | None:
         cfg = load_config(argv)
     except Exception as e:  # noqa: BLE001 - the boundary: any config error becomes one clear line
         raise SystemExit(f"{prog}: invalid configuration: {e}") from e
-    setup_logging(cfg.run.log_level, prog)
+    logging.basicConfig(
+        level=getattr(logging, cfg.run.log_level.upper(), logging.INFO),
+        format=f"%(asctime)s {prog} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
     return cfg
 
 
@@ -57,15 +62,6 @@ def run_main(
     if cfg is not None:
         run(cfg)
     return 0
-
-
-def setup_logging(level: str, name: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
 
 
 class StopFlag:

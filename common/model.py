@@ -43,11 +43,8 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
 class KVCache:
-    """Batched KV cache indexed by per-row positions: k/v tensors [L, B, H_kv, S_max, D].
-
-    A forward writes each token's k/v at slot `positions[b, t]` of row b, then attends to slots
-    j <= query position; see the module docstring for why that makes padding and rollback free.
-    """
+    """The contiguous cache of the module docstring: k/v tensors [L, B, H_kv, S_max, D], a
+    token's k/v at slot `positions[b, t]` of row b."""
 
     def __init__(
         self,
@@ -73,17 +70,6 @@ class KVCache:
         self.v: Tensor = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H_kv, S_max, D]
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-
-    def append_rows(self, other: KVCache) -> None:
-        """Add ``other``'s rows after ours (same layers, heads and length), e.g. when rows that
-        were verified on their own rejoin the decoding batch."""
-        if other.k.shape[0] != self.k.shape[0] or other.k.shape[2:] != self.k.shape[2:]:
-            raise ValueError(
-                f"cannot append a cache of shape {tuple(other.k.shape)} to {tuple(self.k.shape)}"
-            )
-        self.k = torch.cat([self.k, other.k], dim=1)
-        self.v = torch.cat([self.v, other.v], dim=1)
-        self.batch_size += other.batch_size
 
     def select_rows(self, idx: Tensor) -> None:
         """Keep only rows `idx` (in that order), e.g. when finished rows leave the batch."""
@@ -246,11 +232,11 @@ class Attention(nn.Module):
             q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
             mask = mask.expand(B, 1, T, S).repeat(1, 1, rep, 1)  # [B, 1, rep * T, S]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            out = out.view(B, self.num_heads, T, self.head_dim)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        else:
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = out.view(B, self.num_heads, T, self.head_dim)  # [B, H_q, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -387,8 +373,7 @@ class Transformer(nn.Module):
 
         positions: [B, T] int64, default `arange(T)` per row; used for RoPE and for the mask
             (a key is visible to a query iff key position <= query position).
-        cache: when given, k/v of these tokens are written at `positions` first, then each query
-            attends to cache slots j <= its position (only the first max(positions)+1 slots).
+        cache: written at `positions`, then attended to (module docstring).
         num_layers: run only the first `num_layers` decoder layers, then the final norm and the
             LM head (early-exit drafting, LayerSkip style); with a cache only those layers' slots
             are written.

@@ -30,9 +30,7 @@ class ModelArgs:
     intermediate_size: int
     """Width of the SwiGLU MLP."""
     num_hidden_layers: int
-    """Number of decoder layers."""
     num_attention_heads: int
-    """Query heads per layer."""
     num_key_value_heads: int
     """Key/value heads per layer (GQA); must divide `num_attention_heads`."""
     head_dim: int | None = None
@@ -40,9 +38,7 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     """Context length the checkpoint advertises; recorded in config.json, not enforced."""
     rms_norm_eps: float = 1e-6
-    """Epsilon inside every RMSNorm."""
     rope_theta: float = 10000.0
-    """RoPE base frequency."""
     tie_word_embeddings: bool = False
     """LM head shares the embedding matrix (no `lm_head.weight` in the checkpoint)."""
     attention_bias: bool = False
@@ -50,11 +46,9 @@ class ModelArgs:
     qk_norm: bool = False
     """Qwen3-style per-head RMSNorm on q and k before RoPE."""
     bos_token_id: int | None = None
-    """Beginning-of-sequence id, if the tokenizer has one."""
     eos_token_id: int | None = None
     """End-of-sequence id; the first one when the HF config lists several."""
     pad_token_id: int | None = None
-    """Padding id, if any."""
     rope_scaling: dict[str, Any] | None = None
     """Static RoPE frequency scaling, HF spelling without `rope_theta`: ``{"rope_type": "linear",
     "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
@@ -190,36 +184,23 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        derived = {
+            "num_key_value_heads": cfg.get("num_key_value_heads") or num_heads,
+            "rope_theta": rope_theta,
+            # Qwen2 always has q/k/v bias; it has no config switch for it.
+            "attention_bias": model_type == "qwen2",
+            "qk_norm": model_type == "qwen3",
+            "eos_token_id": eos,
+            "rope_scaling": rope_scaling,
+        }
         # The other fields carry their config.json names: a required one must be there, a
         # missing optional one keeps its default (the HF default too).
         same_name = {
             f.name: cfg[f.name] if f.default is MISSING else cfg.get(f.name, f.default)
             for f in fields(cls)
-            if f.name not in _DERIVED_FROM_HF
+            if f.name not in derived
         }
-        return cls(
-            **same_name,
-            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            rope_theta=rope_theta,
-            # Qwen2 always has q/k/v bias; it has no config switch for it.
-            attention_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
-            eos_token_id=eos,
-            rope_scaling=rope_scaling,
-        )
-
-
-# ModelArgs fields that from_hf_config computes rather than reads under their own name.
-_DERIVED_FROM_HF = frozenset(
-    {
-        "num_key_value_heads",
-        "rope_theta",
-        "attention_bias",
-        "qk_norm",
-        "eos_token_id",
-        "rope_scaling",
-    }
-)
+        return cls(**same_name, **derived)
 
 
 _ROPE_KEYS = {
@@ -253,15 +234,10 @@ def _check_rope_scaling(spec: dict[str, Any]) -> dict[str, Any] | None:
 
 def _rope_spec(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """RoPE base and static scaling from either config spelling (`rope_parameters` first)."""
-    scaling = cfg.get("rope_scaling")
     params = cfg.get("rope_parameters")
-    found = None
-    for spec in (params, scaling):
-        if spec is None:
-            continue
-        checked = _check_rope_scaling(spec)
-        if found is None:
-            found = checked
+    # Both spellings are checked; the first present wins.
+    checked = [_check_rope_scaling(s) for s in (params, cfg.get("rope_scaling")) if s is not None]
+    found = checked[0] if checked else None
     if params is not None and "rope_theta" in params:
         return float(params["rope_theta"]), found
     return float(cfg.get("rope_theta", 10000.0)), found

@@ -46,6 +46,6 @@ def get_preset(name: str) -> Preset:
         ) from None
 
 
-def preset_dir(name: str, models_dir: Path = MODELS_DIR) -> Path:
+def preset_dir(name: str) -> Path:
     """Where the HF directory of preset ``name`` is cached."""
-    return models_dir / get_preset(name).name
+    return MODELS_DIR / get_preset(name).name

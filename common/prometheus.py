@@ -1,11 +1,8 @@
 """Prometheus ``/metrics`` plumbing shared by the learner's and the actors' exporters
 (``learner/exporter.py``, ``actors/exporter.py``): one registry and server per process.
 
-Ports (``learner.metrics_port``, ``actor.metrics_port``; actor i serves on ``metrics_port + i``):
--1 is off, 0 is any free port. While a server is on, its port is written to
-``{run_dir}/prometheus/{role}.port`` (``learner.port``, ``actor-{index}.port``) so operators and
-tests can find it. A port that is taken is logged and the process runs on without metrics:
-observability never stops a job.
+Ports, the port files and the exported families: docs/operations.md "Observability". A port that
+is taken is logged and the process runs on without metrics: observability never stops a job.
 
 The learner and actors already hold their counters as cumulative totals (receiver, buffer,
 sender), so counters are exported from the latest snapshot by a custom collector
@@ -28,7 +25,6 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-STALENESS_BUCKETS = tuple(float(s) for s in range(9))  # 0..8 versions behind, then +Inf
 # Weight publish (learner) and fetch (actor) times.
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -1,7 +1,7 @@
 """Every wire message of specrl, its msgpack codec, its limits and the protocol version.
 
-One module holds the contract between actors and learner (docs/design.md §5.1); nothing else
-encodes or decodes frames, and no pickle is used anywhere.
+One module holds the contract between actors and learner (frames, what ``decode`` checks:
+docs/design.md §5.1); nothing else encodes or decodes frames, and no pickle is used anywhere.
 """
 
 from __future__ import annotations
@@ -12,15 +12,6 @@ from typing import Any, Final
 
 import msgpack
 import numpy as np
-
-# ---------------------------------------------------------------------------------------------
-# Wire protocol (docs/design.md §5.1).
-#
-# Every frame is one msgpack map carrying ``"v"`` (PROTOCOL_VERSION) and ``"type"``. Arrays
-# travel as packed little-endian ``bin`` values, never as lists of Python numbers. ``decode``
-# trusts nothing: it bounds sizes before and during unpacking, then checks every field's type,
-# range and cross-field lengths, and reports any violation as ``ProtocolError(reason)``.
-# ---------------------------------------------------------------------------------------------
 
 PROTOCOL_VERSION: Final[int] = 1
 
@@ -84,15 +75,12 @@ class DecodeLimits:
     max_frame_bytes: int = 64 * 1024 * 1024
     """Largest accepted frame, checked before unpacking."""
     max_completions: int = 1024
-    """Most completions in one TrajectoryGroup."""
     max_tokens: int = 65536
     """Most tokens in one sequence (the prompt, or one completion)."""
     max_str_len: int = 256
     """Longest string (ids, stat names) in characters; also bounds map keys."""
     max_ack_seqs: int = 4096
-    """Most seqs in one Ack."""
     max_stats_entries: int = 256
-    """Most entries in one ``stats`` map."""
 
     @property
     def max_objects(self) -> int:
@@ -156,11 +144,8 @@ class TrajectoryGroup:
 class Ack:
     """Learner -> actor: these seqs of ``actor_id`` were received (the actor may drop them).
 
-    ``refused`` maps a reason to seqs the learner received, decoded and will never train (a
-    group the learner's admission refuses: wrong size, too long, reward out of range, version
-    ahead of the learner). They are acked so that the actor stops resending them, and reported
-    apart so that the actor counts them; they are not in ``seqs``. Omitted on the wire when
-    empty, so an ack without refusals is the same frame for a peer that does not know the field.
+    ``refused`` maps a reason to seqs the learner received and will never train (docs/design.md
+    §5.2 "Refused"); they are not in ``seqs``, and the key is omitted on the wire when empty.
     """
 
     actor_id: str
@@ -234,10 +219,7 @@ def _to_wire(msg: Message) -> dict[str, Any]:
             "stats": _stats_to_wire(msg.stats),
         }
     if isinstance(msg, Ack):
-        wire = {
-            **_envelope(MSG_ACK, msg.actor_id),
-            "seqs": [int(s) for s in msg.seqs],
-        }
+        wire = {**_envelope(MSG_ACK, msg.actor_id), "seqs": [int(s) for s in msg.seqs]}
         if msg.refused:
             wire["refused"] = {
                 reason: [int(s) for s in msg.refused[reason]] for reason in sorted(msg.refused)
@@ -285,17 +267,11 @@ class _ObjectBudget:
     def __init__(self, limit: int) -> None:
         self.left = limit
 
-    def _spend(self, n: int) -> None:
-        self.left -= n
+    def spend(self, obj: dict | list) -> dict | list:
+        """The hook for maps and arrays alike: ``obj``, once its elements are counted."""
+        self.left -= len(obj) + 1
         if self.left < 0:
             raise ProtocolError("oversize", "more arrays/maps entries than a valid frame holds")
-
-    def on_map(self, obj: dict) -> dict:
-        self._spend(len(obj) + 1)
-        return obj
-
-    def on_list(self, obj: list) -> list:
-        self._spend(len(obj) + 1)
         return obj
 
 
@@ -307,8 +283,8 @@ def _unpack(frame: bytes, limits: DecodeLimits) -> Any:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            object_hook=budget.on_map,
-            list_hook=budget.on_list,
+            object_hook=budget.spend,
+            list_hook=budget.spend,
             ext_hook=_reject_ext,
             max_bin_len=limits.max_tokens * _TOKEN_DTYPE.itemsize,
             max_str_len=limits.max_str_len,

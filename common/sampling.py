@@ -44,12 +44,3 @@ def sample_tokens(
     """Draw one token per row from processed log-probs [B, V]; returns (tokens [B], logprobs [B])."""
     tokens = torch.multinomial(logprobs.exp(), num_samples=1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0
-) -> torch.Tensor:
-    """Processed log-prob of given tokens: logits [B, T, V], tokens [B, T] -> [B, T]."""
-    return (
-        processed_logprobs(logits, temperature, top_p).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    )

@@ -1,9 +1,4 @@
-"""Prompt sources and exact reward functions.
-
-A :class:`Task` samples :class:`Problem`s with a caller-owned ``random.Random`` (so actors are
-reproducible from a seed) and scores a completion with a deterministic, verifiable reward in
-``[0, 1]``. The completion passed to ``reward`` is the decoded generated text up to, and
-excluding, EOS.
+"""Prompt sources and exact, verifiable reward functions (the :class:`Task` protocol).
 
 Built-in tasks (:class:`ReverseTask`, :class:`AdditionTask`, :class:`ScratchpadTask`) only use
 characters of :data:`~common.tokenizer.BUILTIN_ALPHABET`, so a
@@ -59,11 +54,6 @@ class Task(Protocol):
         ...
 
 
-# ---------------------------------------------------------------------------------------------
-# Built-in tasks: exact string answers, optional dense partial credit.
-# ---------------------------------------------------------------------------------------------
-
-
 def exact_match_reward(answer: str, completion: str, partial_credit: float = 0.0) -> float:
     """1.0 if ``completion`` equals ``answer`` after stripping surrounding whitespace.
 
@@ -81,19 +71,6 @@ def exact_match_reward(answer: str, completion: str, partial_credit: float = 0.0
     return partial_credit * matches / max(len(answer), len(completion))
 
 
-def _check_partial_credit(partial_credit: float) -> None:
-    if not 0.0 <= partial_credit <= 1.0:
-        raise ValueError(f"partial_credit must be in [0, 1], got {partial_credit}")
-
-
-def _check_digit_range(min_digits: int, max_digits: int) -> None:
-    if not 1 <= min_digits <= max_digits:
-        raise ValueError(
-            f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, "
-            f"max_digits={max_digits}"
-        )
-
-
 class _DigitTask:
     """What the digit tasks share: a digit-count range, optional partial credit, an exact-match
     reward on the whole completion and the answer itself as the demonstration."""
@@ -101,8 +78,13 @@ class _DigitTask:
     name: ClassVar[str]
 
     def __init__(self, min_digits: int, max_digits: int, partial_credit: float) -> None:
-        _check_digit_range(min_digits, max_digits)
-        _check_partial_credit(partial_credit)
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, "
+                f"max_digits={max_digits}"
+            )
+        if not 0.0 <= partial_credit <= 1.0:
+            raise ValueError(f"partial_credit must be in [0, 1], got {partial_credit}")
         self.min_digits = min_digits
         self.max_digits = max_digits
         self.partial_credit = partial_credit
@@ -124,11 +106,9 @@ class _DigitTask:
         return problems
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """Exact match after stripping whitespace, else optional partial credit."""
         return exact_match_reward(problem.answer, completion, self.partial_credit)
 
     def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
-        """The answer itself."""
         return problem.answer
 
     def __repr__(self) -> str:
@@ -155,7 +135,6 @@ class ReverseTask(_DigitTask):
         self.max_new_tokens = max_digits + 2
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
-        """``n`` digit strings drawn with ``rng``."""
         problems: list[Problem] = []
         for _ in range(n):
             length = rng.randint(self.min_digits, self.max_digits)
@@ -186,7 +165,6 @@ class AdditionTask(_DigitTask):
         self.max_new_tokens = max_digits + 3
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
-        """``n`` additions drawn with ``rng``."""
         return self._additions(rng, n, "add")
 
 
@@ -207,9 +185,8 @@ class ScratchpadTask(_DigitTask):
     from sample to sample. The reward reads only the number after the last ``#``: exact match
     (optional partial credit on it), so any scratchpad, or none, can earn it.
 
-    Operands draw their digit count uniformly in ``[min_digits, max_digits]``, then a value with
-    exactly that many digits. With the default 4 to 6 digits a demonstration is 60 to 110
-    characters (about 80 on average).
+    Operands are drawn as :class:`AdditionTask`'s. With the default 4 to 6 digits a
+    demonstration is 60 to 110 characters (about 80 on average).
     """
 
     name: ClassVar[str] = "scratchpad"
@@ -222,7 +199,6 @@ class ScratchpadTask(_DigitTask):
         self.max_new_tokens = 17 * max_digits + 2 + (max_digits + 1) + 1 + 8
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
-        """``n`` additions drawn with ``rng``."""
         return self._additions(rng, n, "scratchpad")
 
     def final_answer(self, completion: str) -> str:
@@ -256,10 +232,6 @@ class ScratchpadTask(_DigitTask):
             carry = carry_out
         return " ".join(columns) + f" {self.marker} {problem.answer}"
 
-
-# ---------------------------------------------------------------------------------------------
-# Registry.
-# ---------------------------------------------------------------------------------------------
 
 TASKS: dict[str, type] = {
     ReverseTask.name: ReverseTask,
@@ -334,15 +306,13 @@ def task_from_config(cfg: TaskConfig) -> Task:
         )
     if cfg.name == "word_problems":
         task = make_task(cfg.name, min_steps=cfg.min_steps, max_steps=cfg.max_steps)
-        if cfg.max_new_tokens:
-            task.max_new_tokens = cfg.max_new_tokens
-        return PromptPool(task, cfg.pool_size, cfg.pool_seed) if cfg.pool_size else task
-    task = make_task(
-        cfg.name,
-        min_digits=cfg.min_digits,
-        max_digits=cfg.max_digits,
-        partial_credit=cfg.partial_credit,
-    )
+    else:
+        task = make_task(
+            cfg.name,
+            min_digits=cfg.min_digits,
+            max_digits=cfg.max_digits,
+            partial_credit=cfg.partial_credit,
+        )
     if cfg.max_new_tokens:
         task.max_new_tokens = cfg.max_new_tokens
     return PromptPool(task, cfg.pool_size, cfg.pool_seed) if cfg.pool_size else task

@@ -65,9 +65,6 @@ class CharTokenizer:
     built-in tasks free of tokenization artefacts.
     """
 
-    PAD_ID: int = 0
-    BOS_ID: int = 1
-    EOS_ID: int = 2
     NUM_SPECIAL: int = 3
 
     def __init__(self, alphabet: str) -> None:
@@ -81,13 +78,10 @@ class CharTokenizer:
             )
         self.alphabet = alphabet
         self.vocab_size = self.NUM_SPECIAL + len(alphabet)
-        self.bos_id = self.BOS_ID
-        self.eos_id = self.EOS_ID
-        self.pad_id = self.PAD_ID
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2  # the layout above
         self._char_to_id = {ch: self.NUM_SPECIAL + i for i, ch in enumerate(alphabet)}
 
     def encode(self, text: str) -> list[int]:
-        """Ids of the characters of ``text``; ``ValueError`` on a character outside the alphabet."""
         ids: list[int] = []
         for position, ch in enumerate(text):
             token_id = self._char_to_id.get(ch)
@@ -116,7 +110,6 @@ class CharTokenizer:
         return "".join(chars)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``specrl_tokenizer.json`` into ``directory`` (created if missing)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -190,7 +183,6 @@ class HFTokenizer:
         self.vocab_size: int = len(self._tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without any special tokens added."""
         return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -220,7 +212,6 @@ class HFTokenizer:
         return [int(i) for i in ids]
 
     def save(self, directory: str | Path) -> None:
-        """Write the tokenizer files with ``save_pretrained`` into ``directory``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tokenizer.save_pretrained(str(directory))
@@ -230,12 +221,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The tokenizer stored in ``model_dir``.
-
-    ``specrl_tokenizer.json`` gives a :class:`CharTokenizer`; otherwise any Hugging Face tokenizer
-    file (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``, ``vocab.json``)
-    gives an :class:`HFTokenizer`.
-    """
+    """The tokenizer stored in ``model_dir``: a :class:`CharTokenizer` if it holds
+    ``CHAR_TOKENIZER_FILE``, else an :class:`HFTokenizer` if it holds a ``HF_TOKENIZER_FILES``."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"cannot load a tokenizer: directory {model_dir} does not exist")
@@ -252,21 +239,3 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     """Prompt ids as the policy sees them: BOS, then the text. Actors and the warm start share it,
     so the RL prompts match the supervised ones token for token."""
     return [tokenizer.bos_id, *tokenizer.encode(text)]
-
-
-def directory_has_chat_template(model_dir: str | Path) -> bool:
-    """Whether the Hugging Face tokenizer files in ``model_dir`` hold a chat template; reads the
-    files only (no ``transformers``), for checks before any process starts."""
-    model_dir = Path(model_dir)
-    if (model_dir / "chat_template.jinja").is_file() or (
-        model_dir / "chat_template.json"
-    ).is_file():
-        return True
-    config = model_dir / "tokenizer_config.json"
-    if not config.is_file():
-        return False
-    try:
-        payload = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(payload, dict) and bool(payload.get("chat_template"))

@@ -1,15 +1,11 @@
-"""ZeroMQ socket construction for the actor -> learner link (docs/design.md §5.2).
+"""ZeroMQ sockets for the actor -> learner link (docs/design.md §5.2).
 
-Every zmq option the project relies on is set here, once, so the sender and the receiver only
-deal in frames. Sockets are returned unconnected to any thread: the caller's I/O thread owns
-each socket for its whole life (zmq sockets are not thread-safe).
+Every zmq option both ends rely on is set in ``make_socket``, so the sender and the receiver
+(its ROUTER: learner/receiver.py) only deal in frames. ``curve_*`` arguments (z85 keys, as made
+by ``zmq.curve_keypair()``) switch a socket to CURVE encryption + server authentication.
 
-CurveZMQ: ``curve_*`` keyword arguments (z85-encoded keys, as made by ``zmq.curve_keypair()``)
-switch a socket to CURVE encryption + server authentication. Client allow-listing (a ZAP
-authenticator) is the receiver's (learner/receiver.py).
-
-:class:`SocketThread` is the I/O thread both ends run: it owns the sockets, hands a failure to
-the owner's callers, and closes the sockets when it ends.
+:class:`SocketThread` is the I/O thread both ends run: it owns the sockets (zmq sockets are not
+thread-safe), hands a failure to the owner's callers, and closes the sockets when it ends.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ def _ms(seconds: float) -> int:
     return max(0, int(round(seconds * 1000)))
 
 
-def _socket(
+def make_socket(
     kind: int,
     address: str,
     options: dict[int, int | bytes],
@@ -125,51 +121,7 @@ def connect_dealer(
             zmq.CURVE_PUBLICKEY: curve_public_key,
             zmq.CURVE_SERVERKEY: curve_server_key,
         }
-    return _socket(zmq.DEALER, address, options, curve, context, max_frame_bytes, hwm)
-
-
-def bind_router(
-    address: str,
-    *,
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-    hwm: int = DEFAULT_HWM,
-    curve_secret_key: bytes | None = None,
-    curve_public_key: bytes | None = None,
-    context: zmq.Context | None = None,
-    sndhwm: int | None = None,
-) -> zmq.Socket:
-    """A ROUTER bound to ``address`` (``tcp://host:*`` picks a free port; see bound_endpoint).
-
-    ``sndhwm`` (default ``hwm``): messages queued towards one peer. A ROUTER *drops* what exceeds
-    it, so the replies of a ROUTER that answers every message (acks) need more room than the
-    requests' ``hwm``, which is what bounds the inbound side.
-
-    ROUTER_MANDATORY stays off: a reply to a peer that has gone is dropped, not an error; the
-    peer resends whatever it did not see acked. ROUTER_HANDOVER is on so a restarted actor
-    reusing its identity takes over at once instead of being refused until the old, dead
-    connection times out.
-    """
-    if (curve_secret_key is None) != (curve_public_key is None):
-        raise ValueError("CURVE server needs both curve_secret_key and curve_public_key")
-    options: dict[int, int | bytes] = {
-        zmq.SNDHWM: hwm if sndhwm is None else sndhwm,
-        zmq.ROUTER_MANDATORY: 0,
-        zmq.ROUTER_HANDOVER: 1,
-    }
-    curve: dict[int, int | bytes] = {}
-    if curve_secret_key is not None and curve_public_key is not None:
-        curve = {
-            zmq.CURVE_SERVER: 1,
-            zmq.CURVE_SECRETKEY: curve_secret_key,
-            zmq.CURVE_PUBLICKEY: curve_public_key,
-        }
-    return _socket(zmq.ROUTER, address, options, curve, context, max_frame_bytes, hwm)
-
-
-def bound_endpoint(sock: zmq.Socket) -> str:
-    """The concrete endpoint a socket last bound, e.g. ``tcp://127.0.0.1:41234``."""
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return make_socket(zmq.DEALER, address, options, curve, context, max_frame_bytes, hwm)
 
 
 def ready(recv: Callable[[int], T]) -> Iterator[T]:

@@ -8,9 +8,8 @@ asked through its chat template solves some of them (the one-step ones mostly) a
 rest, which is the regime where RL has a signal.
 
 The training set is a fixed pool drawn with ``task.pool_seed``; the evaluation set
-(:func:`eval_problems`) is drawn with another seed and shares no prompt with it. The reward reads
-the completion's final number GSM8K-style (the last ``\\boxed{}``, else after ``####``, else the
-last number), as :class:`~common.dataset_task.DatasetTask` does.
+(:func:`eval_problems`) is drawn with another seed and shares no prompt with it. The reward is
+:func:`~common.dataset_task.numeric_reward`, as for a data set.
 """
 
 from __future__ import annotations

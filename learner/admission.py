@@ -14,10 +14,9 @@ vocabulary, finite float64 numbers, int64 seqs and versions). Admission checks t
 - ``version_ahead``: neither the group's version nor any token's is newer than the learner's
   latest version (a negative staleness is a producer bug or a forgery, never data).
 
-A refused group is acked as refused (``Ack.refused``): the actor stops resending it and counts
-it; it is never written to the write-ahead log nor trained. The same check runs on groups
-replayed from the write-ahead log and carried in a checkpoint, so a group that an older learner
-accepted and this one refuses is skipped and counted instead of crashing the learner in a loop.
+The same check runs on groups replayed from the write-ahead log and carried in a checkpoint, so
+a group that an older learner accepted and this one refuses is skipped and counted instead of
+crashing the learner in a loop.
 
 Design: docs/design.md §5.3.
 """
@@ -71,8 +70,7 @@ class Admission:
         longest = len(group.prompt_ids) + max(len(c.token_ids) for c in completions)
         if longest > self.max_seq_tokens:
             return Refusal(
-                "too_long",
-                f"prompt + completion of {longest} tokens > {self.max_seq_tokens}",
+                "too_long", f"prompt + completion of {longest} tokens > {self.max_seq_tokens}"
             )
         bound = min(self.max_abs_reward, _FLOAT32_MAX)
         for c in completions:

@@ -32,7 +32,6 @@ class StalenessBuffer:
         """When given, one line per group with its outcome (stale, rejected, trained, pending)."""
         self.dropped_stale = 0
         self.rejected = 0
-        self.accepted = 0
         self.step = 0
         """The optimizer step being assembled (set by the learner loop; goes into the ledger)."""
         self._carried: deque[TrajectoryGroup] = deque()
@@ -80,7 +79,6 @@ class StalenessBuffer:
                 self.max_staleness,
             )
             return False
-        self.accepted += 1
         return True
 
     def _turn_away(

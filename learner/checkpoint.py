@@ -1,21 +1,10 @@
-"""Learner checkpoints: HF-format model + optimizer/step/version/dedupe state, written atomically.
+"""Learner checkpoints: HF-format model + optimizer/step/version/dedupe state, written atomically
+(layout and why: docs/design.md §5.4).
 
-Layout of ``{root}/step_{N:08d}/``: ``config.json`` and ``model.safetensors`` and the tokenizer
-files, so ``transformers`` and vLLM open the directory as is; the training state lives in
-``training_state/``, where no model loader looks for weights (vLLM loads every
-``*.safetensors`` of the directory it is given): ``optimizer.safetensors`` (AdamW moments by
-parameter name), ``trainer_state.json`` and ``pending_groups.msgpack`` (groups the learner acked
-but had not trained on: acked means the actor forgot them, so they must survive a restart).
-Checkpoints written before ``training_state/`` existed (those files beside the model) are still
-read.
-The directory is written under a temporary name and renamed, so a crash never leaves a
-half-written checkpoint that resume would pick up. No pickle: groups are wire frames.
-
-The model may be the built-in one or a ``transformers`` one (``learner/policy.py``); under FSDP
-the caller gathers a ``FullState`` on rank 0 (``learner/distributed.py``) and passes that instead
-of the sharded model.
-
-Design: docs/design.md §5.4.
+The training state lives in ``training_state/`` because vLLM loads every ``*.safetensors`` of the
+directory it is given; checkpoints written before it existed (those files beside the model) are
+still read. No pickle: pending groups are wire frames. Under FSDP the caller gathers a
+``FullState`` on rank 0 (``learner/distributed.py``) and passes that instead of the model.
 """
 
 from __future__ import annotations
@@ -23,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,13 +25,28 @@ from torch import nn
 from common.model import CONFIG_FILE, WEIGHTS_FILE
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.tokenizer import Tokenizer
-from common.weights.format import save_file
+from common.weights.format import raw_bytes, safetensors_layout
 from learner.policy import hf_config, load_policy
 
 STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_groups.msgpack"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINING_DIR = "training_state"
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | Path,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write ``tensors`` to ``path`` one tensor at a time (no copy of the whole state)."""
+    order, head, _ = safetensors_layout(tensors, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        for name in order:
+            raw = raw_bytes(tensors[name])
+            if raw.numel():
+                f.write(memoryview(raw.numpy()))
 
 
 def _training_file(checkpoint: Path, name: str) -> Path:

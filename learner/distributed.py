@@ -1,31 +1,17 @@
 """Data-parallel learner over N ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
 Launch: ``torchrun --nproc-per-node N -m learner.main ...`` (gloo on CPU, NCCL on GPU). Without
-``WORLD_SIZE`` > 1 the learner is the single process it always was.
+``WORLD_SIZE`` > 1 the learner is a single process.
 
-Data flow (one step):
-- rank 0 alone talks to the outside: it binds the ZeroMQ receiver, writes the write-ahead log,
-  admits groups, keeps the staleness buffer, publishes to Redis and writes checkpoints;
-- it broadcasts the step's groups (msgpack wire frames in a uint8 tensor; no pickle) and the
-  learner version to the other ranks; every rank collates the same full batch, takes its shard of rows
-  (``learner.microbatch.shard_rows``, balanced by tokens) and trains on it in micro-batches;
-- loss terms are divided by the completion-token count of the *global* batch (every rank has
-  the full batch, so no extra all-reduce) and multiplied by the world size, because FSDP averages
-  gradients over ranks: the N-rank update is the 1-rank update. Every rank runs the same number
-  of micro-batches (a short shard is padded with an empty one), so FSDP's collectives match.
+Rank 0 alone talks to the outside (receiver, write-ahead log, admission, staleness buffer, Redis,
+checkpoints). It broadcasts each step's groups (wire frames in a uint8 tensor; no pickle) and
+version; every rank collates the same full batch and trains its shard of rows. Why N ranks give
+the 1-rank update: docs/design.md §4.1 and ``learner/microbatch.py``.
 
-Publishing and checkpoints: all ranks take part in gathering the full (unsharded) state dict to
-rank 0's CPU (``get_model_state_dict`` / ``get_optimizer_state_dict`` with
-``full_state_dict=True, cpu_offload=True``); rank 0 publishes and writes it; the other ranks never
-publish. Every rank knows when: publishing follows ``publish_every`` and the step's (all-reduced)
-skipped flag, checkpoints follow ``checkpoint_every``, and the final checkpoint follows rank 0's
-``stop`` message. Rank 0's republisher (Redis lost a version) re-sends the last gathered state
-and needs no collective.
-
-Resume: every rank reads the same newest checkpoint (full state dict, HF format), builds the
-model from it, then shards it; the optimizer's full state is loaded into the sharded optimizer
-with ``set_optimizer_state_dict(full_state_dict=True)``. Step and version continue from the
-checkpoint (rank 0 also reads Redis and the version mark, as before).
+Publishing and checkpoints gather the full state dict to rank 0's CPU, a collective every rank
+joins at the same point: publishing follows ``publish_every`` and the step's (all-reduced)
+skipped flag, checkpoints ``checkpoint_every``, the final checkpoint rank 0's ``stop`` message.
+On resume every rank loads the same full checkpoint, then shards it.
 """
 
 from __future__ import annotations

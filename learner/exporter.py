@@ -17,12 +17,13 @@ from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.prometheus import (
     SECONDS_BUCKETS,
-    STALENESS_BUCKETS,
     MetricsServer,
     SnapshotCollector,
     is_number,
     metric_suffix,
 )
+
+STALENESS_BUCKETS = tuple(float(s) for s in range(9))  # 0..8 versions behind, then +Inf
 
 # Metrics key -> (name, help): a counter (a cumulative total the receiver or the loop holds)
 # unless the key is one of _LEARNER_GAUGES (a latest value).

@@ -1,20 +1,11 @@
-"""What the learner's receiver does with each group (docs/design.md §5.2): admission, dedupe,
-write-ahead log, queue, and the acks they earn; and the counters and state the learner reads. The
-socket side, which decodes frames and checks them against their connection, is
-learner/receiver.py.
+"""What the learner's receiver does with each group (docs/design.md §5.2, §5.3): admission,
+dedupe, write-ahead log, queue, and the acks they earn; and the counters and state the learner
+reads. The socket side is learner/receiver.py.
 
-Acks are sent on receipt: a new group is written to the write-ahead log (``wal``, see
-learner/wal.py), queued, then acked; a duplicate is only acked again. With the log the ack
-promises "in this learner's log" (durable against a learner killed outright; against a host
-crash too with fsync); without it, only "in this learner's memory".
-
-Admission: a group that decodes but that this run cannot train on (learner/admission.py: wrong
-group size, too long, reward out of range, version ahead of the learner) is *refused*: acked in
-the ack's ``refused`` map, so the actor drops it instead of resending it forever, counted as
-``receiver/refused/{reason}``, and neither logged nor queued nor recorded as seen (the verdict
-depends only on the group, except ``version_ahead``, which a later learner version may lift). A
-frame that does not decode is not acked at all (a correct actor never sends one: it encodes with
-the same validation).
+A refused group is acked as refused and counted, but neither logged nor queued nor recorded as
+seen: the verdict depends only on the group, except ``version_ahead``, which a later learner
+version may lift. A frame that does not decode is not acked at all (a correct actor never sends
+one: it encodes with the same validation).
 """
 
 from __future__ import annotations
@@ -105,10 +96,6 @@ class Intake(SocketThread):
     ) -> None:
         if (admission is None) != (latest_version is None):
             raise ValueError("admission and latest_version go together")
-        if queue_max < 1:
-            raise ValueError(f"queue_max must be >= 1, got {queue_max}")
-        if actor_timeout_s <= 0:
-            raise ValueError(f"actor_timeout_s must be > 0, got {actor_timeout_s}")
         super().__init__("receiver", "group-receiver")
         self._actor_timeout_s = actor_timeout_s
         self._queue_max = queue_max
@@ -212,18 +199,11 @@ class Intake(SocketThread):
                 mn.RECEIVER_HANDOVER_DROPPED: float(self._handover_dropped),
                 mn.RECEIVER_QUEUE_SIZE: float(len(self._queue)),
             }
-            out.update(
-                {
-                    f"{mn.RECEIVER_BAD_FRAMES_PREFIX}{r}": float(n)
-                    for r, n in self._bad_by_reason.items()
-                }
-            )
-            out.update(
-                {
-                    f"{mn.RECEIVER_REFUSED_PREFIX}{r}": float(n)
-                    for r, n in self._refused_by_reason.items()
-                }
-            )
+            for prefix, counts in (
+                (mn.RECEIVER_BAD_FRAMES_PREFIX, self._bad_by_reason),
+                (mn.RECEIVER_REFUSED_PREFIX, self._refused_by_reason),
+            ):
+                out.update({f"{prefix}{r}": float(n) for r, n in counts.items()})
         out[mn.RECEIVER_LIVE_ACTORS] = float(len(self.live_actors()))
         return out
 
@@ -322,7 +302,23 @@ class Intake(SocketThread):
             if refusal is not None:
                 self._refuse(group, refusal.reason, refusal.detail, ack)
                 return False
-        return self._accept_group(group, frame, ack)
+        with self._cond:
+            info = self._touch(group.actor_id)
+            # A group's version is the oldest of its tokens; a heartbeat's is authoritative.
+            if info.heartbeats == 0:
+                info.version = max(info.version, group.version)
+            if self._dedupe.setdefault(group.actor_id, DedupeWindow()).add(group.seq):
+                if self._wal is not None:
+                    self._wal.append(frame)  # flushed in _send_acks, before the ack goes out
+                self._queue.append(group)
+                self._received += 1
+                info.groups += 1
+            else:
+                self._duplicates += 1
+            full = len(self._queue) >= self._queue_max
+        # Ack on receipt (also re-ack duplicates: the first ack may have been lost).
+        ack.seqs[group.seq] = None  # ordered, once each
+        return full
 
     def _refuse(self, group: TrajectoryGroup, reason: str, detail: str, ack: PendingAck) -> None:
         with self._cond:
@@ -348,27 +344,6 @@ class Intake(SocketThread):
             info.stats = beat.stats
             info.heartbeats += 1
 
-    def _accept_group(self, group: TrajectoryGroup, frame: bytes, ack: PendingAck) -> bool:
-        with self._cond:
-            info = self._touch(group.actor_id)
-            # A group's version is the oldest of its tokens; a heartbeat's is authoritative.
-            if info.heartbeats == 0:
-                info.version = max(info.version, group.version)
-            window = self._dedupe.setdefault(group.actor_id, DedupeWindow())
-            is_new = window.add(group.seq)
-            if is_new:
-                if self._wal is not None:
-                    self._wal.append(frame)  # flushed in _send_acks, before the ack goes out
-                self._queue.append(group)
-                self._received += 1
-                info.groups += 1
-            else:
-                self._duplicates += 1
-            full = len(self._queue) >= self._queue_max
-        # Ack on receipt (also re-ack duplicates: the first ack may have been lost).
-        ack.seqs[group.seq] = None  # ordered, once each
-        return full
-
     def _touch(self, actor_id: str) -> ActorInfo:
         info = self._actors.get(actor_id)
         if info is None:
@@ -380,8 +355,7 @@ class Intake(SocketThread):
         return info
 
     def _log_limited(self, kind: str, fmt: str, *args: object) -> None:
-        """Log a warning at most once per ``LOG_EVERY_S`` per kind, with a count of the
-        suppressed ones (a flood must not flood the log)."""
+        """Log a warning at most once per ``LOG_EVERY_S`` per kind, counting the suppressed."""
         now = time.monotonic()
         with self._cond:
             last = self._bad_logged_at.get(kind)

@@ -26,13 +26,7 @@ from learner.replay import Readmission, record_refused, replay_wal
 from learner.versions import PolicyView, Republisher, next_version, write_version_mark
 from learner.wal import trim
 from learner.weight_writer import WeightWriter
-from learner.wiring import (
-    build_receiver,
-    gather_checkpoint,
-    make_admission,
-    setup,
-    train_on,
-)
+from learner.wiring import build_receiver, gather_checkpoint, make_admission, setup, train_on
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +38,12 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
     # Under torchrun (WORLD_SIZE > 1): data-parallel FSDP2 ranks; rank 0 runs everything below,
     # the others follow its broadcasts (learner/distributed.py).
     dist = init_from_env(timeout_s=max(3600.0, 2 * cfg.learner.group_timeout_s))
-    if dist is not None and not dist.is_main:
-        try:
-            return follow(cfg, dist)
-        finally:
-            shutdown()
     try:
+        if dist is not None and not dist.is_main:
+            return follow(cfg, dist)
         return _run(cfg, dist)
     finally:
-        if dist is not None:
-            shutdown()
+        shutdown()  # a no-op without a process group
 
 
 def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
@@ -147,9 +137,7 @@ class Learner:
         self.wall_start = time.perf_counter()
 
     def _start_publishing(self, store: WeightWriter) -> None:
-        """Publish the first version. Uploads run in the background (a child process unless
-        ``learner.publish_upload=thread``) while the next step trains, and retry Redis outages
-        there; the version mark is written once a version is in Redis."""
+        """Publish the first version; the version mark is written once a version is in Redis."""
         state, lcfg = self.state, self.cfg.learner
         self.view = PolicyView(state.model, state.args, self.dist)
         self.view.refresh()  # a collective under FSDP: every rank gathers, rank 0 keeps it

@@ -60,9 +60,8 @@ def ppo_clip_loss(
 ) -> PolicyLoss:
     """Token-mean PPO-clip loss on the ratio to the behaviour policy, dual-clipped at ``dual_clip``.
 
-    ``num_tokens``: the denominator of every mean (default: ``mask.sum()``). A micro-batch or a
-    rank's shard passes the token count of the whole batch, so the sums of its terms over the
-    micro-batches (and ranks) are the one-batch values and their gradients add up exactly.
+    ``num_tokens``: the denominator of every mean (default: ``mask.sum()``); a micro-batch passes
+    the whole batch's count, so its terms add up to the one-batch values (learner/microbatch.py).
     """
     mask = mask.float()
     n_tokens = (mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)).clamp(min=1.0)

@@ -36,10 +36,6 @@ class MicroBatch:
     behaviour_logprobs: Tensor  # [b, s-1]
     advantages: Tensor  # [b]
 
-    @property
-    def padded_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
 
 def row_lengths(batch: TrainBatch) -> list[int]:
     """Real length (prompt + completion) of each row: the last completion target + 1, + 1 for

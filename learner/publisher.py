@@ -1,29 +1,14 @@
-"""Publishes the learner's policy as a new weights version in Redis, off the critical path.
+"""Publishes the learner's policy as a new weights version in Redis, off the critical path
+(docs/design.md §6.6): ``publish(version)`` takes a snapshot, and the upload runs in a child
+process (``upload="process"``), on a thread (``"thread"``), or on the caller's thread
+(``max_inflight=0``) while the next step trains; versions go out in order.
 
-``publish(version)`` takes a snapshot of the weights (one bulk copy per tensor, to CPU in the
-publish dtype), then serializes, hashes and uploads it while the next step trains; versions go out
-in order. Where the upload runs is ``upload``:
-
-- ``"process"`` (the learner's default): a child process (spawned, niced) holds its own
-  ``WeightWriter`` and uploads from a snapshot in shared memory, one slot per version in flight.
-  Serializing, delta-encoding and hashing are many small torch and Python calls; in a child they
-  never take the learner's GIL, which on a thread they would hold against the training step
-  (``benchmarks/weights.py`` measures how much of the upload the step hides).
-- ``"thread"``: a background thread of the learner's process does the same work.
-
-Given the ``optimizer``, the snapshot runs on a background thread too, during the next step's
+Given the ``optimizer``, the snapshot is taken on the publisher's thread during the next step's
 forward and backward: a pre-hook on ``optimizer.step`` waits until it is taken, so no update can
-reach a version being copied. Without one, ``publish`` takes the snapshot on the caller's thread.
-The learner waits only when ``max_inflight`` versions are already queued or uploading (a bound on
-memory and on how far Redis may lag), or, rarely, at that pre-hook. ``max_inflight=0`` publishes
-on the caller's thread.
-
-A version with a non-finite weight is refused by the store before anything is written: it is
-logged and counted in ``refused``, and never becomes visible to actors. Redis outages are
-retried (``retry_redis``) where the upload runs, until ``should_stop``; any other failure, and the
-death of the upload process, is raised on the learner's thread at its next ``publish``/``flush``.
-
-Design: docs/design.md §6.6.
+reach a version being copied. The learner otherwise waits only when ``max_inflight`` versions are
+queued or uploading. A non-finite version is refused by the store, logged and counted in
+``refused``. Redis outages are retried where the upload runs, until ``should_stop``; any other
+failure, and the death of the upload process, is raised at the next ``publish``/``flush``.
 """
 
 from __future__ import annotations
@@ -63,10 +48,7 @@ def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
     """The dtype versions are published in: ``name``, or else the training dtype (that of the
     first floating parameter)."""
     if name:
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"publish dtype must be a floating torch dtype, got {name!r}")
-        return dtype
+        return getattr(torch, name)  # learner.publish_dtype: validated by the config
     for p in model.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -124,8 +106,6 @@ class Publisher:
         optimizer: torch.optim.Optimizer | None = None,
         upload: str = "process",
     ) -> None:
-        if max_inflight < 0:
-            raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
         self.store = store
         self.model = model
         self.meta = policy_meta(model.args, tokenizer)
@@ -139,8 +119,6 @@ class Publisher:
         """Duration of the last upload (serialize, hash, write, commit), wherever it ran."""
         self.last_publish_bytes = 0
         """Bytes the last upload wrote (a delta's, or the full size)."""
-        self.last_stall_s = 0.0
-        """How long the last ``publish`` call held up its caller (snapshot + waiting for room)."""
         self.published_version = -1
         """The newest version whose upload finished (-1: none yet)."""
         self.refused = 0
@@ -201,7 +179,6 @@ class Publisher:
         return self._child.fill(self.model.state_dict())
 
     def publish(self, version: int) -> None:
-        started = time.perf_counter()
         self._raise_error()
         if self._child is not None:
             self._child.check_alive()
@@ -210,17 +187,17 @@ class Publisher:
             self._raise_error()
         else:
             self._room.acquire()  # waits only while max_inflight versions are in flight
-            self._raise_error_releasing()
+            if self._error is not None:
+                self._room.release()
+                self._raise_error()
             if self.snapshot_on_thread:
                 self._snapshot_taken.clear()  # set by the thread once it holds its copy
                 self._queue.put((version, None))
             else:
                 self._queue.put((version, self._take()))
-        self.last_stall_s = time.perf_counter() - started
 
     def wait_snapshot(self) -> None:
-        """Block until the last published version's snapshot is taken (the optimizer's step
-        pre-hook: the weights may change after this)."""
+        """The optimizer's step pre-hook: block until the last version's snapshot is taken."""
         self._snapshot_taken.wait()
 
     @property
@@ -250,11 +227,6 @@ class Publisher:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-
-    def _raise_error_releasing(self) -> None:
-        if self._error is not None:
-            self._room.release()
-            self._raise_error()
 
     def _worker(self) -> None:
         # The upload yields to the training step where they share a core: lower this thread's
@@ -473,13 +445,8 @@ def _upload_main(conn, recipe, slots, layout, meta, stop) -> None:
         except WeightsNonFinite as e:
             reply = (version, slot, "refused", str(e), 0)
         except Exception as e:  # noqa: BLE001 - reported to the learner, raised there
-            reply = (version, slot, "error", _portable(e), 0)
+            reply = (version, slot, "error", (type(e).__name__, str(e)), 0)
         conn.send(reply)
-
-
-def _portable(error: Exception) -> tuple[str, str]:
-    """``error`` as its class name and message, to be rebuilt on the learner's side."""
-    return type(error).__name__, str(error)
 
 
 def _rebuilt(detail: tuple[str, str]) -> Exception:

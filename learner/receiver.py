@@ -2,27 +2,18 @@
 thread, the frames it decodes and the acks it sends. What each group does to the queue, dedupe
 record and log is learner/intake.py.
 
-Identity: every actor's DEALER identity is its ``actor_id`` (UTF-8). A group or heartbeat whose
-``actor_id`` differs from the identity of the connection it came on is rejected
-("identity_mismatch", not acked): acks are routed by identity and dedupe is keyed by actor_id,
-so tying the two stops one peer from filling (or acking away) another actor's seqs; with CURVE
-the identity can later be bound to the authenticated key.
-
 Authentication: with ``curve`` the link is CurveZMQ; with ``authorized_keys`` too, a ZAP handler
 admits only clients whose public key is a ``*.key`` certificate in that directory (re-read when
-the directory changes, so revoking a key is deleting its file). Every refused handshake (a key
-not listed, a client without the learner's public key, a client without CURVE) is counted as
-``receiver/unauthenticated`` and logged.
-
-Backpressure: when ``queue_max`` groups wait for ``get()``, the I/O thread stops reading the
-socket altogether. Unread frames stay in zmq's bounded pipes (HWM), actors get no acks, their
-outboxes fill and ``submit`` blocks. Memory stays bounded; heartbeats are not read meanwhile.
+the directory changes, so revoking a key is deleting its file). Every refused handshake is
+counted as ``receiver/unauthenticated`` and logged.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +26,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common.curve_keys import CurveKeys
 from common.protocol import Ack, DecodeLimits, Heartbeat, ProtocolError, decode, encode
-from common.transport import DEFAULT_HWM, bind_router, bound_endpoint, ready, shared_context
+from common.transport import (
+    DEFAULT_HWM,
+    DEFAULT_MAX_FRAME_BYTES,
+    make_socket,
+    ready,
+    shared_context,
+)
 from learner.admission import Admission
 from learner.intake import LOG_EVERY_S, Intake, PendingAck
 from learner.wal import WalWriter
@@ -54,6 +51,49 @@ _REFUSED_EVENTS = {
 _ACK_HWM = 4096
 _POLL_S = 0.05  # bounds how long close() waits for the I/O thread
 _MAX_BATCH = 256  # frames handled per wake-up before re-checking stop/backpressure
+
+
+def bind_router(
+    address: str,
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    hwm: int = DEFAULT_HWM,
+    curve_secret_key: bytes | None = None,
+    curve_public_key: bytes | None = None,
+    context: zmq.Context | None = None,
+    sndhwm: int | None = None,
+) -> zmq.Socket:
+    """A ROUTER bound to ``address`` (``tcp://host:*`` picks a free port; see bound_endpoint).
+
+    ``sndhwm`` (default ``hwm``): messages queued towards one peer; a ROUTER *drops* what exceeds
+    it, so one that acks every message needs more room than the inbound ``hwm``.
+
+    ROUTER_MANDATORY stays off: a reply to a peer that has gone is dropped, not an error; the
+    peer resends whatever it did not see acked. ROUTER_HANDOVER is on so a restarted actor
+    reusing its identity takes over at once instead of being refused until the old, dead
+    connection times out.
+    """
+    if (curve_secret_key is None) != (curve_public_key is None):
+        raise ValueError("CURVE server needs both curve_secret_key and curve_public_key")
+    options: dict[int, int | bytes] = {
+        zmq.SNDHWM: hwm if sndhwm is None else sndhwm,
+        zmq.ROUTER_MANDATORY: 0,
+        zmq.ROUTER_HANDOVER: 1,
+    }
+    curve: dict[int, int | bytes] = {}
+    if curve_secret_key is not None and curve_public_key is not None:
+        curve = {
+            zmq.CURVE_SERVER: 1,
+            zmq.CURVE_SECRETKEY: curve_secret_key,
+            zmq.CURVE_PUBLICKEY: curve_public_key,
+        }
+    return make_socket(zmq.ROUTER, address, options, curve, context, max_frame_bytes, hwm)
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The concrete endpoint a socket last bound, e.g. ``tcp://127.0.0.1:41234``."""
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
 class GroupReceiver(Intake):
@@ -118,15 +158,9 @@ class GroupReceiver(Intake):
             curve_public_key=self._curve.public if self._curve else None,
         )
         self._bound_address = bound_endpoint(sock)
-        monitor = (
-            sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            )
-            if self._curve is not None
-            else None
-        )
+        monitor = None
+        if self._curve is not None:
+            monitor = sock.get_monitor_socket(functools.reduce(operator.or_, _REFUSED_EVENTS))
         self._spawn(sock, monitor)
         return self
 

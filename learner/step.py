@@ -27,7 +27,7 @@ from learner.microbatch import (
     shard_rows,
     take_rows,
 )
-from learner.policy import PolicyModule, backbone, num_layers, set_activation_checkpointing
+from learner.policy import PolicyModule, backbone, set_activation_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,19 @@ def train_step(
     """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
     advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0``.
 
-    ``model``: the policy (built-in or ``transformers``), or its FSDP-sharded ``PolicyModule``
-    with ``dist``. The batch is the full step's batch on every rank; this rank trains its shard
-    of rows, in micro-batches of ``cfg.max_tokens_per_microbatch`` tokens, with log-probs of the
-    chosen tokens only at completion positions, ``cfg.logprob_chunk_tokens`` at a time
-    (``learner/microbatch.py``). Every term is normalised by the completion tokens of the whole
-    batch, so micro-batches and ranks give the one-batch update. A step whose loss (any
-    micro-batch, any rank) or gradient norm is not finite is skipped: no optimizer step."""
+    ``model``: the policy, or its FSDP-sharded ``PolicyModule`` with ``dist``. The batch is the
+    full step's batch on every rank; this rank trains its shard of rows in micro-batches, with
+    the one-batch update (``learner/microbatch.py``). A step whose loss (any micro-batch, any
+    rank) or gradient norm is not finite is skipped: no optimizer step."""
     module = model if isinstance(model, PolicyModule) else PolicyModule(model)
     module.train()
     set_activation_checkpointing(module.policy, cfg.activation_checkpointing)
     world = dist.world if dist is not None else 1
     n_valid = batch.mask.sum()  # completion tokens of the global batch (every rank has it all)
-    terms = _StepTerms.for_policy(module.policy, cfg, sampling, spec, n_valid)
+    # The early-exit co-training loss only with spec.aux_coef > 0 (backbone checks exit_layer).
+    aux_coef = spec.aux_coef if spec is not None else 0.0
+    exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
+    terms = _StepTerms(cfg, sampling, exit_layer, aux_coef, n_valid)
     micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
     autocast = torch.autocast(
         batch.input_ids.device.type,
@@ -148,7 +148,6 @@ def _apply_gradients(
             grad_norm = grad_norm.full_tensor()
         skipped = not bool(torch.isfinite(grad_norm))
     if skipped:
-        optimizer.zero_grad(set_to_none=True)
         log.error(
             "learner: skipped a step with a non-finite loss (%s) or gradient norm (%s)",
             loss,
@@ -183,25 +182,6 @@ class _StepTerms:
     exit_layer: int
     aux_coef: float
     n_valid: torch.Tensor
-
-    @classmethod
-    def for_policy(
-        cls,
-        policy: nn.Module,
-        cfg: LearnerConfig,
-        sampling: SamplingConfig,
-        spec: SpecConfig | None,
-        n_valid: torch.Tensor,
-    ) -> _StepTerms:
-        """The terms for ``policy``: the early-exit co-training loss only with
-        ``spec.aux_coef > 0``, at a layer the policy has below its last."""
-        aux_coef = spec.aux_coef if spec is not None else 0.0
-        exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
-        if exit_layer and not 1 <= exit_layer < num_layers(policy):
-            raise ValueError(
-                f"spec.exit_layer={exit_layer} must be in [1, {num_layers(policy) - 1}]"
-            )
-        return cls(cfg, sampling, exit_layer, aux_coef, n_valid)
 
     def loss(
         self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None

@@ -49,11 +49,6 @@ class PolicyView:
         return iter(self._full.values())
 
 
-def read_version_mark(path: Path) -> int:
-    """Highest version this run ever published (-1 if none), kept beside the checkpoints."""
-    return int(path.read_text()) if path.is_file() else -1
-
-
 def write_version_mark(path: Path, version: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(str(version))
@@ -63,9 +58,10 @@ def write_version_mark(path: Path, version: int) -> None:
 def next_version(store: WeightStore, checkpointed: int, mark: Path, stop: StopFlag) -> int:
     """The first version this learner publishes. Versions only grow, across restarts too: it
     continues after the newest of the checkpoint's, what Redis holds, and what this run ever
-    published (a private Redis may have lost everything)."""
+    published (``mark``, kept beside the checkpoints: a private Redis may have lost everything)."""
     latest = retry_redis("learner", "reading the latest version", store.latest_version, stop)
-    return max(checkpointed, latest if latest is not None else -1, read_version_mark(mark)) + 1
+    marked = int(mark.read_text()) if mark.is_file() else -1
+    return max(checkpointed, latest if latest is not None else -1, marked) + 1
 
 
 class Republisher:

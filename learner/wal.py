@@ -1,28 +1,12 @@
-"""The learner's write-ahead log of acked groups: what makes "acked" survive a SIGKILL.
+"""The learner's write-ahead log of acked groups: what makes "acked" survive a SIGKILL. Layout,
+torn tails, skipped records and resynchronisation: docs/design.md §5.4.
 
 The receiver appends every new group's wire frame here, and flushes it to the OS, before it acks
-the group; so a group an actor has forgotten (acked) is always either in the newest checkpoint's
-pending list or in a log segment written after that checkpoint.
-
-Layout: ``{dir}/{n:08d}.wal``, each the magic ``specrlW2`` then a sequence of records
-``[u32 little-endian length][u32 little-endian CRC-32 of the frame][frame]`` (segments without
-the magic are the older format, ``[length][frame]``, and are still read). The directory is
-fsynced when a segment is created, so the segment itself survives a host crash with
-``fsync``.
-A checkpoint *cuts* the log: the receiver starts segment ``n + 1`` and the checkpoint records
-``wal_from = n + 1`` together with every group acked before the cut and not yet trained on.
-Resuming replays the segments ``>= wal_from`` (acked after the checkpoint) and carries them; the
-segments before it are deleted once the checkpoint is on disk.
-
-A record cut short by a kill mid-write was never acked (the ack follows the write), so readers
-drop a torn tail. A record whose CRC does not match (a flipped bit), or that does not decode
-(valid under an older learner's validation and refused by this one), is an error by default; a
-learner replaying its log passes ``on_refused`` to skip and count it instead, so one such record
-cannot stop every restart of the learner in turn. After a record whose length field itself is
-damaged, the reader resynchronises on the next offset that holds a whole record with a matching
-CRC, so the records after it are not lost; a tail is torn only if no whole record follows.
-
-Design: docs/design.md §5.4.
+the group; so a group an actor has forgotten is always either in the newest checkpoint's pending
+list or in a log segment from that checkpoint's ``wal_from`` on. Segments without the magic are
+the older format, ``[length][frame]``, and are still read. The directory is fsynced when a
+segment is created, so the segment itself survives a host crash with ``fsync``. A damaged record
+is an error by default; a learner replaying its log passes ``on_refused`` to skip and count it.
 """
 
 from __future__ import annotations
@@ -53,11 +37,7 @@ def segments(directory: Path) -> list[tuple[int, Path]]:
     """``(number, path)`` of every segment, oldest first."""
     if not directory.is_dir():
         return []
-    found = []
-    for path in directory.iterdir():
-        if path.suffix == SUFFIX and path.stem.isdigit():
-            found.append((int(path.stem), path))
-    return sorted(found)
+    return sorted((int(p.stem), p) for p in directory.glob(f"*{SUFFIX}") if p.stem.isdigit())
 
 
 class WalWriter:
@@ -73,8 +53,6 @@ class WalWriter:
         self._number = existing[-1][0] + 1 if existing else 0
         self._file: IO[bytes] = self._open(self._number)
         self._closed = False
-        self.records = 0
-        self.bytes = 0
 
     def _open(self, number: int) -> IO[bytes]:
         file = (self.directory / f"{number:08d}{SUFFIX}").open("ab")
@@ -97,8 +75,6 @@ class WalWriter:
         """Buffer one frame; it is durable only after ``flush()``."""
         self._file.write(_HEADER.pack(len(frame), zlib.crc32(frame)))
         self._file.write(frame)
-        self.records += 1
-        self.bytes += _HEADER.size + len(frame)
 
     def flush(self) -> None:
         """Hand everything appended to the OS (and to the disk with ``fsync``): once per batch

@@ -1,25 +1,33 @@
-"""The learner's side of the weight store: ``WeightWriter`` publishes a version (its chunks, then
-one atomic commit) and prunes what retention no longer keeps.
+"""The learner's side of the weight store (docs/design.md §6.1, §6.3): ``WeightWriter`` publishes
+a version (its chunks, then one atomic commit) and prunes what retention no longer keeps;
+``encode_delta`` writes the sparse, bit-exact deltas common/weights/deltas.py applies.
 
-With ``keyframe_every > 1`` a version is written as a sparse delta against the one this writer
-published before, while that is still the latest, and in full every ``keyframe_every`` versions;
-the manifest of every version carries the digest of the full resulting weights, so a reader can
-check what it built. A version with a non-finite floating tensor is refused before anything is
-written.
+With ``keyframe_every > 1`` a version is a delta against the one this writer published before,
+while that is still the latest. A version with a non-finite floating tensor is refused before
+anything is written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import redis
+import safetensors.torch
 import torch
 
-from common.weights.deltas import delta_bytes
-from common.weights.format import WeightsError, check_finite, serialize_state_dict, weights_digest
+from common.weights.deltas import DENSE, IDX, VAL
+from common.weights.format import (
+    WeightsError,
+    check_finite,
+    dtype_name,
+    serialize_state_dict,
+    weights_digest,
+)
 from common.weights.keys import (
     weights_channel,
     weights_chunk_key,
@@ -27,11 +35,14 @@ from common.weights.keys import (
     weights_manifest_key,
     weights_versions_key,
 )
-from common.weights.manifest import new_manifest, sha256_of
+from common.weights.manifest import MANIFEST_FORMAT, digest_of_digests, sha256_of
 from common.weights.store import HeldVersion, WeightStore
 from learner.weight_retention import prune
 
 logger = logging.getLogger(__name__)
+
+# A delta larger than this fraction of the full weights is written as a full version instead.
+_MAX_DELTA_FRACTION = 0.5
 
 # KEYS[1]=latest KEYS[2]=versions zset KEYS[3]=manifest KEYS[4..]=chunks
 # ARGV[1]=version ARGV[2]=manifest json ARGV[3]=channel
@@ -71,6 +82,88 @@ def write_chunks(
         return keys, [d.hex() for d in digests]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat as same-width integers: compares bits (NaN, -0.0) rather than values."""
+    flat = t.reshape(-1)
+    by_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    size = t.element_size()
+    return flat.view(by_size[size]) if size in by_size else flat
+
+
+def encode_delta(
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a delta blob from ``base`` to ``new`` and each tensor's encoding: "same"
+    (bit-identical), "sparse" (changed flat indices + values) or "dense" (the whole tensor,
+    where that is no larger)."""
+    blob: dict[str, torch.Tensor] = {}
+    encoding: dict[str, str] = {}
+    for name, t in new.items():
+        b = base[name]
+        changed = torch.nonzero(_bits(t) != _bits(b)).reshape(-1)  # [k]
+        k = changed.numel()
+        if k == 0:
+            encoding[name] = "same"
+            continue
+        index_dtype = torch.int32 if t.numel() < 2**31 else torch.int64
+        if k * (index_dtype.itemsize + t.element_size()) < t.numel() * t.element_size():
+            blob[IDX + name] = changed.to(index_dtype)
+            blob[VAL + name] = t.reshape(-1)[changed]
+            encoding[name] = "sparse"
+        else:
+            blob[DENSE + name] = t.contiguous()
+            encoding[name] = "dense"
+    return blob, encoding
+
+
+def delta_bytes(
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> tuple[bytes, dict[str, str]] | None:
+    """The safetensors bytes of the delta from ``base`` to ``new`` and its encoding, or None
+    where it would not save enough: a delta that saves little (every element moved, as with
+    fp32 weights) costs a digest check on every reader and lengthens the chain Redis keeps."""
+    blob, encoding = encode_delta(base, new)
+    data = safetensors.torch.save(blob)
+    full_bytes = sum(t.numel() * t.element_size() for t in new.values())
+    if len(data) > _MAX_DELTA_FRACTION * full_bytes:
+        return None
+    return data, encoding
+
+
+def new_manifest(
+    run_id: str,
+    version: int,
+    state: Mapping[str, torch.Tensor],
+    digest: str,
+    keyframe: int,
+    chunk_sha256: list[str],
+    total_bytes: int,
+    meta: Mapping[str, str | int | float] | None,
+) -> dict[str, Any]:
+    """The manifest of a full version (a delta's adds ``base``, ``base_sha256``, ``encoding``
+    and its ``kind``)."""
+    floats = {dtype_name(t.dtype) for t in state.values() if t.is_floating_point()}
+    return {
+        "format": MANIFEST_FORMAT,
+        "run_id": run_id,
+        "version": version,
+        "kind": "full",
+        "keyframe": keyframe,
+        "weights_sha256": digest,
+        "dtype": floats.pop() if len(floats) == 1 else ("mixed" if floats else "none"),
+        "tensors": {
+            name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+            for name, t in state.items()
+        },
+        "num_chunks": len(chunk_sha256),
+        "chunk_sha256": chunk_sha256,
+        "chunks_sha256": digest_of_digests(chunk_sha256),
+        "total_bytes": total_bytes,
+        "meta": dict(meta or {}),
+        "created_at": time.time(),
+    }
+
+
 class WeightWriter(WeightStore):
     """Publishes versions of a state dict for one run; remembers the last version it published
     (the base of the next delta), so a process uses one writer per run."""
@@ -92,10 +185,9 @@ class WeightWriter(WeightStore):
         """Write ``version`` and make it the latest; raises ``WeightsError`` unless it is newer,
         ``WeightsNonFinite`` (writing nothing) if a floating tensor holds NaN or infinity.
 
-        With ``keyframe_every > 1`` the version is written as a delta against the previous one
-        when that is still the latest, and in full every ``keyframe_every`` versions. The writer
-        keeps the published tensors as the next delta's base: a copy when ``snapshot`` (False:
-        the caller hands them over and will not modify them).
+        With ``keyframe_every > 1`` the writer keeps the published tensors as the next delta's
+        base: a copy when ``snapshot`` (False: the caller hands them over and will not modify
+        them).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightsError(f"version must be a non-negative int, got {version!r}")

@@ -90,12 +90,7 @@ def setup(
         tokenizer = load_tokenizer(ckpt)
         step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
         wal_from = trainer.wal_from
-        log.info(
-            "resumed from %s (step %d, version %d)",
-            ckpt,
-            step,
-            version,
-        )
+        log.info("resumed from %s (step %d, version %d)", ckpt, step, version)
     else:
         if dist is not None and not dist.is_main:
             dist.barrier()  # rank 0 builds the model directory first (a warm start, once)
@@ -180,8 +175,7 @@ def build_receiver(
     """The receiver on ``learner.bind``: CURVE and its allow-list when ``security.curve_dir`` is
     set, the write-ahead log when ``learner.wal`` is, and a receive buffer of about
     ``learner.recv_buffer_bytes`` (in frames of at most ``frame_bytes``)."""
-    curve = None
-    authorized = None
+    curve = authorized = None
     if cfg.security.curve_dir:
         curve = learner_keys(Path(cfg.security.curve_dir))
         authorized = Path(

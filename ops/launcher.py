@@ -33,7 +33,6 @@ from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
 from common.model_args import ModelArgs
 from common.tasks import task_from_config
-from common.tokenizer import directory_has_chat_template
 from learner.presets import PresetError, ensure_preset
 from learner.warm_start import default_model_dir, ensure_model
 from ops import processes
@@ -42,6 +41,24 @@ from ops.processes import Process
 from ops.redis_server import RedisServer, find_free_port
 from ops.report import write_report
 from ops.run_summary import summarize
+
+
+def directory_has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the Hugging Face tokenizer files in ``model_dir`` hold a chat template; reads the
+    files only (no ``transformers``), for checks before any process starts."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file() or (
+        model_dir / "chat_template.json"
+    ).is_file():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        payload = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(payload, dict) and bool(payload.get("chat_template"))
 
 
 @dataclass

@@ -16,9 +16,9 @@ import torch
 from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
 from common.model import Transformer
-from common.sampling import processed_logprobs, token_logprobs
+from common.sampling import processed_logprobs
 from testing.goodness_of_fit import chi_square_pvalue
-from testing.models import random_model
+from testing.models import random_model, token_logprobs
 
 
 def peaky_model(vocab: int, seed: int, scale: float, layers: int = 3) -> Transformer:

@@ -1,4 +1,5 @@
-"""Small randomly initialised models for tests and benchmarks."""
+"""Small randomly initialised models for tests and benchmarks, and the reference log-probs of
+given tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from common.model import Transformer
 from common.model_args import ModelArgs
+from common.sampling import processed_logprobs
 
 SMALL_SHAPE: dict[str, int] = dict(
     hidden_size=64,
@@ -28,3 +30,12 @@ def random_model(vocab_size: int, seed: int = 0, **fields: Any) -> Transformer:
     args = ModelArgs(vocab_size=vocab_size, **{**SMALL_SHAPE, **fields})
     torch.manual_seed(seed)
     return Transformer(args).eval()
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
+    """Processed log-prob of given tokens: logits [B, T, V], tokens [B, T] -> [B, T]."""
+    return (
+        processed_logprobs(logits, temperature, top_p).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    )

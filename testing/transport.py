@@ -19,7 +19,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.transport import bind_router, bound_endpoint, ready
+from common.transport import ready
+from learner.receiver import bind_router, bound_endpoint
 
 T = TypeVar("T")
 

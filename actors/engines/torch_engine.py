@@ -1,16 +1,6 @@
-"""Rollout engine on the repository's own transformer: continuous batching over a block-pool KV
-cache, plain or self-speculative decoding (early-exit or n-gram drafts verified by the full
-model), with weight updates applied while rollouts are in flight (delayed verification, abort,
-or keep).
-
-One call generates ``n`` completions of every prompt. Completions wait in an admission queue
-(prompt by prompt) and hold one of at most ``max_rows`` rows of the decoding batch while they
-are decoded; a row that finishes (EOS or the length budget) leaves the batch at once, its KV
-blocks go back to the pool, and the next waiting completion takes its place in the next step.
-A group (the ``n`` completions of a prompt) is handed to ``on_group`` as soon as its last
-completion is done. ``batching="static"`` is the baseline: every completion of the call is
-admitted at once with KV memory reserved for the longest prompt plus the whole budget, and groups
-are handed over when the whole call is done.
+"""Rollout engine on the repository's own transformer: continuous batching over a paged KV cache
+(docs/design.md §2.4), plain or self-speculative decoding (§2.1), and weight updates applied to
+rollouts in flight (§3).
 
 A row enters the batch with its prompt minus the last token in the cache (one prefill forward
 per prompt, copied to the other completions of the prompt, or copied from a sibling still in the
@@ -45,12 +35,12 @@ BATCHING_MODES = ("continuous", "static")
 class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
     """Batched rollouts; ``spec.method`` picks plain decoding or a self-speculative drafter.
 
-    ``batching``: ``continuous`` (default) or ``static`` (see the module docstring). ``max_rows``:
-    the most completions decoded at once (None: all of a call). ``max_admit``: the most that
-    join the batch per step (None: as many as there are free rows), which bounds the prefill
-    work added to one step. ``block_size``: KV slots per block of the cache pool
-    (:class:`actors.paged_cache.PagedKVCache`), which is kept in the model's dtype; sampling and
-    log-probs are computed in fp32 whatever the model's dtype.
+    ``batching``: ``continuous`` or ``static`` (every completion of a call admitted at once, KV
+    reserved for the longest prompt plus the budget, groups delivered when the call ends: the
+    benchmark baseline). ``max_rows``: the most completions decoded at once (None: all of a
+    call). ``max_admit``: the most that join the batch per step (None: as many as there are free
+    rows), which bounds the prefill work added to one step. Sampling and log-probs are computed
+    in fp32 whatever the model's dtype.
     """
 
     def __init__(
@@ -97,17 +87,13 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
         )
         self._counters = Counters()
         self._live: tuple[float, Call] | None = None  # the call in progress: start, state
+        # When a dict: perf_counter() at which each prompt's first completion joined the batch.
         self.admission_log: dict[int, float] | None = None
-        """When set to a dict: the time (``time.perf_counter``) each prompt index's first
-        completion joined the batch, for group latencies (benchmarks/batching.py)."""
 
     @torch.inference_mode()
     def _generate(self, request: GenerateCall) -> list[list[Rollout]]:
-        """``weight_source`` is polled between decoding steps; when it returns ``(version,
-        state_dict)`` the new weights are applied to the rows in flight according to
-        ``inflight`` (see :mod:`actors.inflight`); completions not admitted yet simply start
-        with them. ``on_group(i, rollouts)`` is called once per prompt, as soon as its ``n``
-        completions are done (static batching: when the call is done)."""
+        """New weights from ``weight_source`` apply to the rows in flight according to
+        ``inflight``; completions not admitted yet simply start with them."""
         prompts, n, max_new_tokens = request.prompts, request.n, request.max_new_tokens
         weight_source, on_group = request.weight_source, request.on_group
         started = time.perf_counter()

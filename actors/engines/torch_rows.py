@@ -21,18 +21,15 @@ class Row:
     budget: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Policy version of every token (mixed only in keep and verify_on_finish, before verification)
     versions: list[int] = field(default_factory=list)
-    """Policy version of every token (they differ within a row only in ``keep`` and
-    ``verify_on_finish`` modes, before verification)."""
     finished: bool = False  # ended with EOS
     last: int = 0  # the token not yet in the cache
     pos: int = 0  # its position
     kv_version: int = 0  # weights the row's cache was computed with
-    unverified: bool = False
-    """verify_on_finish: in flight at a swap and still holding unverified tokens."""
+    unverified: bool = False  # verify_on_finish: holds tokens from before a swap, unverified
+    # Tokens before ``last`` not in the cache yet: the prompt, when the first step prefills it.
     prefix: list[int] = field(default_factory=list)
-    """Tokens before ``last`` not in the cache yet: the prompt, when the row's first step also
-    prefills it (see ``DecodeSteps._first_step``)."""
 
     def emit(
         self, tokens: Sequence[int], logprobs: Sequence[float], version: int, eos_id: int

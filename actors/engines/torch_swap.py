@@ -39,12 +39,9 @@ class WeightSwaps:
     temperature: float
     top_p: float
     _counters: Counters
-    _kept: dict[int, Transformer]
-    """Weights of older versions still needed to verify in-flight tokens exactly."""
-    _spare: Transformer | None
-    """A retired model instance to load the next version into, so a swap does not allocate."""
-    _adopted: bool
-    """Whether models take their published tensors (see ``_adoptable``)."""
+    _kept: dict[int, Transformer]  # older versions still needed to verify in-flight tokens
+    _spare: Transformer | None  # a retired model to load the next version into (see _keep_spare)
+    _adopted: bool  # whether models take their published tensors (see _adoptable)
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Between ``generate`` calls nothing is in flight: adopt the tensors, or load in place."""
@@ -106,11 +103,6 @@ class WeightSwaps:
         self._set_model(self._new_model(state_dict), version)
         self._counters.swaps += 1
         self._counters.inflight_tokens += sum(len(r.tokens) for r in active)
-        if self.inflight == "keep":
-            # PipelineRL-style baseline: stale tokens (and their stale KV) stay; the learner's
-            # truncated importance weights are left to correct them.
-            self._keep_spare(old_model)
-            return
         if self.inflight == "abort":
             # Back to the head of the queue, in order: they start again with the new weights.
             for row in reversed(active):
@@ -119,9 +111,9 @@ class WeightSwaps:
                 self.cache.release(row.id)
                 pending.appendleft(row)
             active.clear()
-            self._keep_spare(old_model)
-            return
-        if not active:
+        # keep, the PipelineRL-style baseline: stale tokens (and their stale KV) stay; the
+        # learner's truncated importance weights are left to correct them.
+        if self.inflight == "keep" or not active:
             self._keep_spare(old_model)
             return
         if self.inflight == "verify_on_finish":

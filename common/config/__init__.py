@@ -7,9 +7,7 @@ start with a message that quotes them. Code below the entry points receives type
 never a raw DictConfig.
 
 The dataclasses hold every default; a YAML group option (``configs/<group>/<option>.yaml``) sets
-only the fields that option changes. The sections live in ``common.config.run`` (run, model,
-task, Redis, sampling, security), ``common.config.actor`` (spec, actor, engine) and
-``common.config.learner``; the named choices of fields in ``common.config.modes``.
+only the fields that option changes.
 """
 
 from __future__ import annotations
@@ -83,15 +81,6 @@ class SpecRLConfig:
         )
 
 
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="specrl_schema", node=SpecRLConfig)
-    cs.store(group="task", name="task_schema", node=TaskConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="spec", name="spec_schema", node=SpecConfig)
-    cs.store(group="engine", name="engine_schema", node=EngineConfig)
-
-
 def config_dir() -> Path:
     """The YAML config tree: ``$SPECRL_CONFIG_DIR`` or ``configs/`` beside the packages."""
     env = os.environ.get(CONFIG_DIR_ENV)
@@ -105,7 +94,12 @@ def config_dir() -> Path:
 
 def load_config(overrides: list[str] | None = None) -> SpecRLConfig:
     """Compose ``configs/config.yaml`` with Hydra overrides and validate it into dataclasses."""
-    register_configs()
+    cs = ConfigStore.instance()
+    cs.store(name="specrl_schema", node=SpecRLConfig)
+    cs.store(group="task", name="task_schema", node=TaskConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="spec", name="spec_schema", node=SpecConfig)
+    cs.store(group="engine", name="engine_schema", node=EngineConfig)
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         raw = compose(config_name="config", overrides=list(overrides or []))
     cfg = OmegaConf.to_object(raw)

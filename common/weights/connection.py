@@ -45,7 +45,7 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 """What a Redis restart or outage raises in redis-py."""
 
 
-def retry_redis(who: str, what: str, action, should_stop, max_backoff_s: float = 5.0):
+def retry_redis(who: str, what: str, action, should_stop):
     """``action()``, retried with backoff while Redis is unreachable; None if a stop has come
     when an attempt fails."""
     backoff_s = 0.1
@@ -59,4 +59,4 @@ def retry_redis(who: str, what: str, action, should_stop, max_backoff_s: float =
                 "%s: %s: Redis unreachable (%s); retrying in %.1f s", who, what, e, backoff_s
             )
             time.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, max_backoff_s)
+            backoff_s = min(backoff_s * 2, 5.0)

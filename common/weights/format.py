@@ -5,7 +5,7 @@ safetensors written and read without a second copy of the state.
 writing a state holds it twice at once (for a checkpoint's optimizer moments, or a published
 version in the upload process). The format is small (an 8-byte little-endian header length, a
 JSON header naming each tensor's dtype, shape and byte range, then the bytes), so the writers
-here lay it out themselves, in the library's order (largest element size first, then name) and
+here (and learner/checkpoint.py's) lay it out themselves, in the library's order (largest element size first, then name) and
 with its 8-byte alignment; ``safetensors`` reads what they write
 (tests/unit/common/test_safetensors_io.py). The reader returns zero-copy views into one buffer.
 """
@@ -18,7 +18,6 @@ import math
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import safetensors.torch
 import torch
@@ -128,10 +127,11 @@ def writable(tensors: Mapping[str, torch.Tensor]) -> bool:
     return all(t.dtype in DTYPE_NAMES for t in tensors.values())
 
 
-def _layout(
+def safetensors_layout(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
 ) -> tuple[list[str], bytes, int]:
-    """(tensor order, the header with its length prefix, bytes of data)."""
+    """(tensor order, the header with its length prefix, bytes of data) of the safetensors file
+    of ``tensors``; the data is each tensor's ``raw_bytes`` in that order."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -149,7 +149,7 @@ def _layout(
     return order, len(text).to_bytes(8, "little") + text, offset
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 CPU view (a copy only if it is not contiguous)."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
@@ -158,32 +158,17 @@ def safetensors_bytes(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> bytearray:
     """The safetensors file of ``tensors`` in one buffer (the state's bytes exist once more)."""
-    order, head, size = _layout(tensors, metadata)
+    order, head, size = safetensors_layout(tensors, metadata)
     out = bytearray(len(head) + size)
     out[: len(head)] = head
     if size:
         body = torch.frombuffer(out, dtype=torch.uint8)[len(head) :]
         position = 0
         for name in order:
-            raw = _raw(tensors[name])
+            raw = raw_bytes(tensors[name])
             body[position : position + raw.numel()].copy_(raw)
             position += raw.numel()
     return out
-
-
-def save_file(
-    tensors: Mapping[str, torch.Tensor],
-    path: str | Path,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write ``tensors`` to ``path`` one tensor at a time (no copy of the whole state)."""
-    order, head, _ = _layout(tensors, metadata)
-    with open(path, "wb") as f:
-        f.write(head)
-        for name in order:
-            raw = _raw(tensors[name])
-            if raw.numel():
-                f.write(memoryview(raw.numpy()))
 
 
 def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes | bytearray:

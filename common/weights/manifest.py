@@ -1,16 +1,10 @@
-"""The manifest of a stored version: what it holds, how its bytes are chunked and checksummed,
-and for a delta which version it applies to. Written last, read first, checked before use.
-
-Format 3 holds one sha256 per chunk (``chunk_sha256``) and ``chunks_sha256`` over those digests,
-which ties the chunk list together, so one hash per byte suffices on both sides; ``kind``
-full/delta, with ``base``/``base_sha256``/``keyframe`` and each tensor's ``encoding`` for a
-delta; ``weights_sha256``, the digest of the full resulting weights; and ``dtype``, the floats'.
-"""
+"""The manifest of a stored version (its fields: docs/design.md §6.2): written last, read first,
+checked before use. ``chunks_sha256`` ties the chunk list together, so one hash per byte
+suffices on both sides."""
 
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,44 +23,6 @@ def sha256_of(data: memoryview) -> bytes:
 def digest_of_digests(chunk_sha256: list[str]) -> str:
     """sha256 over the concatenated chunk digests: one checksum for the whole version."""
     return hashlib.sha256(b"".join(bytes.fromhex(h) for h in chunk_sha256)).hexdigest()
-
-
-def tensor_specs(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """Each tensor's shape and dtype, as the manifest lists them."""
-    return {
-        name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in state.items()
-    }
-
-
-def new_manifest(
-    run_id: str,
-    version: int,
-    state: Mapping[str, torch.Tensor],
-    digest: str,
-    keyframe: int,
-    chunk_sha256: list[str],
-    total_bytes: int,
-    meta: Mapping[str, str | int | float] | None,
-) -> dict[str, Any]:
-    """The manifest of a full version (a delta's adds ``base``, ``base_sha256``, ``encoding``
-    and its ``kind``)."""
-    floats = {dtype_name(t.dtype) for t in state.values() if t.is_floating_point()}
-    return {
-        "format": MANIFEST_FORMAT,
-        "run_id": run_id,
-        "version": version,
-        "kind": "full",
-        "keyframe": keyframe,
-        "weights_sha256": digest,
-        "dtype": floats.pop() if len(floats) == 1 else ("mixed" if floats else "none"),
-        "tensors": tensor_specs(state),
-        "num_chunks": len(chunk_sha256),
-        "chunk_sha256": chunk_sha256,
-        "chunks_sha256": digest_of_digests(chunk_sha256),
-        "total_bytes": total_bytes,
-        "meta": dict(meta or {}),
-        "created_at": time.time(),
-    }
 
 
 def check_manifest(run_id: str, version: int, manifest: dict[str, Any] | None) -> dict[str, Any]:

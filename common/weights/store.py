@@ -4,18 +4,8 @@ What both sides share: ``WeightStore`` holds a run's Redis client and settings, 
 in another process (``recipe``/``from_recipe``) or from the config (``from_config``), and answers
 the read-only queries (the latest version, a version's manifest). The learner publishes through
 its subclass ``learner.weight_writer.WeightWriter``, the actors fetch through
-``actors.weight_reader.WeightReader``.
-
-Write order is the whole consistency story:
-
-1. chunks of one version (each with a TTL, so a writer that dies here leaves no garbage);
-2. one atomic Lua commit that checks every chunk is present, makes the chunks permanent, writes
-   the manifest, moves ``latest`` forward only, adds the version to the versions zset and
-   announces it on the channel.
-
-So a reader that follows ``latest`` (or any manifest) only ever sees complete versions, and
-``latest`` never goes backwards even with two writers. Retention deletes a whole version (manifest
-and chunks) in one transaction.
+``actors.weight_reader.WeightReader``. The write order that makes every version a reader finds
+complete is docs/design.md §6.1.
 """
 
 from __future__ import annotations
@@ -70,21 +60,11 @@ class HeldVersion:
 class WeightStore:
     """One run's versions in Redis: the settings and the read-only queries both sides use."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        run_id: str,
-        chunk_bytes: int = 8 * 2**20,
-        retention: int = 3,
-        pending_ttl_s: int = 600,
-        keyframe_every: int = 1,
-        retention_bytes: int = 0,
-    ) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, **settings: int) -> None:
+        """``settings``: the fields of :class:`StoreSettings`."""
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("WeightStore needs a redis client with decode_responses=False")
-        self.settings = StoreSettings(
-            chunk_bytes, retention, pending_ttl_s, keyframe_every, retention_bytes
-        )
+        self.settings = StoreSettings(**settings)
         self.client = client
         self.run_id = run_id
 

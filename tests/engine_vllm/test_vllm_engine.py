@@ -11,9 +11,8 @@ from actors.engines.torch_engine import TorchEngine
 from actors.weight_reader import WeightReader
 from common.config.actor import EngineConfig
 from common.model import Transformer, save_pretrained
-from common.sampling import token_logprobs
 from learner.weight_writer import WeightWriter
-from testing.models import random_model
+from testing.models import random_model, token_logprobs
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")

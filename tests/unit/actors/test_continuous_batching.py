@@ -14,13 +14,13 @@ import torch
 from actors.drafting import NgramDrafter
 from actors.engines.torch_engine import TorchEngine
 from common.config.actor import SpecConfig
-from common.sampling import token_logprobs
 from testing.lossless_check import (
     assert_recorded_logprobs_exact,
     exact_sequence_logprobs,
     peaky_model,
     rollouts_pvalue,
 )
+from testing.models import token_logprobs
 
 EOS = 2
 NO_EOS = 99

@@ -10,8 +10,8 @@ import torch
 from actors.engines.torch_engine import TorchEngine
 from common.config.actor import SpecConfig
 from common.model import Transformer
-from common.sampling import token_logprobs
 from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
+from testing.models import token_logprobs
 
 NO_EOS = 99  # outside the vocabulary: every row runs to the budget, so all are in flight at a swap
 PROMPT = [1, 4, 5, 4]

@@ -9,7 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from common.weights.format import safetensors_bytes, save_file, writable
+from common.weights.format import safetensors_bytes, writable
+from learner.checkpoint import save_file
 
 
 def state() -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from common.sampling import processed_logprobs, sample_tokens, token_logprobs
+from common.sampling import processed_logprobs, sample_tokens
+from testing.models import token_logprobs
 
 
 def test_temperature_only_is_scaled_softmax():

@@ -17,10 +17,10 @@ from common.tokenizer import (
     CharTokenizer,
     HFTokenizer,
     Tokenizer,
-    directory_has_chat_template,
     encode_prompt,
     load_tokenizer,
 )
+from ops.launcher import directory_has_chat_template
 from tests.own_model import build_tokenizer
 
 # ---------------------------------------------------------------------------------------------

@@ -13,11 +13,10 @@ import learner.weight_writer as writer_module
 from actors.loop import ActorStats, fetch_update
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
-from common.weights.deltas import encode_delta
 from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite, weights_digest
 from common.weights.keys import weights_chunk_key, weights_manifest_key, weights_versions_key
 from common.weights.manifest import digest_of_digests, sha256_of
-from learner.weight_writer import WeightWriter
+from learner.weight_writer import WeightWriter, encode_delta
 
 RUN = "delta-run"
 

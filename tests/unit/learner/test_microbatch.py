@@ -9,12 +9,12 @@ import torch
 from common.config.actor import SpecConfig
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
-from common.sampling import token_logprobs
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.loss import early_exit_kl, ppo_clip_loss
 from learner.microbatch import plan_microbatches, row_lengths, shard_rows
 from learner.step import train_step
+from testing.models import token_logprobs
 from tests.unit.learner.test_train_step import make_groups, tiny_model
 
 VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size

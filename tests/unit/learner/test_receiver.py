@@ -20,9 +20,9 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.transport import bind_router, bound_endpoint, connect_dealer
+from common.transport import connect_dealer
 from learner.intake import DedupeWindow
-from learner.receiver import GroupReceiver
+from learner.receiver import GroupReceiver, bind_router, bound_endpoint
 from testing.transport import one_completion_group, retry_bind, wait_until
 
 VOCAB = 50
