@@ -2,7 +2,7 @@
 ``python -m MODULE OVERRIDES...`` with its own log file, watched, stopped, killed and restarted.
 
 ``specrl run`` (ops/launcher.py), the chaos run (benchmarks/chaos.py) and the integration tests
-(tests/integration/pipeline_harness.py) all start and stop the pipeline through this module.
+(testing/pipeline.py) all start and stop the pipeline through this module.
 Every child gets the kernel's parent-death signal (ops/redis_server.py), so not even a SIGKILL of
 the operator leaves orphans.
 """

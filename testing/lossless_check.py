@@ -15,10 +15,14 @@ import torch
 
 from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
+from common.config.actor import SpecConfig
 from common.model import Transformer
 from common.sampling import processed_logprobs
 from testing.goodness_of_fit import chi_square_pvalue
 from testing.models import random_model, token_logprobs
+
+EOS = 2
+"""The EOS id of the engines in :func:`greedy_matches_plain` and :func:`sampled_pvalue`."""
 
 
 def peaky_model(vocab: int, seed: int, scale: float, layers: int = 3) -> Transformer:
@@ -99,6 +103,32 @@ def sequence_pvalue(
         for r in engine.generate([list(prompt)], samples // calls, max_new)[0]
     ]
     return rollouts_pvalue(exact, rollouts)
+
+
+def greedy_matches_plain(spec: SpecConfig) -> tuple[dict[str, float], int]:
+    """Greedy decoding with ``spec`` gives plain greedy decoding's outputs, token for token, on
+    two calls in a row (the second also drafts from earlier completions of the same prompts).
+    Returns the speculative engine's stats and the tokens of its last call."""
+    model = peaky_model(vocab=16, seed=0, scale=30.0)
+    prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9], [1, 3]]
+    plain = TorchEngine(model, EOS, 0, temperature=0.0).generate(prompts, 2, 12)
+    engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec)
+    for _ in range(2):
+        fast = engine.generate(prompts, 2, 12)
+        for group_plain, group_fast in zip(plain, fast, strict=True):
+            for a, b in zip(group_plain, group_fast, strict=True):
+                assert a.token_ids.tolist() == b.token_ids.tolist()
+                assert a.finished == b.finished
+    return engine.stats(), sum(len(r.token_ids) for g in fast for r in g)
+
+
+def sampled_pvalue(spec: SpecConfig, temperature: float, top_p: float) -> tuple[float, float]:
+    """Chi-square p-value of 6,000 complete sequences sampled with ``spec`` against the exact
+    plain distribution, and the engine's draft acceptance rate."""
+    model = peaky_model(vocab=6, seed=1, scale=8.0)
+    engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
+    p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
+    return p_value, engine.stats().get("spec/acceptance_rate", 0.0)
 
 
 def assert_recorded_logprobs_exact(

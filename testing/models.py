@@ -32,6 +32,11 @@ def random_model(vocab_size: int, seed: int = 0, **fields: Any) -> Transformer:
     return Transformer(args).eval()
 
 
+def tiny_model(vocab: int) -> Transformer:
+    """:func:`random_model` (seed 0) in train mode, for tests of the learner's step."""
+    return random_model(vocab).train()
+
+
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0
 ) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Helpers for tests of the actor -> learner link: small groups, waiting on a condition, binding
-a port that a just-closed socket may still hold, and a hand-driven learner ROUTER."""
+a port that a just-closed socket may still hold, a started ``GroupReceiver`` and draining it, and a
+hand-driven learner ROUTER."""
 
 from __future__ import annotations
 
@@ -20,9 +21,15 @@ from common.protocol import (
     encode,
 )
 from common.transport import ready
-from learner.receiver import bind_router, bound_endpoint
+from learner.receiver import GroupReceiver, bind_router, bound_endpoint
 
 T = TypeVar("T")
+
+VOCAB = 50
+"""The vocabulary of the receivers these helpers start (``LIMITS``) and of ``make_group``."""
+LIMITS = DecodeLimits(vocab_size=VOCAB)
+ANY_PORT = "tcp://127.0.0.1:*"
+"""A free port on the loopback, picked when the socket binds."""
 
 
 def one_completion_group(
@@ -54,6 +61,19 @@ def one_completion_group(
     )
 
 
+def make_group(tag: int, actor_id: str = "", seq: int = 0) -> TrajectoryGroup:
+    """A one-completion group told apart by ``tag``: prompt id ``prompt-{tag}``, reward ``tag``."""
+    return one_completion_group(
+        [tag % VOCAB, 4],
+        [-0.5, -0.25],
+        prompt_id=f"prompt-{tag}",
+        prompt_ids=[1, 2, 3],
+        reward=float(tag),
+        actor_id=actor_id,
+        seq=seq,
+    )
+
+
 def wait_until(
     cond: Callable[[], bool],
     timeout_s: float = 5.0,
@@ -81,10 +101,27 @@ def retry_bind(bind: Callable[[], T], timeout_s: float = 5.0) -> T:
             time.sleep(0.01)
 
 
+def drain(receiver: GroupReceiver, count: int, timeout_s: float = 10.0) -> list[TrajectoryGroup]:
+    """Exactly ``count`` groups, failing on a deadline rather than hanging."""
+    out: list[TrajectoryGroup] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < count:
+        assert time.monotonic() < deadline, f"got {len(out)} of {count} groups"
+        group = receiver.get(timeout_s=0.05)
+        if group is not None:
+            out.append(group)
+    return out
+
+
+def start_receiver(address: str = ANY_PORT, timeout_s: float = 5.0, **kwargs) -> GroupReceiver:
+    """Start a receiver, retrying while a just-closed socket still holds the port."""
+    return retry_bind(lambda: GroupReceiver(address, LIMITS, **kwargs).start(), timeout_s)
+
+
 class FakeLearner:
     """A bare ROUTER: records what arrives, acks only when told to."""
 
-    def __init__(self, limits: DecodeLimits, address: str = "tcp://127.0.0.1:*") -> None:
+    def __init__(self, limits: DecodeLimits, address: str = ANY_PORT) -> None:
         self.limits = limits
         self.sock = bind_router(address)
         self.address = bound_endpoint(self.sock)

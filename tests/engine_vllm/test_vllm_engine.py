@@ -9,47 +9,19 @@ import torch
 
 from actors.engines.torch_engine import TorchEngine
 from actors.weight_reader import WeightReader
-from common.config.actor import EngineConfig
 from common.model import Transformer, save_pretrained
 from learner.weight_writer import WeightWriter
-from testing.models import random_model, token_logprobs
+from testing.models import token_logprobs
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-
-EOS = 2
-PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 11, 12, 13, 14]]
-
-
-def weights(seed: int) -> Transformer:
-    return random_model(64, seed, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 
 def greedy_torch(model: Transformer, n: int = 1) -> list[list[int]]:
     out = TorchEngine(model, EOS, 0, temperature=0.0).generate(PROMPTS, n, 8)
     return [r.token_ids.tolist() for g in out for r in g]
-
-
-def tokens(out) -> list[list[int]]:
-    return [r.token_ids.tolist() for g in out for r in g]
-
-
-def greedy_vllm(path, version: int = 0, eos_id: int = EOS, spec=None, **engine) -> VllmEngine:
-    """A greedy vLLM engine (in-flight mode ``keep``) on the checkpoint at ``path``; ``engine``:
-    ``EngineConfig`` fields (``vllm_max_model_len`` 64 unless given)."""
-    engine.setdefault("vllm_max_model_len", 64)
-    return VllmEngine(
-        path,
-        eos_id,
-        EngineConfig(**engine),
-        spec=spec,
-        inflight="keep",
-        temperature=0.0,
-        seed=0,
-        version=version,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from tests.engine_vllm.test_vllm_engine import greedy_vllm, weights  # noqa: E402
+from testing.vllm import greedy_vllm, weights  # noqa: E402
 
 # Longer than one KV block (32 here), so the prefix cache holds a full block of it.
 LONG = [1] + [3 + (i * 7) % 50 for i in range(44)]

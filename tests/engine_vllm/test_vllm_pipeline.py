@@ -7,7 +7,7 @@ import time
 import pytest
 
 from ops.ledger import read_ledger
-from tests.integration.pipeline_harness import Pipeline, stop, wait_exit, warm_model
+from testing.pipeline import Pipeline, stop, wait_exit, warm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 pytest.importorskip("vllm")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from tests.engine_vllm.test_vllm_engine import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
+from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 NGRAM = SpecConfig(method="ngram", k=3, ngram_max_n=3, ngram_min_n=1)
 

@@ -15,7 +15,7 @@ from common.model import save_pretrained
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from tests.engine_vllm.test_vllm_engine import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
+from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 
 def test_ngram_speculation_is_lossless_for_greedy_and_counts(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from ops.ledger import read_ledger
 from ops.processes import Process
 from ops.redis_server import RedisServer
-from tests.integration.pipeline_harness import Pipeline, wait_exit, warm_model
+from testing.pipeline import Pipeline, wait_exit, warm_model
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,8 @@ from testing.hostile import (
     send_when_connected,
     valid_group,
 )
-from tests.integration.pipeline_harness import Pipeline, wait_exit, warm_model
-from tests.unit.common.test_prometheus import scrape as scrape_port
+from testing.pipeline import Pipeline, wait_exit, warm_model
+from testing.prometheus import scrape as scrape_port
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 
 from ops.processes import ROOT
 from ops.redis_server import find_free_port
-from tests.integration.pipeline_harness import warm_model
+from testing.pipeline import warm_model
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import transformers
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.checkpoint import latest_checkpoint
 from ops.processes import ROOT, Process
-from tests.integration.pipeline_harness import Pipeline, wait_exit
-from tests.own_model import tiny_hf_config
+from testing.own_model import tiny_hf_config
+from testing.pipeline import Pipeline, wait_exit
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import pytest
 from common.protocol import DecodeLimits
 from learner.checkpoint import load_pending
 from ops.processes import ROOT
-from tests.own_model import build_model, write_parquet
+from testing.own_model import build_model, write_parquet
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from common.weights.store import WeightStore
 from learner.checkpoint import latest_checkpoint
 from ops.cli import main as cli_main
 from ops.ledger import read_ledger
-from tests.integration.pipeline_harness import Pipeline, wait_exit, warm_model
-from tests.unit.learner.test_train_step import make_groups
+from testing.groups import make_groups
+from testing.pipeline import Pipeline, wait_exit, warm_model
 
 pytestmark = pytest.mark.integration
 

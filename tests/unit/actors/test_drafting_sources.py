@@ -10,8 +10,7 @@ import pytest
 from actors.drafting import NgramDrafter
 from actors.engines.torch_engine import TorchEngine
 from common.config.actor import SpecConfig
-from testing.lossless_check import peaky_model
-from tests.unit.actors.test_spec_engine import greedy_matches_plain, sampled_pvalue
+from testing.lossless_check import greedy_matches_plain, peaky_model, sampled_pvalue
 
 EOS = 2
 

@@ -9,45 +9,20 @@ import torch
 from actors.engines.torch_engine import TorchEngine
 from common.config.actor import SpecConfig
 from testing.lossless_check import (
+    EOS,
     exact_sequence_logprobs,
+    greedy_matches_plain,
     peaky_model,
     rollouts_pvalue,
-    sequence_pvalue,
+    sampled_pvalue,
 )
 
-EOS = 2
 METHODS = [
     SpecConfig(method="none"),
     SpecConfig(method="early_exit", k=3, exit_layer=1),
     SpecConfig(method="early_exit", k=2, exit_layer=2),
     SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1),
 ]
-
-
-def greedy_matches_plain(spec: SpecConfig) -> tuple[dict[str, float], int]:
-    """Greedy decoding with ``spec`` gives plain greedy decoding's outputs, token for token, on
-    two calls in a row (the second also drafts from earlier completions of the same prompts).
-    Returns the speculative engine's stats and the tokens of its last call."""
-    model = peaky_model(vocab=16, seed=0, scale=30.0)
-    prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9], [1, 3]]
-    plain = TorchEngine(model, EOS, 0, temperature=0.0).generate(prompts, 2, 12)
-    engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec)
-    for _ in range(2):
-        fast = engine.generate(prompts, 2, 12)
-        for group_plain, group_fast in zip(plain, fast, strict=True):
-            for a, b in zip(group_plain, group_fast, strict=True):
-                assert a.token_ids.tolist() == b.token_ids.tolist()
-                assert a.finished == b.finished
-    return engine.stats(), sum(len(r.token_ids) for g in fast for r in g)
-
-
-def sampled_pvalue(spec: SpecConfig, temperature: float, top_p: float) -> tuple[float, float]:
-    """Chi-square p-value of 6,000 complete sequences sampled with ``spec`` against the exact
-    plain distribution, and the engine's draft acceptance rate."""
-    model = peaky_model(vocab=6, seed=1, scale=8.0)
-    engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
-    p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
-    return p_value, engine.stats().get("spec/acceptance_rate", 0.0)
 
 
 @pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method}-k{s.k}-e{s.exit_layer}")

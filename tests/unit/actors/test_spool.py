@@ -8,7 +8,7 @@ import pytest
 
 from actors.sender import GroupSender
 from actors.spool import Spool, orphans
-from tests.unit.learner.test_receiver import drain, make_group, start_receiver
+from testing.transport import drain, make_group, start_receiver
 
 
 def test_frames_live_on_disk_until_acked(tmp_path: Path) -> None:

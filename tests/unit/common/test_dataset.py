@@ -14,7 +14,7 @@ from common.config import load_config
 from common.dataset_task import DatasetTask, JsonlTask, reference_answer
 from common.tasks import task_from_config
 from ops.launcher import PreflightError, preflight
-from tests.own_model import build_tokenizer, write_parquet
+from testing.own_model import build_tokenizer, write_parquet
 
 ROWS = [
     {"question": "Tom has 3 apples and buys 4 more. How many?", "solution": "3 + 4 = 7. #### 7"},

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import logging
 import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from actors.exporter import ActorExporter
 from common.config import load_config
 from learner.exporter import LearnerExporter
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample as {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+from testing.prometheus import scrape
 
 
 def port_file(run_dir: Path, role: str) -> int:

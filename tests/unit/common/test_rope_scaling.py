@@ -8,7 +8,7 @@ import transformers
 
 from common.model import load_pretrained
 from common.model_args import ModelArgs
-from tests.own_model import tiny_hf_config
+from testing.own_model import tiny_hf_config
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},

@@ -209,7 +209,7 @@ def test_scratchpad_varied_demonstrations_are_correct_and_differ() -> None:
             assert task.reward(problem, trace) == 1.0
             assert len(trace) + 1 <= task.max_new_tokens
             lengths.append(len(trace))
-    # Long answers: the issue asks for a mean completion of at least 64 tokens.
+    # Long answers: the task exists for completions of at least 64 tokens on average.
     assert sum(lengths) / len(lengths) >= 64
     assert max(lengths) + 1 <= task.max_new_tokens
 

@@ -21,7 +21,7 @@ from common.tokenizer import (
     load_tokenizer,
 )
 from ops.launcher import directory_has_chat_template
-from tests.own_model import build_tokenizer
+from testing.own_model import build_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # CharTokenizer

@@ -14,7 +14,7 @@ from actors.sender import GroupSender
 from common.protocol import DecodeLimits, ProtocolError, decode, encode
 from learner.admission import Admission, wire_limits
 from testing.hostile import poisoned_frames, valid_group
-from tests.unit.learner.test_receiver import drain, start_receiver
+from testing.transport import drain, start_receiver
 
 ADMISSION = Admission(group_size=4, max_seq_tokens=64, max_abs_reward=100.0)
 

@@ -11,8 +11,7 @@ from actors.sender import GroupSender
 from common.curve_keys import CurveKeys, actor_keys, authorized_dir, learner_keys
 from ops.cli import main as cli_main
 from ops.keys import write_keys
-from testing.transport import wait_until
-from tests.unit.learner.test_receiver import drain, make_group, start_receiver
+from testing.transport import drain, make_group, start_receiver, wait_until
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

@@ -35,7 +35,8 @@ from learner.distributed import (
 from learner.step import make_optimizer, train_step
 from learner.wiring import LearnerState, gather_checkpoint
 from ops.redis_server import find_free_port
-from tests.unit.learner.test_train_step import make_groups, tiny_model
+from testing.groups import make_groups
+from testing.models import tiny_model
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
 VOCAB = TOKENIZER.vocab_size

@@ -20,8 +20,8 @@ from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer,
 from learner.policy import load_policy, model_args
 from learner.step import make_optimizer, train_step
 from learner.versions import PolicyView
-from tests.own_model import tiny_hf_config
-from tests.unit.learner.test_train_step import make_groups
+from testing.groups import make_groups
+from testing.own_model import tiny_hf_config
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
 VOCAB = TOKENIZER.vocab_size

@@ -14,8 +14,8 @@ from learner.batch import collate
 from learner.loss import early_exit_kl, ppo_clip_loss
 from learner.microbatch import plan_microbatches, row_lengths, shard_rows
 from learner.step import train_step
-from testing.models import token_logprobs
-from tests.unit.learner.test_train_step import make_groups, tiny_model
+from testing.groups import make_groups
+from testing.models import tiny_model, token_logprobs
 
 VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size
 CPU = torch.device("cpu")

@@ -14,49 +14,22 @@ import zmq
 from actors.sender import GroupSender
 from common.protocol import (
     Ack,
-    DecodeLimits,
     Heartbeat,
-    TrajectoryGroup,
     decode,
     encode,
 )
 from common.transport import connect_dealer
 from learner.intake import DedupeWindow
 from learner.receiver import GroupReceiver, bind_router, bound_endpoint
-from testing.transport import one_completion_group, retry_bind, wait_until
-
-VOCAB = 50
-LIMITS = DecodeLimits(vocab_size=VOCAB)
-ANY_PORT = "tcp://127.0.0.1:*"
-
-
-def make_group(tag: int, actor_id: str = "", seq: int = 0) -> TrajectoryGroup:
-    return one_completion_group(
-        [tag % VOCAB, 4],
-        [-0.5, -0.25],
-        prompt_id=f"prompt-{tag}",
-        prompt_ids=[1, 2, 3],
-        reward=float(tag),
-        actor_id=actor_id,
-        seq=seq,
-    )
-
-
-def drain(receiver: GroupReceiver, count: int, timeout_s: float = 10.0) -> list[TrajectoryGroup]:
-    """Exactly ``count`` groups, failing on a deadline rather than hanging."""
-    out: list[TrajectoryGroup] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < count:
-        assert time.monotonic() < deadline, f"got {len(out)} of {count} groups"
-        group = receiver.get(timeout_s=0.05)
-        if group is not None:
-            out.append(group)
-    return out
-
-
-def start_receiver(address: str = ANY_PORT, timeout_s: float = 5.0, **kwargs) -> GroupReceiver:
-    """Start a receiver, retrying while a just-closed socket still holds the port."""
-    return retry_bind(lambda: GroupReceiver(address, LIMITS, **kwargs).start(), timeout_s)
+from testing.transport import (
+    ANY_PORT,
+    LIMITS,
+    VOCAB,
+    drain,
+    make_group,
+    start_receiver,
+    wait_until,
+)
 
 
 @pytest.fixture

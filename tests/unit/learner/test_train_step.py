@@ -5,8 +5,6 @@ import torch
 
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
-from common.model import Transformer
-from common.protocol import Completion, TrajectoryGroup
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import (
@@ -17,40 +15,8 @@ from learner.checkpoint import (
     save_checkpoint,
 )
 from learner.step import make_optimizer, train_step
-from testing.models import random_model
-
-
-def tiny_model(vocab: int) -> Transformer:
-    return random_model(vocab).train()
-
-
-def make_groups(vocab: int, n: int = 3, g: int = 4, version: int = 0) -> list[TrajectoryGroup]:
-    rng = np.random.default_rng(0)
-    groups = []
-    for i in range(n):
-        completions = []
-        for j in range(g):
-            t = int(rng.integers(1, 6))
-            completions.append(
-                Completion(
-                    token_ids=rng.integers(3, vocab, t).astype(np.int32),
-                    behaviour_logprobs=(-rng.random(t) * 3).astype(np.float32),
-                    token_versions=np.full(t, version, np.int32),
-                    reward=float(j % 2),
-                    finished=bool(j % 2),
-                )
-            )
-        groups.append(
-            TrajectoryGroup(
-                actor_id="a",
-                seq=i,
-                prompt_id=f"p{i}",
-                prompt_ids=rng.integers(3, vocab, int(rng.integers(2, 5))).astype(np.int32),
-                version=version,
-                completions=completions,
-            )
-        )
-    return groups
+from testing.groups import make_groups
+from testing.models import tiny_model
 
 
 def test_collate_aligns_targets_and_masks():

@@ -10,7 +10,7 @@ from actors.sender import GroupSender
 from common.protocol import encode
 from learner.receiver import GroupReceiver
 from learner.wal import MAGIC, WalError, WalWriter, read_segment, replay, segments, trim
-from tests.unit.learner.test_receiver import ANY_PORT, LIMITS, drain, make_group, start_receiver
+from testing.transport import ANY_PORT, LIMITS, drain, make_group, start_receiver
 
 
 def frame(tag: int, seq: int) -> bytes:
