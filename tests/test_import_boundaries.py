@@ -1,5 +1,5 @@
-"""actors and learner import common, never each other nor ops; common imports none of them
-(docs/design.md §1.2)."""
+"""actors and learner import common, never each other nor ops; common imports none of them;
+nothing in production imports testing/, benchmarks/ or tests/ (docs/design.md §1.2)."""
 
 import ast
 from pathlib import Path
@@ -7,10 +7,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Helpers for tests and benchmarks (testing/) and the benchmarks themselves are never imported
+# by what runs in production.
+NOT_PRODUCTION = {"testing", "benchmarks", "tests"}
 FORBIDDEN = {
-    "actors": {"learner", "ops"},
-    "learner": {"actors", "ops"},
-    "common": {"actors", "learner", "ops"},
+    "actors": {"learner", "ops"} | NOT_PRODUCTION,
+    "learner": {"actors", "ops"} | NOT_PRODUCTION,
+    "common": {"actors", "learner", "ops"} | NOT_PRODUCTION,
+    "ops": NOT_PRODUCTION,
 }
 
 
