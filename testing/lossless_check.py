@@ -15,6 +15,7 @@ import torch
 
 from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
+from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.model import Transformer
 from common.sampling import processed_logprobs
@@ -128,7 +129,7 @@ def sampled_pvalue(spec: SpecConfig, temperature: float, top_p: float) -> tuple[
     model = peaky_model(vocab=6, seed=1, scale=8.0)
     engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
     p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
-    return p_value, engine.stats().get("spec/acceptance_rate", 0.0)
+    return p_value, engine.stats().get(mn.SPEC_ACCEPTANCE_RATE, 0.0)
 
 
 def assert_recorded_logprobs_exact(

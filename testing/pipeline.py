@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from common import metric_names as mn
 from common.config import load_config
 from learner.warm_start import warm_start
 from ops import processes
@@ -122,4 +123,4 @@ class Pipeline:
         return [json.loads(line) for line in path.read_text().splitlines()]
 
     def steps(self) -> list[dict]:
-        return [r for r in self.metrics() if "learner/reward_mean" in r]
+        return [r for r in self.metrics() if mn.LEARNER_REWARD_MEAN in r]
