@@ -27,10 +27,21 @@ class EarlyExitDraft:
 
 
 class EarlyExitDrafter:
-    """Drafts with the first ``exit_layer`` layers of the policy itself."""
+    """Drafts with the first ``exit_layer`` layers of the policy itself, then either the final
+    norm and LM head (``adapter=False``) or the policy's trained draft adapter (its own decoder
+    layer and norm, the LM head over its reduced vocabulary; its exit is the model's
+    ``draft_exit_layer``, whatever ``exit_layer`` says)."""
 
-    def __init__(self, model: Transformer, exit_layer: int) -> None:
+    def __init__(self, model: Transformer, exit_layer: int, adapter: bool = False) -> None:
         layers = model.args.num_hidden_layers
+        if adapter:
+            if model.draft is None:
+                raise ValueError(
+                    "spec.adapter=true, but the policy has no draft adapter: warm-start one "
+                    "(specrl warm-draft ...) or let the learner attach one (it does with "
+                    "spec.adapter=true)"
+                )
+            exit_layer = model.args.draft_exit_layer
         if not 1 <= exit_layer < layers:
             raise ValueError(
                 f"spec.exit_layer={exit_layer} must be in [1, {layers - 1}] for a "
@@ -38,6 +49,31 @@ class EarlyExitDrafter:
             )
         self.model = model
         self.exit_layer = exit_layer
+        self.adapter = adapter
+
+    def _draft_logprobs(
+        self,
+        h: torch.Tensor,  # [B, 1, H] residual stream after the exit
+        position: torch.Tensor,  # [B, 1]
+        cache: KVCache,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled tokens [B], processed log q [B, V] over the whole vocabulary)."""
+        if not self.adapter:
+            q = processed_logprobs(self.model.head(h)[:, 0], temperature, top_p)  # [B, V]
+            return sample_tokens(q, generator)[0], q
+        q_draft = processed_logprobs(
+            self.model.run_draft(h, position, cache)[:, 0], temperature, top_p
+        )  # [B, V_draft]
+        index, _ = sample_tokens(q_draft, generator)
+        ids = self.model.draft.vocab_ids
+        if ids is None:
+            return index, q_draft
+        q = q_draft.new_full((q_draft.shape[0], self.model.args.vocab_size), float("-inf"))
+        q[:, ids] = q_draft  # no mass outside the draft vocabulary
+        return ids[index], q
 
     def draft(
         self,
@@ -69,9 +105,14 @@ class EarlyExitDrafter:
             h = self.model.run_layers(x, (positions + i)[:, None], cache, 0, self.exit_layer)
             hidden.append(h)
             if i == k:
-                break  # the last draft only needs its early layers, for verification
-            q = processed_logprobs(self.model.head(h)[:, 0], temperature, top_p)  # [B, V]
-            token, _ = sample_tokens(q, generator)
+                # The last draft only needs its early layers (for verification) and the
+                # adapter's KV (for the next step's drafts, should it be accepted).
+                if self.adapter:
+                    self.model.run_draft(h, (positions + i)[:, None], cache, head=False)
+                break
+            token, q = self._draft_logprobs(
+                h, (positions + i)[:, None], cache, temperature, top_p, generator
+            )
             if fixed is not None and bool(where[:, i].any()):
                 token = torch.where(where[:, i], fixed[:, i], token)
                 one_hot = torch.full_like(q, float("-inf"))

@@ -32,7 +32,7 @@ class PagedKVCache:
     ) -> None:
         assert args.head_dim is not None
         self.block_size, self.device, self.dtype = block_size, device, dtype
-        self._shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+        self._shape = (args.cache_layers, args.num_key_value_heads, args.head_dim)
         self.k = self._empty(1)  # the scratch block only
         self.v = self._empty(1)
         self.free: list[int] = []  # a stack: the lowest ids are handed out first

@@ -40,6 +40,9 @@ from common.model_args import INIT_STD, ModelArgs
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+DRAFT_FILE = "draft.safetensors"
+"""The draft adapter's tensors (``draft.*``), apart from the checkpoint other tools read."""
+DRAFT_PREFIX = "draft."
 
 
 class KVCache:
@@ -59,7 +62,7 @@ class KVCache:
                 f"KVCache needs batch_size > 0 and max_seq_len > 0, got {batch_size}, {max_seq_len}"
             )
         shape = (
-            args.num_hidden_layers,
+            args.cache_layers,
             batch_size,
             args.num_key_value_heads,
             max_seq_len,
@@ -285,6 +288,36 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
+class DraftAdapter(nn.Module):
+    """The trained self-draft's own parameters (docs/design.md §2.1): one decoder layer and a
+    norm that read the residual stream after ``args.draft_exit_layer`` layers, and the token ids
+    of its reduced vocabulary. Its LM head is the policy's, frozen (rows ``vocab_ids``). The
+    layer's KV lives in cache layer ``num_hidden_layers``, after the policy's."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer = DecoderLayer(args)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        size = args.draft_vocab_size or args.vocab_size
+        self.vocab_ids: Tensor | None
+        if args.draft_vocab_size:
+            self.register_buffer("vocab_ids", torch.arange(size), persistent=True)
+        else:
+            self.vocab_ids = None  # the whole vocabulary: the LM head as it is
+        self._head: tuple[int, int, Tensor] | None = None  # (id, _version, rows) of the weight
+
+    def head_weight(self, lm_head: Tensor) -> Tensor:
+        """The LM head rows of the draft vocabulary, detached (the head is frozen for the draft);
+        the gathered copy is reused while the head's tensor is unchanged."""
+        if self.vocab_ids is None:
+            return lm_head.detach()
+        key = (id(lm_head), lm_head._version)
+        if self._head is None or self._head[:2] != key:
+            with torch.no_grad():
+                self._head = (*key, lm_head.index_select(0, self.vocab_ids))
+        return self._head[2]
+
+
 class Transformer(nn.Module):
     """Decoder-only LM whose `state_dict` keys equal the HF `*ForCausalLM` keys.
 
@@ -299,6 +332,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.gradient_checkpointing = False
         """Recompute each decoder layer in backward instead of keeping its activations (training)."""
+        self.draft = DraftAdapter(args) if args.draft_exit_layer else None
+        self.draft_kv = False
+        """Forwards over a cache through layer ``draft_exit_layer`` also write the adapter's KV
+        (the rollout engine sets it when it drafts with the adapter)."""
         self.tie_weights()
         init_weights(self)
 
@@ -327,11 +364,53 @@ class Transformer(nn.Module):
         Split execution is what early-exit drafting needs: the draft runs layers [0, E) and stops;
         verification resumes the same hidden states at layer E instead of recomputing them.
         """
-        B, T, _ = x.shape
         if not 0 <= start <= end <= self.args.num_hidden_layers:
             raise ValueError(
                 f"layer range [{start}, {end}) outside [0, {self.args.num_hidden_layers}]"
             )
+        positions, mask, cos, sin = self._attention_inputs(x, positions, cache)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        exit_layer = self.args.draft_exit_layer
+        # Only a forward that runs through the exit and on (a drafter's [0, E) writes its own).
+        write_draft = self.draft_kv and cache is not None and start < exit_layer < end
+        for i in range(start, end):
+            kv = (cache, i, positions) if cache is not None else None
+            if recompute and cache is None:
+                # Activation checkpointing: keep each layer's input, recompute inside in backward.
+                x = checkpoint(self.model.layers[i], x, cos, sin, mask, None, use_reentrant=False)
+            else:
+                x = self.model.layers[i](x, cos, sin, mask, kv)
+            if write_draft and i == exit_layer - 1:
+                # The adapter's KV at these positions, so later drafts can attend to them.
+                kv = (cache, self.args.num_hidden_layers, positions)
+                self.draft.layer(x, cos, sin, mask, kv)
+        return x
+
+    def run_draft(
+        self, h: Tensor, positions: Tensor | None, cache: KVCache | None, head: bool = True
+    ) -> Tensor | None:
+        """The adapter on the residual stream after ``draft_exit_layer`` layers, h [B, T, H]:
+        logits [B, T, V_draft] float32 over its vocabulary (``draft.vocab_ids``; all of it when
+        None). With a cache, writes the adapter's KV at ``positions`` first; ``head=False``
+        stops there (returns None)."""
+        out = self.draft_hidden(h, positions, cache)
+        if not head:
+            return None
+        return F.linear(out, self.draft.head_weight(self.lm_head.weight)).float()
+
+    def draft_hidden(self, h: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
+        """The adapter's layer and norm on h [B, T, H] (see ``run_draft``): [B, T, H]."""
+        if self.draft is None:
+            raise ValueError("this model has no draft adapter (ModelArgs.draft_exit_layer = 0)")
+        positions, mask, cos, sin = self._attention_inputs(h, positions, cache)
+        kv = (cache, self.args.num_hidden_layers, positions) if cache is not None else None
+        return self.draft.norm(self.draft.layer(h, cos, sin, mask, kv))
+
+    def _attention_inputs(
+        self, x: Tensor, positions: Tensor | None, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """(positions [B, T], mask, cos, sin) of a forward over x [B, T, H]."""
+        B, T, _ = x.shape
         if positions is not None and tuple(positions.shape) != (B, T):
             raise ValueError(f"positions shape {tuple(positions.shape)} != {(B, T)}")
         default_positions = positions is None
@@ -348,15 +427,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(
             positions, self.args.head_dim, self.args.rope_theta, x.dtype, self.args.rope_scaling
         )
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for i in range(start, end):
-            kv = (cache, i, positions) if cache is not None else None
-            if recompute and cache is None:
-                # Activation checkpointing: keep each layer's input, recompute inside in backward.
-                x = checkpoint(self.model.layers[i], x, cos, sin, mask, None, use_reentrant=False)
-            else:
-                x = self.model.layers[i](x, cos, sin, mask, kv)
-        return x
+        return positions, mask, cos, sin
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm + LM head on the residual stream: [B, T, H] -> logits [B, T, V] float32."""
@@ -406,8 +477,30 @@ def init_weights(model: Transformer, seed: int | None = None) -> None:
                 module.weight.fill_(1.0)
 
 
+def attach_draft(model: Transformer, exit_layer: int, vocab_ids: Tensor | None = None) -> None:
+    """Give ``model`` a fresh draft adapter after layer ``exit_layer``: a copy of layer
+    ``exit_layer`` and of the final norm (the start Kangaroo and the probe in issue 27 use), over
+    ``vocab_ids`` (sorted unique token ids; None = the whole vocabulary). Replaces any adapter."""
+    from dataclasses import replace
+
+    vocab = 0
+    if vocab_ids is not None:
+        vocab_ids = torch.unique(vocab_ids.to(torch.long))  # sorted
+        vocab = int(vocab_ids.numel())
+    args = replace(model.args, draft_exit_layer=exit_layer, draft_vocab_size=vocab)
+    weight = model.lm_head.weight
+    draft = DraftAdapter(args).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        draft.layer.load_state_dict(model.model.layers[exit_layer].state_dict())
+        draft.norm.load_state_dict(model.model.norm.state_dict())
+        if vocab_ids is not None:
+            draft.vocab_ids = vocab_ids.to(weight.device)
+    model.args, model.draft = args, draft
+
+
 def save_pretrained(model: Transformer, path: str | Path) -> None:
-    """Write `config.json` + `model.safetensors` (HF layout) into `path`, creating it.
+    """Write `config.json` + `model.safetensors` (HF layout) into `path`, creating it, and the
+    draft adapter's tensors, if any, into `draft.safetensors`.
 
     Tensors keep the model's dtype (recorded as `torch_dtype`); a tied LM head is omitted, as HF
     does, since safetensors refuses shared storage.
@@ -419,9 +512,34 @@ def save_pretrained(model: Transformer, path: str | Path) -> None:
         for name, t in model.state_dict().items()
         if not (model.args.tie_word_embeddings and name == "lm_head.weight")
     }
+    draft = {k: state.pop(k) for k in [k for k in state if k.startswith(DRAFT_PREFIX)]}
     dtype = model.lm_head.weight.dtype
     (path / CONFIG_FILE).write_text(json.dumps(model.args.to_hf_config(dtype), indent=2) + "\n")
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    if draft:
+        save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
+    else:
+        (path / DRAFT_FILE).unlink(missing_ok=True)
+
+
+def save_draft(model: Transformer, path: str | Path) -> None:
+    """Write the draft adapter of ``model`` into the existing checkpoint directory ``path``
+    (``draft.safetensors``, and its two keys in ``config.json``), leaving the model's own
+    tensors as they are; the adapter's tensors keep the dtype of the checkpoint's."""
+    if model.draft is None:
+        raise ValueError("the model has no draft adapter to save")
+    path = Path(path)
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
+    state = {
+        DRAFT_PREFIX + name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype)
+        for name, t in model.draft.state_dict().items()
+    }
+    save_file(state, str(path / DRAFT_FILE), metadata={"format": "pt"})
+    cfg.update(
+        draft_exit_layer=model.args.draft_exit_layer, draft_vocab_size=model.args.draft_vocab_size
+    )
+    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def load_pretrained(
@@ -435,10 +553,15 @@ def load_pretrained(
     state = _read_safetensors(path)
     # Old Llama checkpoints carry RoPE tables; this model recomputes them from rope_theta.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.draft_exit_layer:
+        state.update(load_file(str(path / DRAFT_FILE)))
     if args.tie_word_embeddings:
         # Some tied checkpoints still store the head; the embedding is the one source of truth.
         state.pop("lm_head.weight", None)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    state = {
+        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+        for k, v in state.items()
+    }
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
 

@@ -49,6 +49,11 @@ class ModelArgs:
     eos_token_id: int | None = None
     """End-of-sequence id; the first one when the HF config lists several."""
     pad_token_id: int | None = None
+    draft_exit_layer: int = 0
+    """The trained self-draft's exit: its adapter reads the residual stream after this many
+    layers (``Transformer.draft``); 0 = the model has no adapter."""
+    draft_vocab_size: int = 0
+    """Token ids the adapter drafts over (its reduced vocabulary); 0 = all of them."""
     rope_scaling: dict[str, Any] | None = None
     """Static RoPE frequency scaling, HF spelling without `rope_theta`: ``{"rope_type": "linear",
     "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
@@ -86,6 +91,15 @@ class ModelArgs:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if not 0 <= self.draft_exit_layer < self.num_hidden_layers:
+            raise ValueError(
+                f"draft_exit_layer={self.draft_exit_layer} must be in [0, "
+                f"{self.num_hidden_layers - 1}] (0: no adapter)"
+            )
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in [0, {self.vocab_size}]"
+            )
         if self.attention_bias and self.qk_norm:
             # No HF architecture matches: Qwen3's `attention_bias` also puts a bias on o_proj.
             raise ValueError(
@@ -98,6 +112,11 @@ class ModelArgs:
                 raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
         if self.rope_scaling is not None:
             self.rope_scaling = _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers a KV cache holds: the decoder layers, plus the draft adapter's if any."""
+        return self.num_hidden_layers + (1 if self.draft_exit_layer else 0)
 
     @property
     def model_type(self) -> str:
@@ -142,6 +161,12 @@ class ModelArgs:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": _DTYPE_NAMES[torch_dtype],
         }
+        if self.draft_exit_layer:
+            # Extra keys that transformers and vLLM ignore; the adapter's tensors live in their
+            # own file (DRAFT_FILE), so model.safetensors stays a plain checkpoint.
+            cfg.update(
+                draft_exit_layer=self.draft_exit_layer, draft_vocab_size=self.draft_vocab_size
+            )
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
         else:

@@ -39,11 +39,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def backbone(
-    model: nn.Module, input_ids: Tensor, exit_layer: int = 0
+    model: nn.Module, input_ids: Tensor, exit_layer: int = 0, raw_exit: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """(final-normed hidden states [B, S, H], final-normed hidden states after ``exit_layer``
-    layers or None). Rows are right-padded, so plain causal attention is exact for every real
-    token (pads come after them)."""
+    layers or None; with ``raw_exit`` (built-in model) the residual stream there, not normed:
+    what the draft adapter reads). Rows are right-padded, so plain causal attention is exact
+    for every real token (pads come after them)."""
     L = num_layers(model)
     if exit_layer and not 1 <= exit_layer < L:
         raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {L - 1}]")
@@ -54,7 +55,7 @@ def backbone(
             return norm(model.run_layers(x, None, None, 0, L)), None
         h_exit = model.run_layers(x, None, None, 0, exit_layer)
         h = model.run_layers(h_exit, None, None, exit_layer, L)
-        return norm(h), norm(h_exit)
+        return norm(h), h_exit if raw_exit else norm(h_exit)
     out = model.model(input_ids=input_ids, use_cache=False, output_hidden_states=bool(exit_layer))
     h = out.last_hidden_state  # already through the final norm
     if not exit_layer:

@@ -16,6 +16,7 @@ from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
 from learner.batch import TrainBatch
 from learner.distributed import DistContext
+from learner.draft_loss import adapter_terms, draft_states
 from learner.loss import ppo_clip_loss
 from learner.microbatch import (
     MicroBatch,
@@ -27,7 +28,7 @@ from learner.microbatch import (
     shard_rows,
     take_rows,
 )
-from learner.policy import PolicyModule, backbone, set_activation_checkpointing
+from learner.policy import PolicyModule, backbone, set_activation_checkpointing, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,31 @@ _SUM_KEYS = (
     "abs_log_ratio",
     "usable",
     "exit_kl",
+    "draft_acceptance",
 )
 """The per-micro-batch figures summed over micro-batches and ranks (``_StepTerms.loss``)."""
 
 
-def make_optimizer(model: nn.Module, cfg: LearnerConfig) -> torch.optim.Optimizer:
+def draft_params(model: nn.Module) -> list[nn.Parameter]:
+    """The draft adapter's parameters (none for a policy without one)."""
+    draft = getattr(unwrap(model), "draft", None)
+    return list(draft.parameters()) if draft is not None else []
+
+
+def make_optimizer(
+    model: nn.Module, cfg: LearnerConfig, spec: SpecConfig | None = None
+) -> torch.optim.Optimizer:
     """AdamW over the model's parameters; its state takes their dtype (fp32 master weights and
-    moments unless ``learner.precision=bf16``)."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    moments unless ``learner.precision=bf16``). A draft adapter's parameters form a second
+    group (``spec.adapter_lr``, no weight decay)."""
+    adapter = {id(p) for p in draft_params(model)}
+    groups: list[dict] = [
+        {"params": [p for p in model.parameters() if id(p) not in adapter]},
+    ]
+    if adapter:
+        lr = (spec or SpecConfig()).adapter_lr
+        groups.append({"params": draft_params(model), "lr": lr, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def train_step(
@@ -73,10 +91,14 @@ def train_step(
     set_activation_checkpointing(module.policy, cfg.activation_checkpointing)
     world = dist.world if dist is not None else 1
     n_valid = batch.mask.sum()  # completion tokens of the global batch (every rank has it all)
-    # The early-exit co-training loss only with spec.aux_coef > 0 (backbone checks exit_layer).
+    # The draft's loss only with spec.aux_coef > 0 (backbone checks exit_layer): the adapter's
+    # when the policy has one, else the early exit's co-training loss.
     aux_coef = spec.aux_coef if spec is not None else 0.0
+    adapter = aux_coef > 0 and spec is not None and spec.adapter and bool(draft_params(module))
     exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
-    terms = _StepTerms(cfg, sampling, exit_layer, aux_coef, n_valid)
+    if adapter:
+        exit_layer = module.policy.args.draft_exit_layer
+    terms = _StepTerms(cfg, sampling, exit_layer, aux_coef, n_valid, adapter)
     micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
     autocast = torch.autocast(
         batch.input_ids.device.type,
@@ -112,6 +134,11 @@ def train_step(
         mn.LEARNER_GRAD_NORM: grad_norm,
         mn.LEARNER_MICROBATCHES: float(len(micro)),
         mn.SPEC_EXIT_KL: stats["exit_kl"],
+        **(
+            {mn.SPEC_DRAFT_ACCEPTANCE: stats["draft_acceptance"] / max(float(n_valid), 1.0)}
+            if adapter
+            else {}
+        ),
     }
 
 
@@ -141,12 +168,17 @@ def _apply_gradients(
     skipped = not math.isfinite(loss)
     grad_norm = torch.full((), float("nan"))
     if not skipped:
-        params = [p for p in module.parameters() if p.grad is not None]
+        # The policy and its draft adapter are clipped apart: the adapter's gradient must not
+        # scale the policy's update.
+        adapter = {id(p) for p in draft_params(module)}
+        params = [p for p in module.parameters() if p.grad is not None and id(p) not in adapter]
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        skipped = not bool(torch.isfinite(grad_norm))
+        draft = [p for p in draft_params(module) if p.grad is not None]
+        draft_norm = torch.nn.utils.clip_grad_norm_(draft, max_norm) if draft else grad_norm
+        skipped = not (bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(draft_norm)))
     if skipped:
         log.error(
             "learner: skipped a step with a non-finite loss (%s) or gradient norm (%s)",
@@ -182,12 +214,13 @@ class _StepTerms:
     exit_layer: int
     aux_coef: float
     n_valid: torch.Tensor
+    adapter: bool = False
 
     def loss(
         self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, sampling = self.cfg, self.sampling
-        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer)
+        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer, raw_exit=self.adapter)
         sel = mb.mask > 0  # [b, s-1]: completion positions, the only ones the loss reads
         h_sel = h[:, :-1][sel]  # [N, H]
         logprobs = chosen_logprobs(
@@ -221,7 +254,16 @@ class _StepTerms:
         )
         loss = out.loss
         exit_kl = torch.zeros((), device=h.device)
-        if self.exit_layer:
+        accept = torch.zeros((), device=h.device)
+        if self.adapter:
+            # The adapter's loss: detached from the policy (learner/draft_loss.py).
+            d_sel = draft_states(policy, h_exit)[:, :-1][sel]
+            kl_sum, accept = adapter_terms(
+                policy, h_sel, d_sel, sampling.temperature, cfg.logprob_chunk_tokens
+            )
+            exit_kl = kl_sum / self.n_valid.clamp(min=1.0)
+            loss = loss + self.aux_coef * exit_kl
+        elif self.exit_layer:
             exit_sum = exit_kl_sum(
                 policy.lm_head,
                 h_sel,
@@ -246,6 +288,7 @@ class _StepTerms:
                 out.abs_log_ratio.float(),
                 usable.sum().float(),
                 exit_kl.detach().float(),
+                accept.detach().float(),
             ]
         )
         return loss, stats

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from common.config import SpecRLConfig
+from common.config.actor import SpecConfig
 from common.curve_keys import authorized_dir, learner_keys
+from common.model import attach_draft
 from common.model_args import ModelArgs
 from common.protocol import DecodeLimits, TrajectoryGroup
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -37,6 +39,7 @@ from learner.distributed import (
 )
 from learner.policy import (
     hf_config,
+    is_builtin,
     load_policy,
     model_args,
     param_dtype,
@@ -100,6 +103,7 @@ def setup(
         policy = load_policy(model_dir, lcfg.model_impl, device, dtype)
         tokenizer = load_tokenizer(model_dir)
         step, version, dedupe, wal_from = 0, -1, {}, 0
+    attach_adapter(policy, cfg.spec, dist)
     args = model_args(policy)  # refuses a model whose versions actors could not load
     set_activation_checkpointing(policy, lcfg.activation_checkpointing)
     ref_model = None
@@ -108,7 +112,7 @@ def setup(
         # a full replica on every rank.
         ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
     model: nn.Module = policy if dist is None else shard(policy)
-    optimizer = make_optimizer(model, lcfg)
+    optimizer = make_optimizer(model, lcfg, cfg.spec)
     if ckpt is not None:
         if dist is None:
             restore_optimizer(model, optimizer, opt_tensors, param_groups)
@@ -121,6 +125,28 @@ def setup(
     return LearnerState(
         model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from, args
     )
+
+
+def attach_adapter(policy: nn.Module, spec: SpecConfig, dist: DistContext | None) -> None:
+    """``spec.adapter``: give a policy without a draft adapter an untrained one (a warm-started
+    one comes with the model directory, ``specrl warm-draft``)."""
+    if not spec.adapter:
+        return  # an adapter the model has rides along in every version, untrained
+    has = getattr(policy, "draft", None) is not None
+    if not is_builtin(policy):
+        raise ValueError(
+            "spec.adapter needs the built-in model (learner.model_impl=builtin): the draft "
+            "adapter is part of common.model.Transformer"
+        )
+    if dist is not None:
+        raise ValueError("spec.adapter is not supported with learner.ranks > 1 yet (FSDP2)")
+    if not has:
+        attach_draft(policy, spec.exit_layer)
+        log.info(
+            "spec.adapter: attached an untrained draft adapter after layer %d (whole "
+            "vocabulary; `specrl warm-draft` warm-starts one over a reduced vocabulary)",
+            spec.exit_layer,
+        )
 
 
 def gather_checkpoint(state: LearnerState, dist: DistContext | None) -> FullState | None:

@@ -17,7 +17,7 @@ from actors.engines.rollout_engine import Rollout
 from actors.engines.torch_engine import TorchEngine
 from common import metric_names as mn
 from common.config.actor import SpecConfig
-from common.model import Transformer
+from common.model import Transformer, attach_draft
 from common.sampling import processed_logprobs
 from testing.goodness_of_fit import chi_square_pvalue
 from testing.models import random_model, token_logprobs
@@ -106,11 +106,28 @@ def sequence_pvalue(
     return rollouts_pvalue(exact, rollouts)
 
 
+def with_adapter(model: Transformer, spec: SpecConfig, vocab: Sequence[int] | None) -> Transformer:
+    """``model`` with a draft adapter after ``spec.exit_layer`` when ``spec.adapter`` (over the
+    token ids ``vocab``, None = all), its weights perturbed so that its drafts differ from the
+    model's own distributions (rejections happen); ``model`` as it is otherwise."""
+    if spec.adapter:
+        attach_draft(model, spec.exit_layer, None if vocab is None else torch.tensor(vocab))
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.draft.layer.parameters():
+                p.add_(0.3 * p.std(unbiased=False) * torch.randn(p.shape, generator=generator))
+    return model
+
+
+ADAPTER_VOCAB = (0, 2, 3, 4, 5)
+"""The draft vocabulary of the adapter in the checks below: EOS included, token 1 left out."""
+
+
 def greedy_matches_plain(spec: SpecConfig) -> tuple[dict[str, float], int]:
     """Greedy decoding with ``spec`` gives plain greedy decoding's outputs, token for token, on
     two calls in a row (the second also drafts from earlier completions of the same prompts).
     Returns the speculative engine's stats and the tokens of its last call."""
-    model = peaky_model(vocab=16, seed=0, scale=30.0)
+    model = with_adapter(peaky_model(vocab=16, seed=0, scale=30.0), spec, None)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9], [1, 3]]
     plain = TorchEngine(model, EOS, 0, temperature=0.0).generate(prompts, 2, 12)
     engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec)
@@ -126,7 +143,7 @@ def greedy_matches_plain(spec: SpecConfig) -> tuple[dict[str, float], int]:
 def sampled_pvalue(spec: SpecConfig, temperature: float, top_p: float) -> tuple[float, float]:
     """Chi-square p-value of 6,000 complete sequences sampled with ``spec`` against the exact
     plain distribution, and the engine's draft acceptance rate."""
-    model = peaky_model(vocab=6, seed=1, scale=8.0)
+    model = with_adapter(peaky_model(vocab=6, seed=1, scale=8.0), spec, ADAPTER_VOCAB)
     engine = TorchEngine(model, EOS, 0, temperature, top_p, seed=123, spec=spec)
     p_value = sequence_pvalue(engine, [1, 4, 5, 4], max_new=3, samples=6000)
     return p_value, engine.stats().get(mn.SPEC_ACCEPTANCE_RATE, 0.0)

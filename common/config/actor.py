@@ -46,12 +46,37 @@ class SpecConfig:
     the prompt, from earlier epochs)."""
     aux_coef: float = 0.0
     """Learner: weight of the early-exit co-training loss KL(full || early exit) on generated
-    tokens (0 = off). On with ``spec=early_exit`` so the draft follows the policy it drafts for."""
+    tokens (0 = off). Without ``adapter`` this trains the policy's own first layers (the policy's
+    update changes); with it, only the adapter (detached from the policy)."""
+    adapter: bool = False
+    """``early_exit``/``hybrid``: draft through a trained adapter, part of the policy: after the
+    first ``exit_layer`` layers, one decoder layer and a norm of its own, then the policy's
+    frozen LM head over a reduced vocabulary (docs/design.md §2.1). Published with the policy in
+    every version; the learner trains it (``aux_coef``) and ``specrl warm-draft`` warm-starts
+    it from the model's own samples. A model without one gets an untrained adapter (a copy of
+    layer ``exit_layer`` and of the final norm)."""
+    adapter_vocab: int = 8192
+    """``specrl warm-draft``: size of the adapter's draft vocabulary (the most frequent tokens of
+    the model's samples); 0 = the whole vocabulary."""
+    adapter_lr: float = 1e-3
+    """Learner: AdamW learning rate of the adapter (its own group; its gradient is clipped on
+    its own, so the policy's update does not change)."""
+    adaptive: bool = True
+    """Pick each decoding step's draft length in [0, k] (0 = a plain step) from the measured
+    acceptance by draft position and the measured cost of a verify step against a plain step at
+    the current number of rows, so speculation is never slower than plain decoding; ``hybrid``
+    also picks its drafter by expected tokens per unit of cost. False: always ``k``."""
 
     def __post_init__(self) -> None:
         require_choice("spec.method", self.method, SPEC_METHODS)
         require_choice("spec.ngram_sources", self.ngram_sources, NGRAM_SOURCES)
-        require_at_least("spec", self, k=1, exit_layer=1, aux_coef=0)
+        require_at_least("spec", self, k=1, exit_layer=1, aux_coef=0, adapter_vocab=0)
+        require_positive("spec", self, "adapter_lr")
+        require(
+            not self.adapter or self.uses_early_exit,
+            f"spec.adapter drafts with the early exit: spec.method must be early_exit or hybrid, "
+            f"got {self.method!r}",
+        )
         require_ordered("spec", self, "ngram_min_n", "ngram_max_n")
 
     @property
