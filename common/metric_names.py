@@ -31,9 +31,19 @@ SPEC_ACCEPTANCE_POS_PREFIX = "spec/acceptance_pos"
 SPEC_ACCEPTANCE_RATE = "spec/acceptance_rate"
 SPEC_DRAFT_LAYER_PASSES_PER_TOKEN = "spec/draft_layer_passes_per_token"
 SPEC_DRAFT_TOKENS = "spec/draft_tokens"
+# Adaptive draft length (spec.adaptive): share of decoding steps that chose draft length n
+# (``spec/draft_len_k{n}``; 0 = a plain step), and (hybrid) the share of steps per drafter
+# (``spec/drafter_{plain,ngram,early_exit}``).
+SPEC_DRAFT_LEN_PREFIX = "spec/draft_len_"
+SPEC_DRAFTER_PREFIX = "spec/drafter_"
 SPEC_EXIT_KL = "spec/exit_kl"
+SPEC_DRAFT_ACCEPTANCE = "spec/draft_acceptance"
+"""Learner: mean over completion tokens of sum_v min(p, q), p the policy, q its draft adapter."""
 SPEC_FORWARDS_PER_TOKEN = "spec/forwards_per_token"
 SPEC_MEAN_ACCEPTED_LEN = "spec/mean_accepted_len"
+SPEC_MEAN_DRAFT_LEN = "spec/mean_draft_len"  # adaptive: mean chosen draft length
+# Tokens emitted per forward that verified drafts (all rows of the step together).
+SPEC_TOKENS_PER_VERIFY_FORWARD = "spec/tokens_per_verify_forward"
 
 # Delayed verification of rollouts in flight at a weight swap.
 VERIFY_ACCEPTANCE_GAP_PREFIX = "verify/acceptance_gap"

@@ -146,14 +146,18 @@ def plot_report(rows: list[dict], path: Path, title: str = "specrl run report") 
         ax.set(title=name, xlabel=xlabel, ylabel="reward")
         ax.legend(loc="lower right")
 
-    # Draft acceptance against version (and the in-flight tokens verification kept).
+    # Draft acceptance against version (and the in-flight tokens verification kept, and the
+    # share of plain steps the adaptive draft length chose).
     x, y = _series(steps, _version, mn.SPEC_ACCEPTANCE_RATE)
     xs, ys = _series(steps, _version, mn.VERIFY_SALVAGED_FRAC)
+    xp, yp = _series(steps, _version, f"{mn.SPEC_DRAFT_LEN_PREFIX}k0")
     if y or ys:
         if y:
             _curve(ax_acc, x, y, "draft acceptance rate")
         if ys:
             _curve(ax_acc, xs, ys, "in-flight tokens kept (verify)")
+        if yp:
+            _curve(ax_acc, xp, yp, "plain steps (adaptive draft length)")
         ax_acc.set(title="acceptance vs version", xlabel="version", ylabel="fraction")
         ax_acc.set_ylim(-0.02, 1.02)
         ax_acc.legend(loc="lower right")
@@ -267,6 +271,38 @@ def _duration(seconds: float) -> str:
     return f"{hours}h {m:02d}m {s:02d}s" if hours else f"{m}m {s:02d}s" if m else f"{s}s"
 
 
+def _mean_of(steps: list[dict], key: str) -> float | None:
+    values = [r[key] for r in steps if isinstance(r.get(key), int | float)]
+    return sum(values) / len(values) if values else None
+
+
+def _draft_length_figures(steps: list[dict]) -> list[tuple[str, str]]:
+    """Tokens per verify forward and the adaptive draft length (``spec.adaptive``): the mean
+    chosen k and the share of plain steps; for ``hybrid`` the share of steps per drafter."""
+    figures = [
+        (
+            "tokens per verify forward (all rows of a step)",
+            _fmt(_mean_of(steps, mn.SPEC_TOKENS_PER_VERIFY_FORWARD), ".2f"),
+        ),
+        (
+            "adaptive draft length: mean k / plain steps",
+            f"{_fmt(_mean_of(steps, mn.SPEC_MEAN_DRAFT_LEN), '.2f')} / "
+            f"{_fmt(_mean_of(steps, f'{mn.SPEC_DRAFT_LEN_PREFIX}k0'), '.0%')}",
+        ),
+    ]
+    drafters = sorted(
+        {k for r in steps for k in r if k.startswith(mn.SPEC_DRAFTER_PREFIX)},
+        key=lambda k: k.removeprefix(mn.SPEC_DRAFTER_PREFIX),
+    )
+    if drafters:
+        shares = (
+            f"{k.removeprefix(mn.SPEC_DRAFTER_PREFIX)} {_fmt(_mean_of(steps, k), '.0%')}"
+            for k in drafters
+        )
+        figures.append(("steps by drafter (hybrid)", ", ".join(shares)))
+    return figures
+
+
 def render_markdown(rows: list[dict], summary: dict, name: str) -> str:
     """Key figures of a run as a markdown table, linking the PNG page."""
     steps = step_rows(rows)
@@ -308,6 +344,7 @@ def render_markdown(rows: list[dict], summary: dict, name: str) -> str:
             f"{_fmt(summary.get('spec_acceptance_first_10pct'), '.2f')} → {_fmt(summary.get('spec_acceptance_last_10pct'), '.2f')}",
         ),
         ("mean accepted length (tokens)", _fmt(summary.get("spec_mean_accepted_len"), ".2f")),
+        *_draft_length_figures(steps),
         ("in-flight tokens kept by verification", _fmt(summary.get("verify_salvaged_frac"), ".0%")),
         ("actor tokens/s (sum over actors)", _fmt(summary.get("actor_tokens_per_s"), ",.0f")),
         ("trained tokens/s (learner)", _fmt(summary.get("trained_tokens_per_s"), ",.0f")),

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, DraftLength
 from actors.drafting import EarlyExitDrafter, NgramDrafter
 from actors.engines.torch_rows import Counters, Row
 from actors.paged_cache import PagedKVCache
@@ -26,12 +27,14 @@ class DecodeSteps:
     spec: SpecConfig
     early_exit: EarlyExitDrafter | None
     ngram: NgramDrafter | None
+    draft_length: DraftLength | None  # spec.adaptive: picks each step's drafter and k
     device: torch.device
     generator: torch.Generator
     pad_id: int
     temperature: float
     top_p: float
     _counters: Counters
+    _verified: tuple[list[int], list[int]] | None = None  # last verification: accepted, proposed
 
     def _write_cache(self, rows: list[Row], sequences: list[list[int]]) -> int:
         """Run the current weights over each row's ``sequence`` from position 0, writing its
@@ -58,6 +61,8 @@ class DecodeSteps:
             return self._first_step(active)
         last = torch.tensor([r.last for r in active], dtype=torch.long, device=self.device)
         pos = torch.tensor([r.pos for r in active], dtype=torch.long, device=self.device)
+        if self.draft_length is not None:
+            return self._adaptive_step(active, last, pos, self.draft_length)
         k = self.spec.k
         if self.early_exit is not None and self.ngram is not None:
             # Hybrid: n-gram drafts where every row has a match (no draft forward); otherwise
@@ -73,6 +78,46 @@ class DecodeSteps:
             drafts = self.ngram.propose_rows([r.id for r in active], k)
             return self._verify_ngram(active, drafts, last, pos)
         return self._plain_step(self._bind(active, [0] * len(active)), last, pos)
+
+    def _adaptive_step(
+        self, active: list[Row], last: torch.Tensor, pos: torch.Tensor, control: DraftLength
+    ) -> list:
+        """A step whose drafter and draft length ``control`` picks from the past only (n-gram
+        matches of the tokens so far, earlier steps' times and acceptance: exact whatever it
+        picks); the step's wall time and acceptance go back to it."""
+        ids = [r.id for r in active]
+        drafts: list[list[int]] = []
+
+        def match_lengths() -> list[int]:
+            assert self.ngram is not None
+            drafts[:] = self.ngram.propose_rows(ids, self.spec.k)
+            return [len(d) for d in drafts]
+
+        matches = None
+        if self.ngram is not None:
+            # Hybrid's early-exit steps draft the matches first: look them up every step.
+            matches = match_lengths() if self.early_exit is not None else match_lengths
+        choice = control.choose(len(active), matches)
+        self._counters.count_choice(choice.kind, choice.k, self.spec.k, self.spec.method)
+        k, forced = choice.k, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # newcomers' prefill is not this step's time
+        started = control.clock()
+        self._verified = None
+        if choice.kind == PLAIN:
+            emitted = self._plain_step(self._bind(active, [0] * len(active)), last, pos)
+        elif choice.kind == NGRAM:
+            emitted = self._verify_ngram(active, [d[:k] for d in drafts], last, pos)
+        else:
+            assert choice.kind == EARLY_EXIT
+            forced = [d[:k] for d in drafts] if choice.ngram_prefix else None
+            cache = self._bind(active, [k] * len(active))
+            emitted = self._early_exit_step(cache, last, pos, forced, k)
+        seconds = control.clock() - started
+        accepted, proposed = self._verified or (None, None)
+        lengths = None if forced is None else [len(f) for f in forced]
+        control.record(choice, len(active), seconds, accepted, proposed, lengths)
+        return emitted
 
     def _first_step(self, active: list[Row]) -> list:
         """Newcomers' first step, prompts included: each row's prompt, then its n-gram drafts
@@ -141,9 +186,10 @@ class DecodeSteps:
         last: torch.Tensor,
         pos: torch.Tensor,
         forced: list[list[int]] | None = None,
+        k: int | None = None,
     ) -> list:
         assert self.early_exit is not None
-        k = self.spec.k
+        k = self.spec.k if k is None else k
         draft = self.early_exit.draft(
             last, pos, cache, k, self.temperature, self.top_p, self.generator, forced
         )
@@ -175,8 +221,9 @@ class DecodeSteps:
 
     def _spec_emitted(self, result: SpecResult, num_drafts: torch.Tensor) -> list:
         """Per-row (tokens, logprobs) from a SpecResult, and the acceptance counters."""
-        accepted = result.accepted.tolist()
-        self._counters.count_drafts(accepted, num_drafts.tolist())
+        accepted, proposed = result.accepted.tolist(), num_drafts.tolist()
+        self._counters.count_drafts(accepted, proposed)
+        self._verified = accepted, proposed
         emitted_n = result.num_emitted.tolist()
         tokens = result.tokens.tolist()
         logprobs = result.logprobs.tolist()

@@ -20,6 +20,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from actors.draft_length import DraftLength
 from actors.drafting import EarlyExitDrafter, NgramDrafter
 from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
 from actors.engines.torch_decode import DecodeSteps
@@ -76,13 +77,30 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
         self.cache = PagedKVCache(model.args, block_size, device=self.device, dtype=self.dtype)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.early_exit = (
-            EarlyExitDrafter(model, self.spec.exit_layer) if self.spec.uses_early_exit else None
+            EarlyExitDrafter(model, self.spec.exit_layer, adapter=self.spec.adapter)
+            if self.spec.uses_early_exit
+            else None
         )
+        model.draft_kv = self.spec.adapter  # full forwards also write the adapter's KV
         self.ngram = (
             NgramDrafter(
                 self.spec.ngram_max_n, self.spec.ngram_min_n, sources=self.spec.ngram_sources
             )
             if self.spec.uses_ngram
+            else None
+        )
+        self.draft_length = (
+            DraftLength(
+                self.spec.method,
+                self.spec.k,
+                # Prior cost of an early-exit pass: its share of the layers.
+                draft_cost=(
+                    self.early_exit.exit_layer / model.args.num_hidden_layers
+                    if self.early_exit is not None
+                    else 0.0
+                ),
+            )
+            if self.spec.adaptive and self.spec.method != "none"
             else None
         )
         self._counters = Counters()

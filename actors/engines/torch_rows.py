@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN
 from actors.engines.rollout_engine import Rollout
 from common import metric_names as mn
 
@@ -82,6 +83,12 @@ class Counters:
         self.verify_steps, self.proposed, self.accepted = 0, 0, 0
         self.proposed_at: list[int] = []
         self.accepted_at: list[int] = []
+        # Forwards that verified drafts and the tokens they emitted (all rows).
+        self.spec_forwards, self.spec_tokens = 0, 0
+        # Adaptive draft length (spec.adaptive): decoding steps by chosen k (0 = plain) and,
+        # for hybrid, by kind (plain, ngram, early_exit).
+        self.chosen_k: list[int] = []
+        self.chosen_kind: dict[str, int] = {}
         # Weights in flight: swaps; generated tokens of unfinished rows when new weights
         # arrived, how many of them were kept or discarded; tokens pushed through verification
         # forwards; stale tokens verified and accepted by version gap.
@@ -93,6 +100,8 @@ class Counters:
     def count_drafts(self, accepted: list[int], proposed: list[int]) -> None:
         """Acceptance counters of one verification step (per row: accepted, proposed drafts)."""
         self.verify_steps += len(proposed)
+        self.spec_forwards += 1
+        self.spec_tokens += sum(accepted) + len(accepted)  # the accepted drafts + one each
         kmax = max(proposed) if proposed else 0
         if len(self.proposed_at) < kmax:
             grow = kmax - len(self.proposed_at)
@@ -104,6 +113,16 @@ class Counters:
             for i in range(m):
                 self.proposed_at[i] += 1
                 self.accepted_at[i] += int(a > i)
+
+    def count_choice(self, kind: str, k: int, k_max: int, method: str) -> None:
+        """One decoding step's adaptive choice: ``kind`` (plain or a drafter) and ``k``."""
+        if len(self.chosen_k) <= k_max:
+            self.chosen_k += [0] * (k_max + 1 - len(self.chosen_k))
+        self.chosen_k[k] += 1
+        if method == "hybrid":
+            if not self.chosen_kind:
+                self.chosen_kind = dict.fromkeys((PLAIN, NGRAM, EARLY_EXIT), 0)
+            self.chosen_kind[kind] += 1
 
     def count_stale(self, gaps: list[int], accepted: int) -> None:
         """One verified row: ``gaps[i]`` is token ``i``'s version gap; the first ``accepted``
@@ -146,6 +165,17 @@ class Counters:
         }
         for i, (p, a) in enumerate(zip(self.proposed_at, self.accepted_at, strict=True)):
             out[f"{mn.SPEC_ACCEPTANCE_POS_PREFIX}{i + 1}"] = a / p if p else 0.0
+        # Tokens per forward that verified drafts, all rows of the step together.
+        out[mn.SPEC_TOKENS_PER_VERIFY_FORWARD] = (
+            self.spec_tokens / self.spec_forwards if self.spec_forwards else 0.0
+        )
+        steps = sum(self.chosen_k)
+        if steps:
+            for k, n in enumerate(self.chosen_k):
+                out[f"{mn.SPEC_DRAFT_LEN_PREFIX}k{k}"] = n / steps
+            out[mn.SPEC_MEAN_DRAFT_LEN] = sum(k * n for k, n in enumerate(self.chosen_k)) / steps
+            for kind, n in self.chosen_kind.items():
+                out[f"{mn.SPEC_DRAFTER_PREFIX}{kind}"] = n / steps
         return out
 
     def _swap_report(self) -> dict[str, float]:

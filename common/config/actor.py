@@ -32,7 +32,7 @@ class SpecConfig:
     ``ngram`` (drafts looked up in the prompt, the GRPO group and earlier completions),
     ``hybrid`` (n-gram drafts where a match exists, the early exit elsewhere)."""
     k: int = 4
-    """Draft tokens proposed per verification forward pass."""
+    """Draft tokens proposed per verification forward pass: the most, with ``adaptive``."""
     exit_layer: int = 1
     """``early_exit``: layers the draft runs (must be below the model's layer count)."""
     ngram_max_n: int = 4

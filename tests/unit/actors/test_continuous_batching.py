@@ -27,9 +27,11 @@ NO_EOS = 99
 PROMPTS = [[1, 4, 5, 4], [1, 3]]
 SPECS = [
     SpecConfig(method="none"),
-    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1),
-    SpecConfig(method="early_exit", k=2, exit_layer=1),
-    SpecConfig(method="hybrid", k=2, exit_layer=1, ngram_max_n=2, ngram_sources="group"),
+    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1, adaptive=False),
+    SpecConfig(method="early_exit", k=2, exit_layer=1, adaptive=False),
+    SpecConfig(
+        method="hybrid", k=2, exit_layer=1, ngram_max_n=2, ngram_sources="group", adaptive=False
+    ),
 ]
 
 
@@ -210,7 +212,7 @@ def test_dynamic_cache_holds_less_than_the_static_one():
 def test_bf16_model_runs_with_a_bf16_cache():
     model = peaky_model(vocab=12, seed=0, scale=2.0).to(torch.bfloat16)
     new = peaky_model(vocab=12, seed=1, scale=2.0).to(torch.bfloat16)
-    spec = SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1)
+    spec = SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1, adaptive=False)
     engine = TorchEngine(model, EOS, 0, 1.0, seed=0, version=0, spec=spec, max_rows=5)
     out = engine.generate(PROMPTS, 4, 10, weight_source=swap_after(3, 1, new))
     assert engine.cache.k.dtype == torch.bfloat16

@@ -53,10 +53,12 @@ def test_unknown_source_is_rejected() -> None:
 
 
 SPECS = [
-    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_sources="prompt"),
-    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_sources="group"),
-    SpecConfig(method="hybrid", k=3, exit_layer=1, ngram_max_n=2),
-    SpecConfig(method="hybrid", k=2, exit_layer=2, ngram_max_n=2, ngram_sources="prompt"),
+    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_sources="prompt", adaptive=False),
+    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_sources="group", adaptive=False),
+    SpecConfig(method="hybrid", k=3, exit_layer=1, ngram_max_n=2, adaptive=False),
+    SpecConfig(
+        method="hybrid", k=2, exit_layer=2, ngram_max_n=2, ngram_sources="prompt", adaptive=False
+    ),
 ]
 
 
@@ -86,7 +88,9 @@ def test_hybrid_uses_both_drafts() -> None:
     # Rows whose context has a match take n-gram drafts (no draft layers); rows without one take
     # the early exit's, so both counters move in one run.
     model = peaky_model(vocab=16, seed=0, scale=30.0)
-    spec = SpecConfig(method="hybrid", k=3, exit_layer=1, ngram_max_n=2, ngram_sources="prompt")
+    spec = SpecConfig(
+        method="hybrid", k=3, exit_layer=1, ngram_max_n=2, ngram_sources="prompt", adaptive=False
+    )
     engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec)
     engine.generate([[1, 5, 6, 5, 6], [1, 7]], 2, 12)
     stats = engine.stats()

@@ -84,7 +84,7 @@ def test_siblings_are_independent_under_group_ngram_drafts():
         pad_id=0,
         temperature=TEMPERATURE,
         seed=11,
-        spec=SpecConfig(method="ngram", k=4, ngram_max_n=3, ngram_sources="group"),
+        spec=SpecConfig(method="ngram", k=4, ngram_max_n=3, ngram_sources="group", adaptive=False),
     )
     pairs = sibling_pairs(engine, index)
     # Drafting really happened and was accepted (about 0.26 of drafts with this model).

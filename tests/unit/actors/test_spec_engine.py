@@ -19,9 +19,9 @@ from testing.lossless_check import (
 
 METHODS = [
     SpecConfig(method="none"),
-    SpecConfig(method="early_exit", k=3, exit_layer=1),
-    SpecConfig(method="early_exit", k=2, exit_layer=2),
-    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1),
+    SpecConfig(method="early_exit", k=3, exit_layer=1, adaptive=False),
+    SpecConfig(method="early_exit", k=2, exit_layer=2, adaptive=False),
+    SpecConfig(method="ngram", k=3, ngram_max_n=2, ngram_min_n=1, adaptive=False),
 ]
 
 
