@@ -40,8 +40,9 @@ from common.model_args import INIT_STD, ModelArgs
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-DRAFT_FILE = "draft.safetensors"
-"""The draft adapter's tensors (``draft.*``), apart from the checkpoint other tools read."""
+DRAFT_FILE = "draft/model.safetensors"
+"""The draft adapter's tensors (``draft.*``), apart from the checkpoint other tools read: in a
+subdirectory, because vLLM and transformers load every ``*.safetensors`` at the top level."""
 DRAFT_PREFIX = "draft."
 
 
@@ -500,7 +501,7 @@ def attach_draft(model: Transformer, exit_layer: int, vocab_ids: Tensor | None =
 
 def save_pretrained(model: Transformer, path: str | Path) -> None:
     """Write `config.json` + `model.safetensors` (HF layout) into `path`, creating it, and the
-    draft adapter's tensors, if any, into `draft.safetensors`.
+    draft adapter's tensors, if any, into `draft/model.safetensors`.
 
     Tensors keep the model's dtype (recorded as `torch_dtype`); a tied LM head is omitted, as HF
     does, since safetensors refuses shared storage.
@@ -517,6 +518,7 @@ def save_pretrained(model: Transformer, path: str | Path) -> None:
     (path / CONFIG_FILE).write_text(json.dumps(model.args.to_hf_config(dtype), indent=2) + "\n")
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     if draft:
+        (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
         save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
     else:
         (path / DRAFT_FILE).unlink(missing_ok=True)
@@ -524,7 +526,7 @@ def save_pretrained(model: Transformer, path: str | Path) -> None:
 
 def save_draft(model: Transformer, path: str | Path) -> None:
     """Write the draft adapter of ``model`` into the existing checkpoint directory ``path``
-    (``draft.safetensors``, and its two keys in ``config.json``), leaving the model's own
+    (``draft/model.safetensors``, and its two keys in ``config.json``), leaving the model's own
     tensors as they are; the adapter's tensors keep the dtype of the checkpoint's."""
     if model.draft is None:
         raise ValueError("the model has no draft adapter to save")
@@ -535,6 +537,7 @@ def save_draft(model: Transformer, path: str | Path) -> None:
         DRAFT_PREFIX + name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype)
         for name, t in model.draft.state_dict().items()
     }
+    (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
     save_file(state, str(path / DRAFT_FILE), metadata={"format": "pt"})
     cfg.update(
         draft_exit_layer=model.args.draft_exit_layer, draft_vocab_size=model.args.draft_vocab_size

@@ -111,6 +111,7 @@ def write_model(config: dict[str, Any], state: dict[str, torch.Tensor], path: Pa
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     if draft:
+        (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
         save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
 
 

@@ -48,6 +48,7 @@ from actors.engines.vllm_setup import (
 from actors.engines.vllm_verify import dense_logprobs, record_ids, record_of, verify_row
 from common import metric_names as mn
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
+from common.model import DRAFT_PREFIX
 from common.sampling import processed_logprobs
 
 _SPEC_COUNTERS = {
@@ -213,7 +214,12 @@ class VllmEngine(RolloutEngine):
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={
-                "weights_iterator": [(k, v.detach().cpu()) for k, v in state_dict.items()],
+                # The draft adapter (``draft.*``) drafts in the torch engine only.
+                "weights_iterator": [
+                    (k, v.detach().cpu())
+                    for k, v in state_dict.items()
+                    if not k.startswith(DRAFT_PREFIX)
+                ],
                 "is_checkpoint_format": True,
             },
         )

@@ -9,7 +9,7 @@ from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
-from common.model import attach_draft
+from common.model import DRAFT_FILE, attach_draft
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import (
@@ -76,7 +76,7 @@ def test_adapter_checkpoint_round_trip(tmp_path):
     opt = make_optimizer(model, cfg, SPEC)
     train_step(model, opt, batch, cfg, SamplingConfig(), spec=SPEC)
     path = save_checkpoint(tmp_path, model, tokenizer, opt, TrainerState(1, 1, {}))
-    assert (path / "draft.safetensors").exists()
+    assert (path / DRAFT_FILE).exists()
     loaded, opt_tensors, _, groups = load_checkpoint(path, torch.device("cpu"))
     assert loaded.draft is not None
     assert torch.equal(loaded.draft.vocab_ids, model.draft.vocab_ids)

@@ -1,0 +1,580 @@
+"""``specrl warm-draft``: warm-start the policy's draft adapter (docs/design.md §2.1) before RL.
+
+The model samples its own completions of the task's training prompts (plain decoding at the
+run's sampling temperature and top-p, ``task.max_new_tokens``); the adapter's vocabulary is the
+``spec.adapter_vocab`` tokens those completions use most; a fresh adapter after ``exit_layer``
+layers (``attach_draft``: a copy of that layer and of the final norm) is trained teacher-forced
+on them, only its parameters moving, on the learner's loss KL(p || q) (``learner.draft_loss``);
+held-out prompts measure the acceptance before and after. The adapter is saved into the model
+directory (``save_draft``: the model's own tensors untouched).
+
+The frozen policy's states the loss reads (the residual stream after ``exit_layer`` layers and
+the final-normed hidden state) are recorded while sampling, once per token, so training never
+runs the policy. Sampling is the torch engine's plain step (``processed_logprobs`` and
+``sample_tokens`` of ``common.sampling``) over a contiguous KV cache, finished rows leaving the
+batch: the learner may not import the actors' engine (docs/design.md §1.2).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from common.config import SpecRLConfig
+from common.config.actor import SpecConfig
+from common.model import KVCache, Transformer, attach_draft, load_pretrained, save_draft
+from common.sampling import processed_logprobs, sample_tokens
+from common.tasks import PromptPool, task_from_config
+from common.tokenizer import HFTokenizer, Tokenizer, encode_prompt, load_tokenizer
+from learner.draft_loss import acceptance_sum, draft_states, loss_temperature
+from learner.warm_start import ensure_model
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "draft_warmup.json"
+EXIT_FRACTION = 0.2
+"""Default exit layer when ``spec.exit_layer`` is not set: this share of the layers, at least
+1: layer 1 of the tiny model's 4, 6 of SmolLM2-135M's 30 (docs/training.md has the sweep)."""
+WARMUP_LR = 3e-3
+"""AdamW rate of the warm-up unless ``--lr`` or ``spec.adapter_lr`` is given: on SmolLM2 it
+reaches in 224 steps what 1e-3 (the RL run's ``spec.adapter_lr``) reaches in twice as many."""
+
+
+class WarmDraftError(ValueError):
+    """Input the warm-up refuses: a model the built-in Transformer cannot load, an exit layer or
+    a vocabulary that does not fit the model, a bad flag."""
+
+
+@dataclass
+class WarmDraftOptions:
+    """The command's flags (``specrl warm-draft -h``); the rest comes from the config."""
+
+    prompts: int = 96
+    """Training prompts, the held-out ones included."""
+    samples_per_prompt: int = 2
+    epochs: int = 6
+    batch: int = 4
+    """Sequences per AdamW step."""
+    holdout: float = 0.125
+    """Share of the prompts whose completions only measure the acceptance (at least one)."""
+    sample_batch: int = 32
+    """Prompts decoded together (``samples_per_prompt`` rows each)."""
+    sample_dtype: str = "bfloat16"
+    """Of the sampling copy of the policy (``float32``: the policy itself, for a CPU without bf16
+    instructions); the states the loss reads come from it. bf16 samples SmolLM2 1.5 times faster
+    on an AVX-512 CPU core, and its states train an adapter as good (docs/training.md)."""
+    device: str = "auto"
+    exit_layer: int | None = None
+    """None: ``spec.exit_layer`` unless it is the default, else :data:`EXIT_FRACTION`."""
+    vocab: int | None = None
+    """None: ``spec.adapter_vocab`` capped at the vocabulary (0 = the whole vocabulary)."""
+    lr: float | None = None
+    """None: :data:`WARMUP_LR`."""
+    chunk: int = 256
+    """Positions whose [chunk, V] logits the loss and the evaluation hold at a time."""
+    out: Path | None = None
+    """Write into a copy of the model directory here, not into the model directory."""
+    summary: Path | None = None
+    """The JSON summary; default ``<model dir or out>/draft_warmup.json``."""
+    command: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    max_new_tokens: int
+    exit_layer: int
+    eos_id: int
+    temperature: float
+    top_p: float
+
+
+@dataclass
+class Sample:
+    """One sampled completion and the frozen policy's states that the draft's loss reads."""
+
+    prompt: list[int]
+    completion: list[int]
+    exit_states: Tensor
+    """[P + C - 1, H] float32: the residual stream after ``exit_layer`` layers at positions
+    0 .. P + C - 2 (what the draft attends to while it predicts the completion)."""
+    full_states: Tensor
+    """[C, H] float32: the final-normed hidden states at positions P - 1 .. P + C - 2 (each
+    predicts the next completion token)."""
+
+
+# ---------------------------------------------------------------- model, settings, prompts
+
+
+def load_policy(model_dir: Path, device: torch.device) -> Transformer:
+    """The built-in Transformer of ``model_dir`` in float32, or a clear refusal."""
+    try:
+        return load_pretrained(model_dir, device, torch.float32).eval()
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise WarmDraftError(
+            f"{model_dir}: the built-in Transformer cannot load this model ({e}); the draft "
+            "adapter is part of common.model.Transformer (llama/qwen2/qwen3 safetensors)"
+        ) from e
+
+
+def resolve_exit_layer(cfg: SpecRLConfig, num_layers: int, explicit: int | None) -> int:
+    """``explicit`` (the user set ``spec.exit_layer``), else the config's unless it is the
+    default, else :data:`EXIT_FRACTION` of the layers; refused outside [1, num_layers - 1]."""
+    if explicit is None and cfg.spec.exit_layer != SpecConfig.exit_layer:
+        explicit = cfg.spec.exit_layer
+    exit_layer = max(1, round(num_layers * EXIT_FRACTION)) if explicit is None else explicit
+    if not 1 <= exit_layer < num_layers:
+        raise WarmDraftError(
+            f"spec.exit_layer={exit_layer} is out of range: the adapter reads the residual stream "
+            f"after 1 to {num_layers - 1} of the model's {num_layers} layers"
+        )
+    return exit_layer
+
+
+def resolve_vocab(cfg: SpecRLConfig, vocab_size: int, explicit: int | None) -> int:
+    """The draft vocabulary's size, 0 for the whole vocabulary: ``explicit`` (the user set
+    ``spec.adapter_vocab``; refused above the vocabulary), else ``spec.adapter_vocab`` capped at
+    the vocabulary (the default 8192 exceeds a tiny model's whole vocabulary)."""
+    if explicit is not None and explicit > vocab_size:
+        raise WarmDraftError(
+            f"spec.adapter_vocab={explicit} exceeds the model's vocabulary of {vocab_size} "
+            "tokens (0 = the whole vocabulary)"
+        )
+    size = cfg.spec.adapter_vocab if explicit is None else explicit
+    return 0 if size >= vocab_size else size
+
+
+def check_options(opts: WarmDraftOptions) -> None:
+    least = {"prompts": 2, "samples_per_prompt": 1, "epochs": 0, "batch": 1, "sample_batch": 1}
+    problems = [
+        f"--{name.replace('_', '-')} must be >= {low}, got {getattr(opts, name)}"
+        for name, low in least.items()
+        if getattr(opts, name) < low
+    ]
+    if not 0.0 < opts.holdout < 1.0:
+        problems.append(f"--holdout must be in (0, 1), got {opts.holdout}")
+    if opts.sample_dtype not in ("float32", "bfloat16"):
+        problems.append(f"--sample-dtype must be float32 or bfloat16, got {opts.sample_dtype!r}")
+    if problems:
+        raise WarmDraftError("; ".join(problems))
+
+
+def prompt_ids(cfg: SpecRLConfig, tokenizer: Tokenizer, text: str) -> list[int]:
+    """Prompt text -> ids as the actor makes them (``actors.prompts.prompt_encoder``, which the
+    learner may not import): the chat template for a natural-language task under
+    ``task.chat_template=auto`` (always under ``true``), else BOS + text."""
+    mode = cfg.task.chat_template
+    chat = mode == "true" or (mode == "auto" and cfg.task.natural_language)
+    if chat and isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template:
+        return tokenizer.encode_chat(text, cfg.task.system_prompt)
+    return encode_prompt(tokenizer, text)
+
+
+def training_prompts(
+    cfg: SpecRLConfig, tokenizer: Tokenizer, n: int
+) -> tuple[list[list[int]], int]:
+    """(up to ``n`` distinct prompts of the task's training set, its pool when it has one;
+    the task's ``max_new_tokens``)."""
+    task = task_from_config(cfg.task)
+    rng = random.Random(cfg.run.seed)
+    if isinstance(task, PromptPool):
+        problems = list(task.problems)
+        rng.shuffle(problems)
+    else:
+        problems = task.sample(rng, 4 * n)
+    texts = list(dict.fromkeys(p.prompt for p in problems))[:n]
+    return [prompt_ids(cfg, tokenizer, t) for t in texts], task.max_new_tokens
+
+
+def turn_end_ids(tokenizer: Tokenizer) -> set[int]:
+    """The ids a chat template puts after an assistant's reply (``<|im_end|>`` and a newline for
+    SmolLM2): the draft must be able to propose the end of a turn."""
+    hf = getattr(tokenizer, "_tokenizer", None)
+    if hf is None or not getattr(hf, "chat_template", None):
+        return set()
+    messages = [{"role": "user", "content": "7"}, {"role": "assistant", "content": "42"}]
+    try:
+        ids = hf.apply_chat_template(messages, tokenize=True)
+        ids = [int(i) for i in (ids if isinstance(ids, list) else ids["input_ids"])]
+    except Exception:  # noqa: BLE001 - a template that cannot render this adds no ids
+        return set()
+    reply = tokenizer.encode("42")
+    for start in range(len(ids) - len(reply), -1, -1):
+        if ids[start : start + len(reply)] == reply:
+            return set(ids[start + len(reply) :])
+    return set()
+
+
+# ---------------------------------------------------------------- sampling
+
+
+@torch.no_grad()
+def sample_group(
+    model: Transformer,
+    prompts: Sequence[list[int]],
+    n: int,
+    decoding: Decoding,
+    generator: torch.Generator,
+    on_step: Callable[[int, int], None] | None = None,
+) -> list[Sample]:
+    """``n`` completions of each prompt (prompt-major), decoded together: one prefill of the
+    right-padded prompts (the KV cache's semantics make the padding harmless), its cache copied
+    to the ``n`` rows of each prompt, then a plain step per token, finished rows leaving the
+    batch. ``on_step(step, live rows)`` after each step."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    exit_layer, max_new = decoding.exit_layer, decoding.max_new_tokens
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros((len(prompts), int(lens.max())), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p, device=device)
+    cache = KVCache(model.args, len(prompts), ids.shape[1] + max_new, device, dtype)
+
+    def forward(tokens: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        h_exit = model.run_layers(model.model.embed_tokens(tokens), pos, cache, 0, exit_layer)
+        h = model.run_layers(h_exit, pos, cache, exit_layer, model.args.num_hidden_layers)
+        return h_exit, model.model.norm(h)
+
+    prompt_exit, full = forward(ids, torch.arange(ids.shape[1], device=device).expand_as(ids))
+    rows = torch.arange(len(prompts), device=device).repeat_interleave(n)  # each row's prompt
+    cache.select_rows(rows)
+    last = full[rows, lens[rows] - 1]  # [R, H]: predicts each row's first token
+    exits = torch.zeros((len(rows), max_new, model.args.hidden_size), device=device, dtype=dtype)
+    fulls = torch.zeros_like(exits)
+    fulls[:, 0] = last
+    tokens = torch.zeros((len(rows), max_new), dtype=torch.long, device=device)
+    lengths = torch.zeros(len(rows), dtype=torch.long, device=device)
+    alive = torch.arange(len(rows), device=device)  # the rows still decoding
+    pos = lens[rows].clone()  # the position of each live row's next token
+    for step in range(max_new):
+        logprobs = processed_logprobs(
+            model.lm_head(last).float(), decoding.temperature, decoding.top_p
+        )
+        token, _ = sample_tokens(logprobs, generator)
+        tokens[alive, step], lengths[alive] = token, step + 1
+        keep = (token != decoding.eos_id).nonzero().squeeze(-1)
+        if on_step is not None:
+            on_step(step, alive.numel())
+        if step + 1 == max_new or keep.numel() == 0:
+            break
+        if keep.numel() < alive.numel():
+            cache.select_rows(keep)
+            alive, pos, token = alive[keep], pos[keep], token[keep]
+        h_exit, full = forward(token[:, None], pos[:, None])
+        exits[alive, step], fulls[alive, step + 1] = h_exit[:, 0], full[:, 0]
+        last, pos = full[:, 0], pos + 1
+    out = []
+    for r, (p, c) in enumerate(zip(rows.tolist(), lengths.tolist(), strict=True)):
+        states = torch.cat([prompt_exit[p, : len(prompts[p])], exits[r, : c - 1]])
+        completion = tokens[r, :c].tolist()
+        out.append(
+            Sample(list(prompts[p]), completion, states.float().cpu(), fulls[r, :c].float().cpu())
+        )
+    return out
+
+
+def sample_all(
+    model: Transformer,
+    prompts: list[list[int]],
+    opts: WarmDraftOptions,
+    decoding: Decoding,
+    seed: int,
+) -> list[list[Sample]]:
+    """Per prompt, its ``samples_per_prompt`` completions; prompts of similar length decode
+    together; progress lines (prompts done/total, tokens, tokens/s, ETA) every 32 steps."""
+    generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[Sample]] = [[] for _ in prompts]
+    started, done, tokens = time.perf_counter(), 0, 0
+
+    def report(step: int, live: int) -> None:
+        nonlocal tokens
+        tokens += live
+        if (step + 1) % 32:
+            return
+        elapsed = time.perf_counter() - started
+        share = (done + len(chunk) * (step + 1) / decoding.max_new_tokens) / len(prompts)
+        log.info(
+            f"sampling: {done}/{len(prompts)} prompts done, step {step + 1}/"
+            f"{decoding.max_new_tokens} of the next {len(chunk)}, {tokens} tokens, "
+            f"{tokens / elapsed:.0f} tokens/s, elapsed {elapsed:.0f}s, "
+            f"ETA {elapsed / share * (1 - share):.0f}s"
+        )
+
+    for start in range(0, len(order), opts.sample_batch):
+        chunk = order[start : start + opts.sample_batch]
+        group = [prompts[i] for i in chunk]
+        samples = sample_group(model, group, opts.samples_per_prompt, decoding, generator, report)
+        for j, sample in enumerate(samples):
+            results[chunk[j // opts.samples_per_prompt]].append(sample)
+        done += len(chunk)
+        elapsed = time.perf_counter() - started
+        log.info(
+            f"sampling: {done}/{len(prompts)} prompts, {tokens} tokens, "
+            f"{tokens / elapsed:.0f} tokens/s, elapsed {elapsed:.0f}s, "
+            f"ETA {elapsed / done * (len(prompts) - done):.0f}s"
+        )
+    return results
+
+
+# ---------------------------------------------------------------- vocabulary
+
+
+def draft_vocabulary(
+    completions: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]],
+    size: int,
+    vocab_size: int,
+    keep: set[int],
+) -> Tensor | None:
+    """``size`` sorted token ids: ``keep`` (end-of-turn ids), then the completions' most
+    frequent tokens, then the prompts', then the lowest ids; None for ``size`` 0 (the whole
+    vocabulary)."""
+    if size == 0:
+        return None
+    chosen = dict.fromkeys(sorted(i for i in keep if 0 <= i < vocab_size))
+    for source in (completions, prompts, [range(vocab_size)]):
+        for token, _ in Counter(t for seq in source for t in seq).most_common():
+            if len(chosen) >= size:
+                break
+            chosen.setdefault(token)
+    return torch.tensor(sorted(chosen)[:size], dtype=torch.long)
+
+
+def coverage(ids: Tensor | None, completions: Sequence[Sequence[int]]) -> float:
+    """Share of the tokens of ``completions`` inside the draft vocabulary ``ids``."""
+    total = sum(len(c) for c in completions)
+    if ids is None or total == 0:
+        return 1.0
+    inside = set(ids.tolist())
+    return sum(t in inside for c in completions for t in c) / total
+
+
+# ---------------------------------------------------------------- training and evaluation
+
+
+def batch_states(samples: Sequence[Sample], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(h_exit [B, S, H] right-padded, mask [B, S] of the positions that predict a completion
+    token, h_full [N, H] at those positions in the mask's row-major order)."""
+    width = max(s.exit_states.shape[0] for s in samples)
+    h_exit = torch.zeros((len(samples), width, samples[0].exit_states.shape[1]))
+    mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        h_exit[i, : s.exit_states.shape[0]] = s.exit_states
+        mask[i, len(s.prompt) - 1 : len(s.prompt) - 1 + len(s.completion)] = True
+    h_full = torch.cat([s.full_states for s in samples])
+    return h_exit.to(device), mask.to(device), h_full.to(device)
+
+
+def restricted_kl_sum(
+    policy: Transformer, h_full: Tensor, d: Tensor, temperature: float, chunk: int
+) -> Tensor:
+    """:func:`learner.draft_loss.adapter_kl_sum` from the head's draft-vocabulary rows only: p
+    restricted to the vocabulary and renormalised is the softmax over those rows' logits, so the
+    value and the adapter's gradient are the same, without the policy's [N, V] logits (computed
+    twice there, with the recomputation in backward: 60% of a step for SmolLM2)."""
+    t = loss_temperature(temperature)
+    weight = policy.draft.head_weight(policy.lm_head.weight)
+    step = chunk if chunk > 0 else max(h_full.shape[0], 1)
+    total = d.new_zeros((), dtype=torch.float32)
+    for i in range(0, h_full.shape[0], step):
+        with torch.no_grad():
+            p = processed_logprobs(F.linear(h_full[i : i + step], weight).float(), t)
+        q = processed_logprobs(F.linear(d[i : i + step], weight).float(), t)
+        total = total + (p.exp() * (p - q)).sum()
+    return total
+
+
+def held_out_acceptance(
+    policy: Transformer, samples: Sequence[Sample], temperature: float, batch: int, chunk: int
+) -> float:
+    """Mean per-token acceptance, sum_v min(p, q), of the policy's adapter over the completion
+    positions of ``samples``."""
+    total, positions = 0.0, 0
+    device = policy.lm_head.weight.device
+    with torch.no_grad():
+        for i in range(0, len(samples), batch):
+            h_exit, mask, h_full = batch_states(samples[i : i + batch], device)
+            d = draft_states(policy, h_exit)[mask]
+            total += float(acceptance_sum(policy, h_full, d, temperature, chunk))
+            positions += int(mask.sum())
+    return total / max(positions, 1)
+
+
+def tokens_per_verify(acceptance: float, k: int) -> float:
+    """Expected tokens per verification of a k-token chain whose tokens are each accepted with
+    probability a: (1 - a^(k+1)) / (1 - a), k + 1 when a = 1."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def train_adapter(
+    policy: Transformer,
+    samples: list[Sample],
+    opts: WarmDraftOptions,
+    temperature: float,
+    seed: int,
+) -> tuple[int, float]:
+    """AdamW on the adapter's parameters only, teacher-forced, a linear warm-up over 5% of the
+    steps then a cosine decay to a tenth; returns (steps, mean loss of the last epoch)."""
+    policy.requires_grad_(False)
+    params = list(policy.draft.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=opts.lr or WARMUP_LR, weight_decay=0.0)
+    steps = opts.epochs * math.ceil(len(samples) / opts.batch)
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    rng, device = random.Random(seed), policy.lm_head.weight.device
+    started, step, losses = time.perf_counter(), 0, [float("nan")]
+    for epoch in range(opts.epochs):
+        order, losses = list(samples), []
+        rng.shuffle(order)
+        for i in range(0, len(order), opts.batch):
+            h_exit, mask, h_full = batch_states(order[i : i + opts.batch], device)
+            d = draft_states(policy, h_exit)[mask]
+            loss = restricted_kl_sum(policy, h_full, d, temperature, opts.chunk) / len(h_full)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            losses.append(loss.item())
+            if step % max(1, steps // 20) == 0 or step == steps:
+                elapsed = time.perf_counter() - started
+                log.info(
+                    "training: step %d/%d (epoch %d/%d), loss %.4f, elapsed %.0fs, ETA %.0fs",
+                    *(step, steps, epoch + 1, opts.epochs, losses[-1], elapsed),
+                    elapsed / step * (steps - step),
+                )
+    policy.requires_grad_(False)
+    return steps, sum(losses) / max(len(losses), 1)
+
+
+# ---------------------------------------------------------------- the command
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` for the block (``run.torch_threads``: on a CPU shared with
+    other processes, more threads than free cores make every matmul wait for a descheduled one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _sampler(policy: Transformer, dtype: str) -> Transformer:
+    """The model that samples: the policy itself in float32, or a bf16 copy of it."""
+    return copy.deepcopy(policy).to(torch.bfloat16) if dtype == "bfloat16" else policy
+
+
+def _save(policy: Transformer, model_dir: Path, out: Path | None) -> Path:
+    """The adapter into ``model_dir``, or into ``out``, made a copy of it first."""
+    target = model_dir if out is None else out
+    if not target.exists() or not target.samefile(model_dir):
+        shutil.copytree(model_dir, target, dirs_exist_ok=True)
+    save_draft(policy, target)
+    return target
+
+
+def warm_draft(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, dict]:
+    """Sample, pick the vocabulary, train, evaluate and save the adapter (module docstring);
+    returns the policy with its trained adapter and the summary (also written as JSON)."""
+    check_options(opts)
+    with _threads(cfg.run.torch_threads):
+        return _warm_draft(cfg, opts, time.perf_counter())
+
+
+def _warm_draft(
+    cfg: SpecRLConfig, opts: WarmDraftOptions, started: float
+) -> tuple[Transformer, dict]:
+    device = _device(opts.device)
+    model_dir = ensure_model(cfg)
+    policy = load_policy(model_dir, device)
+    args = policy.args
+    exit_layer = resolve_exit_layer(cfg, args.num_hidden_layers, opts.exit_layer)
+    vocab = resolve_vocab(cfg, args.vocab_size, opts.vocab)
+    tokenizer = load_tokenizer(model_dir)
+    prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)
+    held = max(1, round(len(prompts) * opts.holdout))
+    if len(prompts) <= held:
+        raise WarmDraftError(f"{len(prompts)} distinct prompts: too few to hold {held} out")
+    log.info(
+        "warm-draft %s: exit layer %d of %d, %d prompts (%d held out) x %d completions",
+        *(model_dir, exit_layer, args.num_hidden_layers, len(prompts), held),
+        opts.samples_per_prompt,
+    )
+    temperature = cfg.sampling.temperature
+    decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, temperature, cfg.sampling.top_p)
+    groups = sample_all(_sampler(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed)
+    sample_s = time.perf_counter() - started
+    evaluation = [s for g in groups[:held] for s in g]
+    train = [s for g in groups[held:] for s in g]
+    keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
+    completions = [s.completion for s in train]
+    ids = draft_vocabulary(completions, prompts[held:], vocab, args.vocab_size, keep)
+    covered = coverage(ids, [s.completion for s in evaluation])
+    attach_draft(policy, exit_layer, ids)
+    before = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
+    log.info("held-out acceptance before training %.4f, vocabulary coverage %.4f", before, covered)
+    steps, loss = train_adapter(policy, train, opts, temperature, cfg.run.seed)
+    after = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
+    out = _save(policy, model_dir, opts.out)
+    summary = {
+        "model_dir": str(out),
+        "exit_layer": exit_layer,
+        "num_layers": args.num_hidden_layers,
+        "draft_vocab": vocab or args.vocab_size,
+        "vocab_size": args.vocab_size,
+        "heldout_coverage": round(covered, 4),
+        "train_samples": len(train),
+        "heldout_samples": len(evaluation),
+        "train_tokens": sum(map(len, completions)),
+        "heldout_tokens": sum(len(s.completion) for s in evaluation),
+        "epochs": opts.epochs,
+        "steps": steps,
+        "lr": opts.lr or WARMUP_LR,
+        "final_loss": round(loss, 4),
+        "acceptance_before": round(before, 4),
+        "acceptance_after": round(after, 4),
+        "k": cfg.spec.k,
+        "tokens_per_verify_before": round(tokens_per_verify(before, cfg.spec.k), 3),
+        "tokens_per_verify_after": round(tokens_per_verify(after, cfg.spec.k), 3),
+        "sample_seconds": round(sample_s, 1),
+        "train_seconds": round(time.perf_counter() - started - sample_s, 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": " ".join(opts.command),
+    }
+    path = opts.summary or out / SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return policy, {**summary, "summary_file": str(path)}
