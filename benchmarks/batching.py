@@ -63,7 +63,7 @@ GROUP = 8
 METHODS = {
     "none": SpecConfig(method="none"),
     # The actor's default drafter (spec=ngram): the prompt, the group, earlier completions.
-    "ngram": SpecConfig(method="ngram"),
+    "ngram": SpecConfig(method="ngram", adaptive=False),
 }
 
 

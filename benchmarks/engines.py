@@ -70,7 +70,7 @@ GROUP = 8
 # k = 8 drafts from a suffix match of 3 to 6 tokens: the best of the settings probed on the small
 # model at batch 8 (mean accepted length 3.1, against 2.7 with k = 8 from 1-token matches and 2.4
 # with k = 4); a match of 1-2 tokens is weak evidence on the scratchpad task's varied wording.
-SELFSPEC = SpecConfig(method="ngram", k=8, ngram_max_n=6, ngram_min_n=3)
+SELFSPEC = SpecConfig(method="ngram", k=8, ngram_max_n=6, ngram_min_n=3, adaptive=False)
 BUILTIN_NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": 4,

@@ -27,6 +27,10 @@ Rows (one engine each, all side by side in one process, interleaved epoch by epo
   hybrid                n-gram drafts (prompt + group, no history) where a match exists, the
                         early exit elsewhere and after a short match; exact either way
 
+The real-model section (benchmarks/rollout_real.py; `--only real`, `--no-rl` skips its two RL
+runs) times SmolLM2-135M-Instruct on word_problems with the trained draft adapter and adaptive
+draft lengths; its figures are the `real_*` keys.
+
 Every engine first runs a warm-up over prompts disjoint from the timed ones (kernels, caches),
 except ngram_history_after, whose warm-up is HISTORY_EPOCHS epochs over the timed prompts.
 Batch = rows per generate call: 1 = one prompt x 1 sample, otherwise prompts x 8 samples.
@@ -37,6 +41,7 @@ enough to enumerate (temperature 1, and 0.7 with top-p 0.9).
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import random
@@ -53,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from benchmarks import cli  # noqa: E402
+from benchmarks import cli, rollout_real  # noqa: E402
 from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.config.actor import SpecConfig  # noqa: E402
@@ -61,7 +66,12 @@ from common.model import Transformer, load_pretrained  # noqa: E402
 from common.tasks import PromptPool, task_from_config  # noqa: E402
 from common.tokenizer import Tokenizer, encode_prompt, load_tokenizer  # noqa: E402
 from learner.checkpoint import latest_checkpoint  # noqa: E402
-from testing.lossless_check import peaky_model, sequence_pvalue  # noqa: E402
+from testing.lossless_check import (  # noqa: E402
+    ADAPTER_VOCAB,
+    peaky_model,
+    sequence_pvalue,
+    with_adapter,
+)
 
 BATCHES = (1, 8, 32)
 GROUP = 8
@@ -104,15 +114,19 @@ def workloads(quick: bool) -> list[Workload]:
 
 def methods_for(num_layers: int) -> dict[str, SpecConfig]:
     exit_layer = max(1, num_layers // 4)
-    ngram = SpecConfig(method="ngram", k=8)
+    # Fixed draft lengths (adaptive off): these rows measure each drafter as it is; the real
+    # model's section (rollout_real.py) has the adaptive rows.
+    ngram = SpecConfig(method="ngram", k=8, adaptive=False)
     return {
         "none": SpecConfig(method="none"),
         "ngram_prompt": replace(ngram, ngram_sources="prompt"),
         "ngram_group": replace(ngram, ngram_sources="group"),
         "ngram_history_first": replace(ngram, ngram_sources="history"),
         "ngram_history_after": replace(ngram, ngram_sources="history"),
-        "early_exit": SpecConfig(method="early_exit", k=4, exit_layer=exit_layer),
-        "hybrid": SpecConfig(method="hybrid", k=4, exit_layer=exit_layer, ngram_sources="group"),
+        "early_exit": SpecConfig(method="early_exit", k=4, exit_layer=exit_layer, adaptive=False),
+        "hybrid": SpecConfig(
+            method="hybrid", k=4, exit_layer=exit_layer, ngram_sources="group", adaptive=False
+        ),
     }
 
 
@@ -300,8 +314,16 @@ def sampled_reward(model, task, problems, tokenizer, device) -> float:
 def lossless_check(quick: bool) -> tuple[bool, dict[str, float]]:
     """Every row's sampled sequences against the exact plain distribution (chi-square)."""
     model = peaky_model(vocab=6, seed=1, scale=8.0, layers=4)
+    adapter = copy.deepcopy(model)
+    adapter_spec = SpecConfig(method="early_exit", exit_layer=1, adapter=True)
+    with_adapter(adapter, adapter_spec, ADAPTER_VOCAB)
+    rows = {
+        **{name: (model, spec) for name, spec in methods_for(4).items()},
+        # The real-model section's rows: the adapter draft, fixed and adaptive lengths.
+        **{f"real_{name}": (adapter, spec) for name, spec in rollout_real.methods(3, 1).items()},
+    }
     pvalues = {}
-    for name, spec in methods_for(model.args.num_hidden_layers).items():
+    for name, (model, spec) in rows.items():
         for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
             engine = TorchEngine(model, 2, 0, temperature, top_p, seed=7, spec=spec)
             if name == "ngram_history_after":
@@ -374,7 +396,12 @@ def main() -> int:
         help="fewer prompts, one timed epoch, shorter RL runs (a few minutes once cached)",
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--only", choices=("demo", "scratchpad"), help="one workload only")
+    parser.add_argument(
+        "--no-rl",
+        action="store_true",
+        help="real model: skip the two 20-step RL runs (end to end, draft acceptance drift)",
+    )
+    parser.add_argument("--only", choices=("demo", "scratchpad", "real"), help="one workload only")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(opts.device)
@@ -401,6 +428,14 @@ def main() -> int:
         figures, rows = run_workload(work, device, 1 if quick else 3, BATCHES)
         flat.update(figures)
         table += rows
+    real_table: list[str] = []
+    if opts.only in (None, "real"):
+        print("\n### real model: SmolLM2-135M-Instruct, word_problems\n")
+        print("\n".join(rollout_real.TABLE_HEAD), flush=True)
+        real, real_table = rollout_real.measure(quick, 1 if quick else 2)
+        flat.update(real)
+        if not opts.no_rl:
+            flat.update(rollout_real.rl_figures())
 
     summary: dict[str, object] = {
         "lossless": lossless,
@@ -433,6 +468,7 @@ def main() -> int:
             "loadavg_end": list(os.getloadavg()),
             "seconds": round(time.perf_counter() - started, 1),
             "table": table,
+            "real_table": rollout_real.TABLE_HEAD + real_table if real_table else [],
             **pvalues,
             **flat,
         }

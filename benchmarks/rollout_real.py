@@ -1,0 +1,297 @@
+"""The real-model section of ``benchmarks/rollout.py``: SmolLM2-135M-Instruct (the
+``smollm2-135m`` preset) on its task (``word_problems``, chat template) at the preset's
+sampling settings, every method side by side in one process, as the torch engine runs it in an
+actor (bf16 weights, one thread).
+
+Rows (each its own engine over the same model):
+
+  none              plain decoding, the baseline of every ratio
+  adapter           the trained self-draft (the policy's first layers + its adapter, warm-started
+                    with ``specrl warm-draft`` on first use), fixed draft length k
+  *_adaptive        ``spec.adaptive``: each step picks its draft length (0 = plain) from the
+                    measured acceptance by position and the measured cost of a verify step
+                    against a plain one: ngram (prompt + group), the untrained early exit
+                    (final norm + LM head after the same layer), the adapter, and hybrid
+                    (adapter + n-gram drafts, choosing by expected tokens per cost)
+
+Batch = rows per generate call: 1 = one prompt x 1 sample, otherwise prompts x 8 samples (a
+GRPO group per prompt). Figures: tokens/s (median over timed epochs), tokens per verifier
+forward (machine-independent), acceptance by draft position, chosen draft lengths.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from actors.engines.torch_engine import TorchEngine
+from actors.prompts import prompt_encoder
+from common import metric_names as mn
+from common.config import load_config
+from common.config.actor import SpecConfig
+from common.model import DRAFT_FILE, load_pretrained
+from common.model_presets import preset_dir
+from common.tasks import PromptPool, task_from_config
+from common.tokenizer import load_tokenizer
+from learner.checkpoint import latest_checkpoint
+from learner.draft_loss import acceptance_sum, draft_states
+from learner.policy import backbone
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESET = "smollm2-135m"
+OVERRIDES = [f"model={PRESET}", "task=word_problems"]
+GROUP = 8
+BATCHES = (1, 8, 32)
+
+
+def real_model_dir() -> Path:
+    """The preset's HF directory with a warm-started draft adapter (built on first use)."""
+    model_dir = ROOT / preset_dir(PRESET)
+    if not (model_dir / DRAFT_FILE).exists():
+        cmd = [sys.executable, "-m", "ops.cli", "warm-draft", *OVERRIDES]
+        print(f"warm-starting the draft: {' '.join(cmd[2:])} ...", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+    return model_dir
+
+
+def methods(k: int, exit_layer: int) -> dict[str, SpecConfig]:
+    fixed = SpecConfig(method="early_exit", k=k, exit_layer=exit_layer, adapter=True)
+    ngram = SpecConfig(method="ngram", k=k, ngram_sources="group")
+    hybrid = replace(fixed, method="hybrid", ngram_sources="group")
+    return {
+        "none": SpecConfig(method="none"),
+        "adapter": replace(fixed, adaptive=False),
+        "ngram_adaptive": ngram,
+        "early_exit_adaptive": replace(fixed, adapter=False),
+        "adapter_adaptive": fixed,
+        "hybrid_adaptive": hybrid,
+    }
+
+
+def _prompts(cfg, tokenizer, task, count: int, skip: int) -> list[list[int]]:
+    """``count`` training prompts from ``skip`` on, encoded as the actor does (chat template)."""
+    encode = prompt_encoder(
+        tokenizer, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.natural_language
+    )
+    pool = list(task.problems)
+    random.Random(2).shuffle(pool)
+    unique = list({p.prompt_id: p for p in pool}.values())
+    return [encode(p.prompt) for p in unique[skip : skip + count]]
+
+
+def _chunks(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    per = 1 if batch == 1 else max(1, batch // GROUP)
+    return [prompts[i : i + per] for i in range(0, len(prompts), per)]
+
+
+def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
+    """Every row at every batch size; the timed epochs of the rows alternate, so a change in the
+    machine's load hits every row alike."""
+    model_dir = real_model_dir()
+    cfg = load_config(OVERRIDES)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    task = task_from_config(cfg.task)
+    assert isinstance(task, PromptPool)
+    temperature, top_p = cfg.sampling.temperature, cfg.sampling.top_p
+    max_new = task.max_new_tokens
+    rows = methods(cfg.spec.k, model.args.draft_exit_layer)
+    warmup = json.loads((model_dir / "draft_warmup.json").read_text())
+    flat: dict[str, object] = {
+        "real_model": PRESET,
+        "real_task": "word_problems",
+        "real_temperature": temperature,
+        "real_top_p": top_p,
+        "real_max_new_tokens": max_new,
+        "real_exit_layer": model.args.draft_exit_layer,
+        "real_draft_vocab": model.args.draft_vocab_size,
+        "real_k": cfg.spec.k,
+        "real_warmup": warmup,
+    }
+    table = []
+    for batch in BATCHES:
+        prompts_per_epoch = {1: 3, 8: 2, 32: 4}[batch] if quick else {1: 6, 8: 4, 32: 8}[batch]
+        timed = _chunks(_prompts(cfg, tokenizer, task, prompts_per_epoch, 0), batch)
+        warm_n = 1 if batch == 1 else batch // GROUP
+        warm = _chunks(_prompts(cfg, tokenizer, task, warm_n, 500), batch)
+        n = 1 if batch == 1 else GROUP
+        engines = {}
+        for name, spec in rows.items():
+            engine = TorchEngine(
+                model, tokenizer.eos_id, tokenizer.pad_id, temperature, top_p, seed=0, spec=spec
+            )
+            for chunk in warm:
+                engine.generate(chunk, n, max_new)
+            engine.stats()
+            engines[name] = (engine, [])
+        for _ in range(repeats):
+            for engine, epochs in engines.values():
+                for chunk in timed:
+                    engine.generate(chunk, n, max_new)
+                epochs.append(engine.stats())
+        table += _batch_figures(flat, engines, batch)
+        print("\n".join(table[-len(engines) :]), flush=True)
+    _summarise(flat)
+    return flat, table
+
+
+def _median(epochs: list[dict[str, float]], key: str) -> float:
+    values = sorted(e.get(key, 0.0) for e in epochs)
+    return values[len(values) // 2]
+
+
+def _batch_figures(flat: dict[str, object], engines: dict, batch: int) -> list[str]:
+    base = _median(engines["none"][1], mn.ACTOR_TOKENS_PER_S)
+    lines = []
+    for name, (_, epochs) in engines.items():
+        key = f"real_{name}_b{batch}"
+        speed = _median(epochs, mn.ACTOR_TOKENS_PER_S)
+        flat[f"{key}_tokens_per_s"] = round(speed, 1)
+        flat[f"{key}_ratio"] = round(speed / base, 3)
+        if name == "none":
+            lines.append(f"| {batch} | none | {speed:,.1f} | 1.00x | – | – | – |")
+            continue
+        per_verify = _median(epochs, mn.SPEC_MEAN_ACCEPTED_LEN)
+        accept = _median(epochs, mn.SPEC_ACCEPTANCE_RATE)
+        positions = [
+            round(_median(epochs, f"{mn.SPEC_ACCEPTANCE_POS_PREFIX}{i}"), 3) for i in range(1, 9)
+        ]
+        flat[f"{key}_tokens_per_verify"] = round(per_verify, 3)
+        flat[f"{key}_acceptance"] = round(accept, 3)
+        flat[f"{key}_acceptance_by_pos"] = [p for p in positions if p > 0]
+        lengths = {
+            k.removeprefix(mn.SPEC_DRAFT_LEN_PREFIX): round(v, 3)
+            for k, v in epochs[-1].items()
+            if k.startswith(mn.SPEC_DRAFT_LEN_PREFIX)
+        }
+        flat[f"{key}_draft_lengths"] = lengths
+        lines.append(
+            f"| {batch} | {name} | {speed:,.1f} | {speed / base:.2f}x | {accept:.2f} | "
+            f"{per_verify:.2f} | {lengths or '-'} |"
+        )
+    return lines
+
+
+def _summarise(flat: dict[str, object]) -> None:
+    """The issue's keys from the per-row figures."""
+    flat["real_tokens_per_verify_b8"] = flat["real_adapter_b8_tokens_per_verify"]
+    for batch in BATCHES:
+        ratios = {
+            name: flat[f"real_{name}_b{batch}_ratio"] for name in methods(1, 1) if name != "none"
+        }
+        best = max(ratios, key=ratios.__getitem__)
+        flat[f"real_speedup_b{batch}"] = ratios[best]
+        flat[f"real_best_method_b{batch}"] = best
+    flat["real_adaptive_min_ratio"] = min(
+        flat[f"real_{name}_b{batch}_ratio"]
+        for name in methods(1, 1)
+        if name.endswith("_adaptive")
+        for batch in BATCHES
+    )
+
+
+TABLE_HEAD = [
+    "| batch | method | tokens/s | vs none | acceptance | tokens per verify | draft lengths |",
+    "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
+]
+
+
+# ------------------------------------------------------------------ RL: end to end, draft drift
+
+E2E_STEPS = 20
+
+
+def _rl_run(label: str, steps: int, extra: list[str]) -> tuple[float, dict, Path]:
+    """One `specrl run` of the preset on its task: (wall seconds, its summary, its run dir)."""
+    run_dir = ROOT / "runs" / "bench" / f"real-e2e-{label}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ops.cli",
+        "run",
+        *OVERRIDES,
+        f"run.steps={steps}",
+        f"run.dir={run_dir}",
+        f"run.name=bench-real-e2e-{label}",
+        "learner.resume=false",
+        *extra,
+    ]
+    print(f"RL run ({label}): {' '.join(cmd[2:])} ...", flush=True)
+    started = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    return wall, json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+@torch.no_grad()
+def draft_acceptance(model, sequences: list[tuple[list[int], list[int]]], temperature: float):
+    """Mean over completion tokens of sum_v min(p, q), teacher-forced on ``sequences``."""
+    total, count = 0.0, 0
+    for prompt, completion in sequences:
+        ids = torch.tensor([prompt + completion])
+        h, h_exit = backbone(model, ids, model.args.draft_exit_layer, raw_exit=True)
+        at = slice(len(prompt) - 1, ids.shape[1] - 1)  # positions that score the completion
+        d = draft_states(model, h_exit)[0, at]
+        total += float(acceptance_sum(model, h[0, at], d, temperature, 256))
+        count += len(completion)
+    return total / max(count, 1)
+
+
+def _samples(model, cfg, tokenizer, task, prompts: int) -> list[tuple[list[int], list[int]]]:
+    """Completions of held-out training prompts sampled from ``model`` (bf16 copy)."""
+    fast = copy.deepcopy(model).to(torch.bfloat16)
+    engine = TorchEngine(
+        fast, tokenizer.eos_id, tokenizer.pad_id, cfg.sampling.temperature, cfg.sampling.top_p
+    )
+    encoded = _prompts(cfg, tokenizer, task, prompts, 1000)
+    out = engine.generate(encoded, 2, task.max_new_tokens)
+    return [(p, r.token_ids.tolist()) for p, group in zip(encoded, out, strict=True) for r in group]
+
+
+def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, object]:
+    """``real_e2e_speedup``: wall time of `steps` RL steps with spec=none over the same run with
+    the preset's default speculation, back to back; ``real_draft_acceptance_after_rl_over_
+    before``: the online-trained draft's acceptance on the final policy's samples over the
+    warm-started draft's on the initial policy's, and the same for the draft frozen at the start
+    (the final policy with the initial adapter)."""
+    model_dir = real_model_dir()
+    cfg = load_config(OVERRIDES)
+    flat: dict[str, object] = {"real_e2e_steps": steps, "real_default_spec": cfg.spec.method}
+    walls = {}
+    for label, extra in (("none", ["spec=none"]), ("default", [])):
+        wall, summary, run_dir = _rl_run(label, steps, extra)
+        walls[label] = wall
+        flat[f"real_e2e_{label}_wall_s"] = round(wall, 1)
+        for key in ("actor_tokens_per_s", "learner_wait_frac", "spec_acceptance_rate"):
+            if key in summary:
+                flat[f"real_e2e_{label}_{key}"] = summary[key]
+    flat["real_e2e_speedup"] = round(walls["none"] / walls["default"], 3)
+    tokenizer = load_tokenizer(model_dir)
+    task = task_from_config(cfg.task)
+    t = cfg.sampling.temperature
+    start = load_pretrained(model_dir).eval()
+    final = load_pretrained(latest_checkpoint(run_dir / "checkpoints")).eval()
+    frozen = copy.deepcopy(final)
+    frozen.draft.load_state_dict(start.draft.state_dict())
+    before = draft_acceptance(start, _samples(start, cfg, tokenizer, task, eval_prompts), t)
+    after_samples = _samples(final, cfg, tokenizer, task, eval_prompts)
+    after = draft_acceptance(final, after_samples, t)
+    frozen_after = draft_acceptance(frozen, after_samples, t)
+    flat.update(
+        real_draft_acceptance_before=round(before, 4),
+        real_draft_acceptance_after=round(after, 4),
+        real_draft_acceptance_frozen_after=round(frozen_after, 4),
+        real_draft_acceptance_after_rl_over_before=round(after / before, 3),
+        real_draft_acceptance_frozen_over_before=round(frozen_after / before, 3),
+    )
+    return flat
