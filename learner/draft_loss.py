@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from common.model import Transformer
 from common.sampling import processed_logprobs
+from learner.microbatch import over_chunks
 
 
 def loss_temperature(temperature: float) -> float:
@@ -45,14 +45,10 @@ def _logprobs(
     return p_all, p, q
 
 
-def _kl_sum(policy: Transformer, h_full: Tensor, d: Tensor, temperature: float) -> Tensor:
-    _, p, q = _logprobs(policy, h_full, d, temperature)
-    return (p.exp() * (p - q)).sum()
-
-
 def _terms(
     policy: Transformer, h_full: Tensor, d: Tensor, temperature: float
 ) -> tuple[Tensor, Tensor]:
+    """(sum of KL(p || q), sum of sum_v min(p, q)) over one chunk of positions."""
     p_all, p, q = _logprobs(policy, h_full, d, temperature)
     ids = policy.draft.vocab_ids
     with torch.no_grad():
@@ -61,24 +57,31 @@ def _terms(
     return (p.exp() * (p - q)).sum(), accept
 
 
+def _summed_terms(
+    policy: Transformer, h_full: Tensor, d: Tensor, temperature: float, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``_terms`` over every position, ``chunk`` positions' logits at a time (recomputed in
+    backward when the adapter's states need a gradient)."""
+    parts = over_chunks(
+        _terms,
+        h_full.shape[0],
+        chunk,
+        torch.is_grad_enabled() and d.requires_grad,
+        lambda s: (policy, h_full[s], d[s], temperature),
+    )
+    kl = d.new_zeros((), dtype=torch.float32)
+    accept = torch.zeros((), dtype=torch.float32, device=d.device)
+    for part, acc in parts:
+        kl, accept = kl + part, accept + acc.float()
+    return kl, accept
+
+
 def adapter_terms(
     policy: Transformer, h_full: Tensor, d: Tensor, temperature: float, chunk: int
 ) -> tuple[Tensor, Tensor]:
     """``adapter_kl_sum`` and ``acceptance_sum`` (at the loss temperature) in one pass over the
     logits, for the learner's step, which reports both."""
-    t = loss_temperature(temperature)
-    n = h_full.shape[0]
-    step = chunk if chunk > 0 else max(n, 1)
-    kl = d.new_zeros((), dtype=torch.float32)
-    accept = torch.zeros((), dtype=torch.float32, device=d.device)
-    for i in range(0, n, step):
-        args = (policy, h_full[i : i + step], d[i : i + step], t)
-        if torch.is_grad_enabled() and d.requires_grad:
-            part, acc = checkpoint(_terms, *args, use_reentrant=False)
-        else:
-            part, acc = _terms(*args)
-        kl, accept = kl + part, accept + acc.float()
-    return kl, accept
+    return _summed_terms(policy, h_full, d, loss_temperature(temperature), chunk)
 
 
 def adapter_kl_sum(
@@ -90,17 +93,7 @@ def adapter_kl_sum(
 ) -> Tensor:
     """Sum over the N positions of KL(p || q) (see the module docstring), ``chunk`` positions'
     [chunk, V] logits at a time, recomputed in backward instead of kept."""
-    t = loss_temperature(temperature)
-    n = h_full.shape[0]
-    step = chunk if chunk > 0 else max(n, 1)
-    total = d.new_zeros((), dtype=torch.float32)
-    for i in range(0, n, step):
-        args = (policy, h_full[i : i + step], d[i : i + step], t)
-        if torch.is_grad_enabled() and d.requires_grad:
-            total = total + checkpoint(_kl_sum, *args, use_reentrant=False)
-        else:
-            total = total + _kl_sum(*args)
-    return total
+    return adapter_terms(policy, h_full, d, temperature, chunk)[0]
 
 
 @torch.no_grad()
@@ -109,13 +102,5 @@ def acceptance_sum(
 ) -> Tensor:
     """Sum over the N positions of sum_v min(p, q): the expected acceptance of one drafted token
     at each position, p the policy's full distribution and q the adapter's (zero outside its
-    vocabulary)."""
-    n = h_full.shape[0]
-    step = chunk if chunk > 0 else max(n, 1)
-    total = torch.zeros((), dtype=torch.float64)
-    ids = policy.draft.vocab_ids
-    for i in range(0, n, step):
-        p_all, _, q = _logprobs(policy, h_full[i : i + step], d[i : i + step], temperature)
-        p_draft = p_all if ids is None else p_all[:, ids]
-        total += torch.minimum(p_draft.exp(), q.exp()).sum().double().cpu()
-    return total
+    vocabulary), at the sampling temperature itself."""
+    return _summed_terms(policy, h_full, d, temperature, chunk)[1]

@@ -41,6 +41,7 @@ from common.sampling import processed_logprobs, sample_tokens
 from common.tasks import PromptPool, task_from_config
 from common.tokenizer import HFTokenizer, Tokenizer, encode_prompt, load_tokenizer
 from learner.draft_loss import acceptance_sum, draft_states, loss_temperature
+from learner.microbatch import over_chunks
 from learner.warm_start import ensure_model
 
 log = logging.getLogger(__name__)
@@ -387,14 +388,15 @@ def restricted_kl_sum(
     twice there, with the recomputation in backward: 60% of a step for SmolLM2)."""
     t = loss_temperature(temperature)
     weight = policy.draft.head_weight(policy.lm_head.weight)
-    step = chunk if chunk > 0 else max(h_full.shape[0], 1)
-    total = d.new_zeros((), dtype=torch.float32)
-    for i in range(0, h_full.shape[0], step):
+
+    def kl_sum(h: Tensor, d_part: Tensor) -> Tensor:
         with torch.no_grad():
-            p = processed_logprobs(F.linear(h_full[i : i + step], weight).float(), t)
-        q = processed_logprobs(F.linear(d[i : i + step], weight).float(), t)
-        total = total + (p.exp() * (p - q)).sum()
-    return total
+            p = processed_logprobs(F.linear(h, weight).float(), t)
+        q = processed_logprobs(F.linear(d_part, weight).float(), t)
+        return (p.exp() * (p - q)).sum()
+
+    parts = over_chunks(kl_sum, h_full.shape[0], chunk, False, lambda s: (h_full[s], d[s]))
+    return sum(parts, d.new_zeros((), dtype=torch.float32))
 
 
 def held_out_acceptance(

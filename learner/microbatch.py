@@ -18,7 +18,9 @@ gradients is the gradient of the one-batch loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -111,6 +113,20 @@ def _head_logprobs(
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [C]
 
 
+def over_chunks(
+    fn: Callable[..., Any], n: int, chunk: int, recompute: bool, args: Callable[[slice], tuple]
+) -> list[Any]:
+    """``fn(*args(s))`` for each slice ``s`` of ``chunk`` positions out of ``n`` (all of them
+    at once when ``chunk`` <= 0), so only one chunk's [chunk, V] logits exist at a time; with
+    ``recompute`` each call is checkpointed: recomputed in backward instead of kept."""
+    step = chunk if chunk > 0 else max(n, 1)
+    out = []
+    for i in range(0, n, step):
+        part = args(slice(i, i + step))
+        out.append(checkpoint(fn, *part, use_reentrant=False) if recompute else fn(*part))
+    return out
+
+
 def chosen_logprobs(
     lm_head: nn.Module,
     h: Tensor,  # [N, H] final-normed hidden states at completion positions
@@ -121,15 +137,13 @@ def chosen_logprobs(
 ) -> Tensor:
     """Processed log-prob [N] of each target token; the [chunk, V] logits of one chunk at a
     time exist, and (with grad) are recomputed in backward instead of kept."""
-    n = h.shape[0]
-    step = chunk if chunk > 0 else max(n, 1)
-    out = []
-    for i in range(0, n, step):
-        args = (lm_head, h[i : i + step], targets[i : i + step], temperature, top_p)
-        if torch.is_grad_enabled() and h.requires_grad:
-            out.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
-        else:
-            out.append(_head_logprobs(*args))
+    out = over_chunks(
+        _head_logprobs,
+        h.shape[0],
+        chunk,
+        torch.is_grad_enabled() and h.requires_grad,
+        lambda s: (lm_head, h[s], targets[s], temperature, top_p),
+    )
     return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
 
 
@@ -145,13 +159,11 @@ def exit_kl_sum(
 ) -> Tensor:
     """Sum over positions of KL(p_full || q_exit) (``learner.loss.early_exit_kl`` before its
     division), chunked and recomputed in backward like ``chosen_logprobs``."""
-    n = h.shape[0]
-    step = chunk if chunk > 0 else max(n, 1)
-    total = h_exit.new_zeros((), dtype=torch.float32)
-    for i in range(0, n, step):
-        args = (lm_head, h[i : i + step], h_exit[i : i + step], temperature)
-        if torch.is_grad_enabled() and h_exit.requires_grad:
-            total = total + checkpoint(_exit_kl_sum, *args, use_reentrant=False)
-        else:
-            total = total + _exit_kl_sum(*args)
-    return total
+    parts = over_chunks(
+        _exit_kl_sum,
+        h.shape[0],
+        chunk,
+        torch.is_grad_enabled() and h_exit.requires_grad,
+        lambda s: (lm_head, h[s], h_exit[s], temperature),
+    )
+    return sum(parts, h_exit.new_zeros((), dtype=torch.float32))
