@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -482,8 +483,6 @@ def attach_draft(model: Transformer, exit_layer: int, vocab_ids: Tensor | None =
     """Give ``model`` a fresh draft adapter after layer ``exit_layer``: a copy of layer
     ``exit_layer`` and of the final norm (the start Kangaroo and the probe in issue 27 use), over
     ``vocab_ids`` (sorted unique token ids; None = the whole vocabulary). Replaces any adapter."""
-    from dataclasses import replace
-
     vocab = 0
     if vocab_ids is not None:
         vocab_ids = torch.unique(vocab_ids.to(torch.long))  # sorted
@@ -513,15 +512,26 @@ def save_pretrained(model: Transformer, path: str | Path) -> None:
         for name, t in model.state_dict().items()
         if not (model.args.tie_word_embeddings and name == "lm_head.weight")
     }
-    draft = {k: state.pop(k) for k in [k for k in state if k.startswith(DRAFT_PREFIX)]}
     dtype = model.lm_head.weight.dtype
     (path / CONFIG_FILE).write_text(json.dumps(model.args.to_hf_config(dtype), indent=2) + "\n")
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_weights(state, path)
+
+
+def write_weights(tensors: dict[str, Tensor], path: Path) -> None:
+    """``model.safetensors`` in ``path``, the draft adapter's tensors (``draft.*``, if any) in
+    ``draft/model.safetensors`` (removed when there are none), ``tensors`` left as given."""
+    draft = {k: t for k, t in tensors.items() if k.startswith(DRAFT_PREFIX)}
+    policy = {k: t for k, t in tensors.items() if k not in draft}
+    save_file(policy, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     if draft:
-        (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
-        save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
+        _write_draft(draft, path)
     else:
         (path / DRAFT_FILE).unlink(missing_ok=True)
+
+
+def _write_draft(draft: dict[str, Tensor], path: Path) -> None:
+    (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
+    save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
 
 
 def save_draft(model: Transformer, path: str | Path) -> None:
@@ -537,8 +547,7 @@ def save_draft(model: Transformer, path: str | Path) -> None:
         DRAFT_PREFIX + name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype)
         for name, t in model.draft.state_dict().items()
     }
-    (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
-    save_file(state, str(path / DRAFT_FILE), metadata={"format": "pt"})
+    _write_draft(state, path)
     cfg.update(
         draft_exit_layer=model.args.draft_exit_layer, draft_vocab_size=model.args.draft_vocab_size
     )

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from common.model import CONFIG_FILE, DRAFT_FILE, DRAFT_PREFIX, WEIGHTS_FILE
+from common.model import CONFIG_FILE, write_weights
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.tokenizer import Tokenizer
 from common.weights.format import raw_bytes, safetensors_layout
@@ -105,14 +105,8 @@ def write_model(config: dict[str, Any], state: dict[str, torch.Tensor], path: Pa
         for name, t in state.items()
         if not (skip_head and name == "lm_head.weight")
     }
-    # A draft adapter's tensors go to their own file, so model.safetensors stays a plain
-    # checkpoint (common.model.save_pretrained does the same).
-    draft = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(DRAFT_PREFIX)]}
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    if draft:
-        (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
-        save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
+    write_weights(tensors, path)  # a draft adapter's tensors in their own file
 
 
 def save_checkpoint(
