@@ -19,7 +19,6 @@ import torch
 from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
 from actors.exporter import ActorExporter
-from actors.prompts import prompt_encoder
 from actors.sender import GroupSender, unique_actor_id
 from actors.spool import Spool, orphans
 from actors.weight_reader import WeightReader
@@ -32,6 +31,7 @@ from common.metrics import MetricsWriter
 from common.model import Transformer, save_pretrained
 from common.model_args import ModelArgs
 from common.policy_meta import model_args_from_meta, tokenizer_from_meta
+from common.prompts import prompt_encoder
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import Tokenizer

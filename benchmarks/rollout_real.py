@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.prompts import prompt_encoder
 from common import metric_names as mn
 from common.config import load_config
 from common.config.actor import SpecConfig
 from common.model import DRAFT_FILE, load_pretrained
 from common.model_presets import preset_dir
+from common.prompts import prompt_encoder
 from common.tasks import PromptPool, task_from_config
 from common.tokenizer import load_tokenizer
 from learner.checkpoint import latest_checkpoint

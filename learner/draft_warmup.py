@@ -37,9 +37,10 @@ from torch import Tensor
 from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
 from common.model import KVCache, Transformer, attach_draft, load_pretrained, save_draft
+from common.prompts import prompt_encoder
 from common.sampling import processed_logprobs, sample_tokens
 from common.tasks import PromptPool, task_from_config
-from common.tokenizer import HFTokenizer, Tokenizer, encode_prompt, load_tokenizer
+from common.tokenizer import Tokenizer, load_tokenizer
 from learner.draft_loss import acceptance_sum, draft_states, loss_temperature
 from learner.microbatch import over_chunks
 from learner.warm_start import ensure_model
@@ -173,17 +174,6 @@ def check_options(opts: WarmDraftOptions) -> None:
         raise WarmDraftError("; ".join(problems))
 
 
-def prompt_ids(cfg: SpecRLConfig, tokenizer: Tokenizer, text: str) -> list[int]:
-    """Prompt text -> ids as the actor makes them (``actors.prompts.prompt_encoder``, which the
-    learner may not import): the chat template for a natural-language task under
-    ``task.chat_template=auto`` (always under ``true``), else BOS + text."""
-    mode = cfg.task.chat_template
-    chat = mode == "true" or (mode == "auto" and cfg.task.natural_language)
-    if chat and isinstance(tokenizer, HFTokenizer) and tokenizer.has_chat_template:
-        return tokenizer.encode_chat(text, cfg.task.system_prompt)
-    return encode_prompt(tokenizer, text)
-
-
 def training_prompts(
     cfg: SpecRLConfig, tokenizer: Tokenizer, n: int
 ) -> tuple[list[list[int]], int]:
@@ -197,7 +187,10 @@ def training_prompts(
     else:
         problems = task.sample(rng, 4 * n)
     texts = list(dict.fromkeys(p.prompt for p in problems))[:n]
-    return [prompt_ids(cfg, tokenizer, t) for t in texts], task.max_new_tokens
+    encode = prompt_encoder(
+        tokenizer, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.natural_language
+    )
+    return [encode(t) for t in texts], task.max_new_tokens
 
 
 def turn_end_ids(tokenizer: Tokenizer) -> set[int]:

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from actors.prompts import prompt_encoder
+from common.prompts import prompt_encoder
 from common.tokenizer import (
     BUILTIN_ALPHABET,
     CHAR_TOKENIZER_FILE,

@@ -1,5 +1,6 @@
-"""How an actor turns a task's prompt text into the ids the policy generates from: BOS and the
-text, or the tokenizer's chat template (``task.chat_template``, ``task.system_prompt``)."""
+"""How a task's prompt text becomes the ids the policy generates from: BOS and the text, or
+the tokenizer's chat template (``task.chat_template``, ``task.system_prompt``). The actors use
+it, and so does the draft warm-up, which must sample the prompts the actors will."""
 
 from __future__ import annotations
 
