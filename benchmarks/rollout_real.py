@@ -43,8 +43,7 @@ from common.prompts import prompt_encoder
 from common.tasks import PromptPool, task_from_config
 from common.tokenizer import load_tokenizer
 from learner.checkpoint import latest_checkpoint
-from learner.draft_loss import acceptance_sum, draft_states
-from learner.policy import backbone
+from learner.draft_warmup import Decoding, Sample, held_out_acceptance, sample_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "smollm2-135m"
@@ -233,29 +232,19 @@ def _rl_run(label: str, steps: int, extra: list[str]) -> tuple[float, dict, Path
     return wall, json.loads((run_dir / "summary.json").read_text()), run_dir
 
 
-@torch.no_grad()
-def draft_acceptance(model, sequences: list[tuple[list[int], list[int]]], temperature: float):
-    """Mean over completion tokens of sum_v min(p, q), teacher-forced on ``sequences``."""
-    total, count = 0.0, 0
-    for prompt, completion in sequences:
-        ids = torch.tensor([prompt + completion])
-        h, h_exit = backbone(model, ids, model.args.draft_exit_layer, raw_exit=True)
-        at = slice(len(prompt) - 1, ids.shape[1] - 1)  # positions that score the completion
-        d = draft_states(model, h_exit)[0, at]
-        total += float(acceptance_sum(model, h[0, at], d, temperature, 256))
-        count += len(completion)
-    return total / max(count, 1)
-
-
-def _samples(model, cfg, tokenizer, task, prompts: int) -> list[tuple[list[int], list[int]]]:
-    """Completions of held-out training prompts sampled from ``model`` (bf16 copy)."""
-    fast = copy.deepcopy(model).to(torch.bfloat16)
-    engine = TorchEngine(
-        fast, tokenizer.eos_id, tokenizer.pad_id, cfg.sampling.temperature, cfg.sampling.top_p
+def _held_out(model, cfg, tokenizer, task, prompts: int) -> list[Sample]:
+    """Two completions of each of ``prompts`` held-out training prompts, sampled from a bf16
+    copy of ``model`` with the states the draft reads (as `specrl warm-draft` evaluates)."""
+    decoding = Decoding(
+        task.max_new_tokens,
+        model.args.draft_exit_layer,
+        tokenizer.eos_id,
+        cfg.sampling.temperature,
+        cfg.sampling.top_p,
     )
     encoded = _prompts(cfg, tokenizer, task, prompts, 1000)
-    out = engine.generate(encoded, 2, task.max_new_tokens)
-    return [(p, r.token_ids.tolist()) for p, group in zip(encoded, out, strict=True) for r in group]
+    sampler = copy.deepcopy(model).to(torch.bfloat16)
+    return sample_group(sampler, encoded, 2, decoding, torch.Generator().manual_seed(0))
 
 
 def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, object]:
@@ -283,10 +272,13 @@ def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, obje
     final = load_pretrained(latest_checkpoint(run_dir / "checkpoints")).eval()
     frozen = copy.deepcopy(final)
     frozen.draft.load_state_dict(start.draft.state_dict())
-    before = draft_acceptance(start, _samples(start, cfg, tokenizer, task, eval_prompts), t)
-    after_samples = _samples(final, cfg, tokenizer, task, eval_prompts)
-    after = draft_acceptance(final, after_samples, t)
-    frozen_after = draft_acceptance(frozen, after_samples, t)
+    # The states depend on the policy only, so the frozen draft reads the final policy's.
+    before = held_out_acceptance(
+        start, _held_out(start, cfg, tokenizer, task, eval_prompts), t, 8, 256
+    )
+    after_samples = _held_out(final, cfg, tokenizer, task, eval_prompts)
+    after = held_out_acceptance(final, after_samples, t, 8, 256)
+    frozen_after = held_out_acceptance(frozen, after_samples, t, 8, 256)
     flat.update(
         real_draft_acceptance_before=round(before, 4),
         real_draft_acceptance_after=round(after, 4),
