@@ -481,7 +481,7 @@ def init_weights(model: Transformer, seed: int | None = None) -> None:
 
 def attach_draft(model: Transformer, exit_layer: int, vocab_ids: Tensor | None = None) -> None:
     """Give ``model`` a fresh draft adapter after layer ``exit_layer``: a copy of layer
-    ``exit_layer`` and of the final norm (the start Kangaroo and the probe in issue 27 use), over
+    ``exit_layer`` and of the final norm (the start Kangaroo uses), over
     ``vocab_ids`` (sorted unique token ids; None = the whole vocabulary). Replaces any adapter."""
     vocab = 0
     if vocab_ids is not None:
