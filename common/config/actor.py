@@ -64,8 +64,8 @@ class SpecConfig:
     adaptive: bool = True
     """Pick each decoding step's draft length in [0, k] (0 = a plain step) from the measured
     acceptance by draft position and the measured cost of a verify step against a plain step at
-    the current number of rows, so speculation is never slower than plain decoding; ``hybrid``
-    also picks its drafter by expected tokens per unit of cost. False: always ``k``."""
+    the current number of rows, falling back to plain steps where drafting does not pay;
+    ``hybrid`` also picks its drafter by expected tokens per unit of cost. False: always ``k``."""
 
     def __post_init__(self) -> None:
         require_choice("spec.method", self.method, SPEC_METHODS)
