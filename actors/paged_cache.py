@@ -23,6 +23,10 @@ MIN_GROW = 4  # the fewest blocks the pool grows by
 
 
 class PagedKVCache:
+    draft_kv = False
+    """Forwards through the model's ``draft_exit_layer`` also write its draft adapter's KV (set by
+    an engine that drafts with the adapter; see :class:`common.model.KVCache`)."""
+
     def __init__(
         self,
         args: ModelArgs,

@@ -432,7 +432,7 @@ def main() -> int:
     if opts.only in (None, "real"):
         print("\n### real model: SmolLM2-135M-Instruct, word_problems\n")
         print("\n".join(rollout_real.TABLE_HEAD), flush=True)
-        real, real_table = rollout_real.measure(quick, 1 if quick else 2)
+        real, real_table = rollout_real.measure(quick, 1 if quick else 3)
         flat.update(real)
         if not opts.no_rl:
             flat.update(rollout_real.rl_figures())

@@ -51,6 +51,10 @@ class KVCache:
     """The contiguous cache of the module docstring: k/v tensors [L, B, H_kv, S_max, D], a
     token's k/v at slot `positions[b, t]` of row b."""
 
+    draft_kv = False
+    """Forwards over this cache through the model's ``draft_exit_layer`` also write its draft
+    adapter's KV into the extra cache layer (set where the adapter drafts: the rollout engine)."""
+
     def __init__(
         self,
         args: ModelArgs,
@@ -335,9 +339,6 @@ class Transformer(nn.Module):
         self.gradient_checkpointing = False
         """Recompute each decoder layer in backward instead of keeping its activations (training)."""
         self.draft = DraftAdapter(args) if args.draft_exit_layer else None
-        self.draft_kv = False
-        """Forwards over a cache through layer ``draft_exit_layer`` also write the adapter's KV
-        (the rollout engine sets it when it drafts with the adapter)."""
         self.tie_weights()
         init_weights(self)
 
@@ -374,7 +375,7 @@ class Transformer(nn.Module):
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         exit_layer = self.args.draft_exit_layer
         # Only a forward that runs through the exit and on (a drafter's [0, E) writes its own).
-        write_draft = self.draft_kv and cache is not None and start < exit_layer < end
+        write_draft = cache is not None and cache.draft_kv and start < exit_layer < end
         for i in range(start, end):
             kv = (cache, i, positions) if cache is not None else None
             if recompute and cache is None:

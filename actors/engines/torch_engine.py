@@ -75,13 +75,13 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
         self.device = param.device
         self.dtype = param.dtype
         self.cache = PagedKVCache(model.args, block_size, device=self.device, dtype=self.dtype)
+        self.cache.draft_kv = self.spec.adapter  # full forwards also write the adapter's KV
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.early_exit = (
             EarlyExitDrafter(model, self.spec.exit_layer, adapter=self.spec.adapter)
             if self.spec.uses_early_exit
             else None
         )
-        model.draft_kv = self.spec.adapter  # full forwards also write the adapter's KV
         self.ngram = (
             NgramDrafter(
                 self.spec.ngram_max_n, self.spec.ngram_min_n, sources=self.spec.ngram_sources

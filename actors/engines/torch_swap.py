@@ -89,7 +89,6 @@ class WeightSwaps:
         self.model, self.version = model, version
         if self.early_exit is not None:
             self.early_exit.model = model
-            model.draft_kv = self.early_exit.adapter
 
     def _swap(
         self,

@@ -90,7 +90,7 @@ def test_cached_adapter_drafts_equal_a_fresh_forward(cache_kind):
             cache = cache.bind([0])
         else:
             cache = KVCache(model.args, 1, T)
-        model.draft_kv = True
+        cache.draft_kv = True
         # A full forward over the first 5 tokens writes the adapter's KV (the prefill path) ...
         model(seq[:, :5], torch.arange(5)[None], cache)
         # ... then the drafter's path, one token at a time.
