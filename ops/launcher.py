@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from actors.host_cache import HostCache
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
+from common.model import DRAFT_FILE
 from common.model_args import ModelArgs
 from common.tasks import task_from_config
 from learner.presets import PresetError, ensure_preset
@@ -268,6 +269,8 @@ def _prepare_model(cfg: SpecRLConfig, console: Console) -> Path:
     if cfg.model.path or (default_model_dir(cfg) / "config.json").is_file():
         path = ensure_model(cfg)
         console.print(f"model: {path}")
+        if needs_warm_draft(cfg, path):
+            _warm_draft(cfg, console)
         return path
     with Progress(
         TextColumn("warm start"),
@@ -284,6 +287,32 @@ def _prepare_model(cfg: SpecRLConfig, console: Console) -> Path:
             progress.update(task_id, completed=step, loss=loss)
 
         return ensure_model(cfg, on_step)
+
+
+def needs_warm_draft(cfg: SpecRLConfig, model_dir: Path) -> bool:
+    """``spec.warm_draft``: a preset's model directory without a draft, drafted through the
+    adapter, gets one warm-started before RL (once: it is saved in the directory)."""
+    return bool(
+        cfg.spec.adapter
+        and cfg.spec.warm_draft
+        and cfg.model.preset
+        and not (model_dir / DRAFT_FILE).is_file()
+    )
+
+
+def _warm_draft(cfg: SpecRLConfig, console: Console) -> None:
+    from learner.draft_warmup import WarmDraftOptions, warm_draft
+
+    console.print(
+        "spec.adapter: warm-starting the draft adapter from the model's own samples (once, "
+        "minutes; `specrl warm-draft` does the same, spec.warm_draft=false skips it)"
+    )
+    command = ["specrl", "warm-draft", f"model={cfg.model.preset}", f"task={cfg.task.name}"]
+    _, summary = warm_draft(cfg, WarmDraftOptions(command=command))
+    console.print(
+        f"draft warm-started in {summary['seconds']:.0f} s: held-out acceptance "
+        f"{summary['acceptance_before']:.3f} -> {summary['acceptance_after']:.3f}"
+    )
 
 
 def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, stop: dict) -> str:

@@ -55,6 +55,10 @@ class SpecConfig:
     every version; the learner trains it (``aux_coef``) and ``specrl warm-draft`` warm-starts
     it from the model's own samples. A model without one gets an untrained adapter (a copy of
     layer ``exit_layer`` and of the final norm)."""
+    warm_draft: bool = True
+    """``specrl run`` with ``adapter`` on a preset's model directory (``model=<preset>``) that
+    has no draft yet: run ``specrl warm-draft`` first, once (minutes; the draft is saved in the
+    directory). False, or your own ``model.path``: the learner starts from an untrained adapter."""
     adapter_vocab: int = 8192
     """``specrl warm-draft``: size of the adapter's draft vocabulary (the most frequent tokens of
     the model's samples); 0 = the whole vocabulary."""

@@ -18,7 +18,8 @@ def test_preset_sets_the_model_directory_and_its_defaults() -> None:
     assert cfg.model.preset == "smollm2-135m"
     assert Path(cfg.model.path) == preset_dir("smollm2-135m") == Path("runs/models/smollm2-135m")
     assert cfg.sampling.temperature == 0.5
-    assert cfg.spec.method == "none"
+    assert cfg.spec.method == "hybrid" and cfg.spec.adapter and cfg.spec.adaptive
+    assert cfg.spec.aux_coef > 0  # the learner keeps the draft trained
     assert cfg.learner.publish_dtype == "bfloat16"
     assert cfg.learner.precision == "bf16-mixed"
     assert cfg.learner.max_tokens_per_microbatch > 0
@@ -85,3 +86,18 @@ def test_cli_init_model_reports_a_missing_extra(
     code = cli.main(["init-model", "model=smollm2-135m", f"model.path={tmp_path / 'm'}"])
     assert code == 2
     assert "specrl[real]" in capsys.readouterr().err
+
+
+def test_run_warm_starts_a_preset_draft_once(tmp_path: Path) -> None:
+    from common.model import DRAFT_FILE
+    from ops.launcher import needs_warm_draft
+
+    cfg = load_config(["model=smollm2-135m", "task=word_problems"])
+    assert needs_warm_draft(cfg, tmp_path)
+    (tmp_path / DRAFT_FILE).parent.mkdir()
+    (tmp_path / DRAFT_FILE).write_bytes(b"")
+    assert not needs_warm_draft(cfg, tmp_path)  # already there
+    empty = tmp_path / "empty"
+    for off in (["spec.warm_draft=false"], ["spec=ngram"], ["model.preset=", "model.path=/x"]):
+        cfg = load_config(["model=smollm2-135m", "task=word_problems", *off])
+        assert not needs_warm_draft(cfg, empty), off
