@@ -1,14 +1,40 @@
-# specrl on one GPU node: learner and actors share this image (see docker-compose.yml).
-# Base: CUDA runtime + Python 3.11. The CUDA build of torch is installed first, then specrl with
-# the vLLM extra (engine=vllm); the torch engine needs nothing more.
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# specrl on a GPU node: the learner and the actors run this image (docker-compose.yml with
+# docker-compose.override.yml, and docker-compose.gpu.yml from scripts/compose_gpu.py).
+#
+# One CUDA major throughout (13): this base image's CUDA runtime, torch 2.13.0 from PyPI (built
+# for CUDA 13.0) and the vLLM 0.32.0 wheel that pins that torch (its extensions link
+# libcudart.so.13), all installed from docker/requirements-gpu.txt, the lock that
+# `bash docker/lock-gpu.sh` writes and tests/test_image_pins.py checks.
+# The host needs an x86_64 CPU, NVIDIA driver 580 or newer (CUDA 13.0) and the NVIDIA container
+# toolkit. The base image sets NVIDIA_REQUIRE_CUDA, so the toolkit refuses to start a container
+# on an older driver and says so.
+FROM nvidia/cuda:13.0.0-base-ubuntu24.04
 
-ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# Ubuntu 24.04's Python; docker/lock-gpu.sh resolves the lock for this version.
+ARG PYTHON_VERSION=3.12
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# Triton (vLLM's sampler and model runner, torch.compile) compiles a small C launcher the first
+# time it runs a kernel: it needs a C compiler, the C library's headers and Python.h at run time.
+# redis-tools: the compose health checks.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-pip redis-tools \
+    && apt-get install -y --no-install-recommends python${PYTHON_VERSION} \
+        python${PYTHON_VERSION}-venv python${PYTHON_VERSION}-dev gcc libc6-dev redis-tools \
     && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
+RUN python${PYTHON_VERSION} -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+# What Triton's compile step does, in miniature: a C file that includes Python.h must compile.
+RUN printf '#include <Python.h>\nint main(void) { return 0; }\n' > /tmp/triton-check.c \
+    && gcc -fsyntax-only -I"$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+        /tmp/triton-check.c \
+    && rm /tmp/triton-check.c
+
+# The dependencies, every one pinned with its hashes, in a layer of their own: a change to
+# specrl's code does not reinstall them. Then torch's CUDA must be the base image's major.
+COPY docker/requirements-gpu.txt /tmp/requirements-gpu.txt
+RUN pip install --require-hashes -r /tmp/requirements-gpu.txt \
+    && python -c 'import os, torch; cuda = os.environ["CUDA_VERSION"]; \
+assert torch.version.cuda.split(".")[0] == cuda.split(".")[0], (torch.version.cuda, cuda)'
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -17,10 +43,9 @@ COPY learner learner
 COPY common common
 COPY ops ops
 COPY configs configs
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
-ARG EXTRAS=vllm
-RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX} \
-    && pip install -e ".[${EXTRAS}]"
+# specrl itself, without dependencies (all are in the lock); pip check: nothing is missing or
+# conflicting.
+RUN pip install --no-deps --no-build-isolation -e . && pip check
 # Actor replicas start through docker/actor.sh (an identity per container; see docker-compose.yml).
 COPY docker docker
 

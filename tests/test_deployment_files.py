@@ -24,6 +24,11 @@ def test_shared_stack_wiring():
     assert set(services) == SERVICES
     redis, learner, actor = services["redis"], services["learner"], services["actor"]
     assert "--requirepass" in redis["command"] and "healthcheck" in redis
+    # Weights in memory only: no persistence, bounded, nothing evicted (tests/test_compose_gpu.py
+    # runs this command line).
+    for option in ("--appendonly no", '--save ""', "--maxmemory-policy noeviction"):
+        assert option in redis["command"], option
+    assert "volumes" not in redis and "redis-data" not in compose["volumes"]
     assert "healthcheck" in learner
     assert learner["depends_on"]["redis"]["condition"] == "service_healthy"
     assert actor["depends_on"]["learner"]["condition"] == "service_healthy"
@@ -56,11 +61,17 @@ def test_shared_stack_wiring():
 
 
 def test_gpu_override_reserves_gpus_and_publishes_ports():
-    """docker-compose.override.yml: read by `docker compose up` with no -f (the GPU node)."""
+    """docker-compose.override.yml: read by `docker compose up` with no -f (the GPU node).
+    tests/test_compose_gpu.py checks the placement as Compose reads it."""
     services = load("docker-compose.override.yml")["services"]
     for name in ("learner", "actor"):
         gpu = services[name]["deploy"]["resources"]["reservations"]["devices"][0]
         assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+        # Explicit devices: `count: N` gives every container GPUs 0..N-1.
+        assert gpu["device_ids"] == ["0"] and "count" not in gpu
+    # A final checkpoint of a large model outlasts Docker's 10 s stop grace.
+    assert services["learner"]["stop_grace_period"] == "${LEARNER_STOP_GRACE:-15m}"
+    assert services["learner"]["healthcheck"]["start_period"] == "${LEARNER_START_PERIOD:-30m}"
     assert services["actor"]["environment"]["SPECRL_ACTOR_DEVICE"] == "cuda"
     # Docker's 64 MB /dev/shm is too small for vLLM's engine processes and the learner's snapshot.
     assert services["actor"]["shm_size"] == "${ACTOR_SHM_SIZE:-8gb}"
@@ -160,15 +171,16 @@ def check_app_stage(stage: list[tuple[str, str]], name: str) -> None:
 def test_dockerfiles_copy_what_the_images_need():
     gpu = dockerfile_stages(ROOT / "Dockerfile")
     cpu = dockerfile_stages(ROOT / "docker" / "Dockerfile.cpu")
-    # GPU image: one stage on the CUDA base; CUDA torch first, then specrl with its extras.
+    # GPU image: one stage on the CUDA base; the locked dependencies (their own layer, before
+    # the sources), then specrl without dependencies. tests/test_image_pins.py checks the pins.
     assert gpu[0] == [] and len(gpu) == 2
     assert gpu[1][0][1].startswith("nvidia/cuda:"), gpu[1][0]
     check_app_stage(gpu[1], "Dockerfile")
-    runs = [args for k, args in gpu[1] if k == "RUN"]
-    assert any(
-        "pip install torch==2.13.0 --index-url ${TORCH_INDEX}" in r and 'pip install -e ".[' in r
-        for r in runs
-    ), runs
+    steps = [f"{k} {args}" for k, args in gpu[1]]
+    lock = next(i for i, s in enumerate(steps) if "pip install --require-hashes -r" in s)
+    assert steps.index("COPY docker/requirements-gpu.txt /tmp/requirements-gpu.txt") < lock
+    assert lock < steps.index("COPY actors actors")
+    assert any("pip install --no-deps --no-build-isolation -e . && pip check" in s for s in steps)
     # CPU image: runtime, deps (wheelhouse only) and the final stage built on runtime.
     assert cpu[0] == [("ARG", "BASE_IMAGE=specrl-base:bookworm")]
     runtime, deps, final = cpu[1:]

@@ -1,0 +1,339 @@
+"""Writes docker-compose.gpu.yml: the GPU compose stack laid out for this node's GPUs and model.
+
+    python3 scripts/compose_gpu.py --gpus 8 --learner-gpus 4 --model-dir /models/Qwen2.5-7B
+    docker compose -f docker-compose.yml -f docker-compose.gpu.yml up --build
+
+The written file replaces docker-compose.override.yml (it holds everything that file holds, with
+the layout below), so a command names docker-compose.yml and the written file only.
+
+Placement (Docker's ``device_ids``, one set per service; Compose cannot give the replicas of one
+service different GPUs, so each actor is a service of its own: ``actor``, ``actor-1``, ...):
+
+- on a node with one GPU, the learner and one actor share GPU 0, and the actor's vLLM engine takes
+  ``--actor-gpu-memory`` of it (``gpu_memory_utilization``);
+- on a node with more, the learner takes GPUs 0 .. L-1 (``--learner-gpus``; above 1 it runs
+  under torchrun, one rank per GPU) and each actor the next ``--gpus-per-actor`` GPUs of its own
+  (vLLM tensor parallelism above 1); by default as many actors as the remaining GPUs hold.
+
+A layout that needs more GPUs than the node has is refused. Every option also reads an
+environment variable (GPUS, LEARNER_GPUS, GPUS_PER_ACTOR, ACTORS, MODEL_DIR, DATA_FILE,
+ACTOR_GPU_MEMORY); ``--gpus`` defaults to the count of ``nvidia-smi -L``.
+
+``--model-dir`` (an HF model directory on this host) is mounted read-only at /model in the learner
+and every actor (the actors read its tokenizer) and given as ``model.path``; ``--data-file`` (a
+JSONL or Parquet data set) is mounted read-only under /data and given as ``task=dataset
+task.path=...``. With a model, the sizes that scale with it are derived from its parameter count
+(read from its safetensors headers) and V, the bytes of one published version in
+``--publish-dtype`` (also given to the learner as ``learner.publish_dtype``):
+
+- the actors' shared weights cache (tmpfs): 3 V (the two versions it keeps and the one being
+  written), plus 5%;
+- Redis ``maxmemory``: (redis.retention + 2) V, plus 1 GiB: the retained versions, the version
+  being uploaded and room for the delta chain of the oldest retained one;
+- the learner's /dev/shm: ``learner.publish_max_inflight`` + 1 copies of V, plus 4 GiB (NCCL).
+
+Needs Python 3 with PyYAML (Debian/Ubuntu: python3-yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "docker-compose.yml"
+OVERRIDE = ROOT / "docker-compose.override.yml"
+DEFAULT_OUT = ROOT / "docker-compose.gpu.yml"
+MODEL_MOUNT = "/model"
+DATA_MOUNT = "/data"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+GIB = 2**30
+REDIS_RETENTION = 3
+"""redis.retention's default (common/config/run.py); the learner keeps this many versions."""
+PUBLISH_MAX_INFLIGHT = 1
+"""learner.publish_max_inflight's default (common/config/learner.py)."""
+
+
+class LayoutError(ValueError):
+    """A layout this node cannot hold, or an input that cannot be read; the message says why."""
+
+
+def visible_gpus() -> int | None:
+    """GPUs ``nvidia-smi -L`` lists on this host; None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return None
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def plan(
+    gpus: int, learner_gpus: int = 1, gpus_per_actor: int = 1, actors: int | None = None
+) -> dict[str, list[int]]:
+    """Service name -> the GPU indices it reserves: ``learner``, then ``actor``, ``actor-1``, ...
+    Refuses (LayoutError) a layout the node's ``gpus`` cannot hold."""
+    for name, value in (("gpus", gpus), ("learner GPUs", learner_gpus)):
+        if value < 1:
+            raise LayoutError(f"{name} must be >= 1, got {value}")
+    if gpus_per_actor < 1:
+        raise LayoutError(f"GPUs per actor must be >= 1, got {gpus_per_actor}")
+    if actors is not None and actors < 1:
+        raise LayoutError(f"actors must be >= 1, got {actors}")
+    if gpus == 1:
+        # One GPU: the learner and one actor share it.
+        if learner_gpus > 1 or gpus_per_actor > 1 or (actors or 1) > 1:
+            raise LayoutError(
+                f"a 1-GPU node holds the learner and one actor sharing GPU 0; asked for "
+                f"{learner_gpus} learner GPU(s), {actors or 1} actor(s) x {gpus_per_actor} GPU(s)"
+            )
+        return {"learner": [0], "actor": [0]}
+    free = gpus - learner_gpus
+    if actors is None:
+        actors = free // gpus_per_actor
+        if actors < 1:
+            raise LayoutError(
+                f"no GPU left for an actor: the learner takes {learner_gpus} of the node's {gpus} "
+                f"GPUs and an actor needs {gpus_per_actor}"
+            )
+    needed = learner_gpus + actors * gpus_per_actor
+    if needed > gpus:
+        raise LayoutError(
+            f"the layout needs {needed} GPUs (learner {learner_gpus} + {actors} actor(s) x "
+            f"{gpus_per_actor}), the node has {gpus}"
+        )
+    layout = {"learner": list(range(learner_gpus))}
+    for i in range(actors):
+        first = learner_gpus + i * gpus_per_actor
+        layout[actor_service(i)] = list(range(first, first + gpus_per_actor))
+    return layout
+
+
+def actor_service(index: int) -> str:
+    return "actor" if index == 0 else f"actor-{index}"
+
+
+def model_parameters(model_dir: Path) -> int:
+    """Parameter count of an HF model directory: the elements of every tensor in its
+    ``*.safetensors`` files, read from their headers (the weights are not read)."""
+    if not (model_dir / "config.json").is_file():
+        raise LayoutError(f"{model_dir} is not an HF model directory (no config.json)")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise LayoutError(f"{model_dir} holds no *.safetensors file")
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                total += math.prod(entry["shape"])
+    return total
+
+
+def gib(nbytes: float) -> str:
+    """A size for Docker and Redis: whole GiB, rounded up ("48g"; Redis reads "48gb")."""
+    return f"{max(1, math.ceil(nbytes / GIB))}g"
+
+
+def sizes(parameters: int, publish_dtype: str) -> dict[str, str]:
+    version = parameters * DTYPE_BYTES[publish_dtype]
+    return {
+        "weights_cache": gib(3 * version * 1.05),
+        "redis_maxmemory": gib((REDIS_RETENTION + 2) * version + GIB) + "b",
+        "learner_shm": gib((PUBLISH_MAX_INFLIGHT + 1) * version + 4 * GIB),
+    }
+
+
+def merge(base: Any, over: Any) -> Any:
+    """``over`` laid on ``base`` as Compose merges these services' keys: mappings key by key,
+    lists joined (no duplicates), anything else replaced."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if isinstance(base, list) and isinstance(over, list):
+        return base + [v for v in over if v not in base]
+    return copy.deepcopy(over)
+
+
+def gpu_reservation(ids: list[int]) -> dict[str, Any]:
+    device = {"driver": "nvidia", "device_ids": [str(i) for i in ids], "capabilities": ["gpu"]}
+    return {"resources": {"reservations": {"devices": [device]}}}
+
+
+def set_node_args(env: dict[str, str], args: list[str]) -> None:
+    """SPECRL_NODE_ARGS: the overrides the learner's command and docker/actor.sh pass on."""
+    if args:
+        env["SPECRL_NODE_ARGS"] = " ".join(args)
+    else:
+        env.pop("SPECRL_NODE_ARGS", None)
+
+
+def render(
+    layout: dict[str, list[int]],
+    *,
+    model_dir: Path | None = None,
+    data_file: Path | None = None,
+    actor_gpu_memory: float = 0.3,
+    publish_dtype: str = "bfloat16",
+    base: dict[str, Any] | None = None,
+    override: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The compose file for ``layout``: docker-compose.override.yml with the layout's GPUs, the
+    actor services, the mounts and the sizes applied."""
+    import yaml
+
+    base = base if base is not None else yaml.safe_load(BASE.read_text())
+    out = copy.deepcopy(override if override is not None else yaml.safe_load(OVERRIDE.read_text()))
+    services = out["services"]
+    shared = [
+        s for s, ids in layout.items() if s != "learner" and set(ids) & set(layout["learner"])
+    ]
+    volumes: list[str] = []
+    learner_args: list[str] = []
+    actor_args: list[str] = []
+    if model_dir is not None:
+        volumes.append(f"{model_dir.resolve()}:{MODEL_MOUNT}:ro")
+        learner_args += [f"model.path={MODEL_MOUNT}", f"learner.publish_dtype={publish_dtype}"]
+        actor_args.append(f"model.path={MODEL_MOUNT}")
+        # The derived sizes are the defaults of the variables that set them by hand.
+        size = sizes(model_parameters(model_dir), publish_dtype)
+        cache = f"size=${{ACTOR_WEIGHTS_CACHE_SIZE:-{size['weights_cache']}}},mode=1777"
+        out["volumes"] = {
+            "weights-cache": merge(base["volumes"]["weights-cache"], {"driver_opts": {"o": cache}})
+        }
+        redis_env = services["redis"].setdefault("environment", {})
+        redis_env["SPECRL_REDIS_MAXMEMORY"] = f"${{REDIS_MAXMEMORY:-{size['redis_maxmemory']}}}"
+        services["learner"]["shm_size"] = f"${{LEARNER_SHM_SIZE:-{size['learner_shm']}}}"
+    if data_file is not None:
+        if not data_file.is_file():
+            raise LayoutError(f"--data-file {data_file}: no such file")
+        volumes.append(f"{data_file.resolve().parent}:{DATA_MOUNT}:ro")
+        task = ["task=dataset", f"task.path={DATA_MOUNT}/{data_file.name}"]
+        learner_args += task
+        actor_args += task
+
+    learner = services["learner"]
+    learner_env = learner.setdefault("environment", {})
+    learner_env["LEARNER_GPUS"] = str(len(layout["learner"]))
+    set_node_args(learner_env, learner_args)
+    learner["deploy"] = gpu_reservation(layout["learner"])
+    if volumes:
+        learner["volumes"] = learner.get("volumes", []) + volumes
+
+    template = merge(base["services"]["actor"], services["actor"])
+    template.pop("deploy", None)
+    for index, (name, ids) in enumerate((s, i) for s, i in layout.items() if s != "learner"):
+        extra = list(actor_args)
+        if len(ids) > 1:
+            extra.append(f"engine.vllm_tensor_parallel_size={len(ids)}")
+        if name in shared:
+            share = f"${{ACTOR_GPU_MEMORY:-{actor_gpu_memory}}}"
+            extra.append(f"+engine.vllm_kwargs.gpu_memory_utilization={share}")
+        service = services["actor"] if name == "actor" else copy.deepcopy(template)
+        env = service.setdefault("environment", {})
+        env["SPECRL_ACTOR_INDEX"] = str(index)
+        set_node_args(env, extra)
+        service["deploy"] = {"replicas": 1, **gpu_reservation(ids)}
+        if volumes:
+            service["volumes"] = service.get("volumes", []) + volumes
+        services[name] = service
+    return out
+
+
+def header(argv: list[str], layout: dict[str, list[int]]) -> str:
+    lines = [
+        "# Written by scripts/compose_gpu.py; run it again rather than editing this file:",
+        f"#   python3 scripts/compose_gpu.py {' '.join(argv)}".rstrip(),
+        "# Use it in place of docker-compose.override.yml:",
+        "#   docker compose -f docker-compose.yml -f docker-compose.gpu.yml up --build",
+        "# GPUs:",
+    ]
+    lines += [f"#   {name}: {', '.join(map(str, ids))}" for name, ids in layout.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    env = os.environ
+    p = argparse.ArgumentParser(
+        prog="compose_gpu.py",
+        description="Write docker-compose.gpu.yml for this node's GPUs and model.",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=int(env["GPUS"]) if env.get("GPUS") else None,
+        help="GPUs on this node (default: nvidia-smi -L)",
+    )
+    p.add_argument("--learner-gpus", type=int, default=int(env.get("LEARNER_GPUS") or 1))
+    p.add_argument("--gpus-per-actor", type=int, default=int(env.get("GPUS_PER_ACTOR") or 1))
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=int(env["ACTORS"]) if env.get("ACTORS") else None,
+        help="default: as many as the GPUs left after the learner's hold",
+    )
+    p.add_argument("--model-dir", type=Path, default=env.get("MODEL_DIR") or None)
+    p.add_argument("--data-file", type=Path, default=env.get("DATA_FILE") or None)
+    p.add_argument(
+        "--actor-gpu-memory",
+        type=float,
+        default=float(env.get("ACTOR_GPU_MEMORY") or 0.3),
+        help="vLLM gpu_memory_utilization of an actor sharing its GPU with the learner",
+    )
+    p.add_argument("--publish-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    try:
+        import yaml
+    except ImportError:
+        print(
+            "compose_gpu.py: needs PyYAML (apt-get install python3-yaml, or pip install pyyaml)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        detected = visible_gpus()
+        gpus = args.gpus if args.gpus is not None else detected
+        if gpus is None:
+            raise LayoutError("no nvidia-smi here to count the GPUs: give --gpus N (or GPUS=N)")
+        if detected is not None and gpus > detected:
+            raise LayoutError(f"--gpus {gpus}, but nvidia-smi -L lists {detected} GPU(s) here")
+        if not 0 < args.actor_gpu_memory < 1:
+            raise LayoutError(f"--actor-gpu-memory must be in (0, 1), got {args.actor_gpu_memory}")
+        layout = plan(gpus, args.learner_gpus, args.gpus_per_actor, args.actors)
+        if args.model_dir is not None and not args.model_dir.is_dir():
+            raise LayoutError(f"--model-dir {args.model_dir}: no such directory")
+        config = render(
+            layout,
+            model_dir=args.model_dir,
+            data_file=args.data_file,
+            actor_gpu_memory=args.actor_gpu_memory,
+            publish_dtype=args.publish_dtype,
+        )
+    except LayoutError as e:
+        print(f"compose_gpu.py: {e}", file=sys.stderr)
+        return 2
+    text = header(argv, layout) + yaml.safe_dump(config, sort_keys=False, width=100)
+    args.output.write_text(text)
+    print(f"compose_gpu.py: wrote {args.output}")
+    for name, ids in layout.items():
+        print(f"  {name}: GPU {', '.join(map(str, ids))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""GPU placement and sizes of the compose stack (scripts/compose_gpu.py, docker-compose.override.yml)
+and the Redis the stack runs.
+
+The layouts are checked on what Compose itself makes of the files (`docker compose config`, or
+`docker-compose config`); Redis is started with the compose file's own command line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from common.config.learner import LearnerConfig
+from common.config.run import RedisConfig
+from ops.redis_server import find_free_port, find_redis_server_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "compose_gpu.py"
+_spec = importlib.util.spec_from_file_location("compose_gpu", SCRIPT)
+compose_gpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compose_gpu)
+
+
+def compose_command() -> list[str] | None:
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        probe = subprocess.run([*command, "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return command
+    return None
+
+
+COMPOSE = compose_command()
+needs_compose = pytest.mark.skipif(COMPOSE is None, reason="no docker compose / docker-compose")
+
+
+def config(*files: Path, **env: str) -> dict:
+    """The stack as Compose reads ``files`` (interpolated with REDIS_PASSWORD=x and ``env``)."""
+    args = [a for f in files for a in ("-f", str(f))]
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
+    out = subprocess.run(
+        [*COMPOSE, "--project-directory", str(ROOT), *args, "config"],
+        capture_output=True,
+        text=True,
+        env={**run_env, "REDIS_PASSWORD": "x", **env},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def generate(tmp_path: Path, *args: str) -> tuple[int, str, Path]:
+    """Runs the script as a user would; returns its exit status, stderr and the output path."""
+    out = tmp_path / "docker-compose.gpu.yml"
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "LEARNER_GPUS", "ACTORS")}
+    env["PATH"] = os.defpath  # no nvidia-smi: --gpus is what counts
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    return run.returncode, run.stderr, out
+
+
+def gpus_of(service: dict) -> list[str]:
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1 and "count" not in devices[0], devices
+    return devices[0]["device_ids"]
+
+
+def actors(stack: dict) -> dict[str, dict]:
+    return {n: s for n, s in stack["services"].items() if n == "actor" or n.startswith("actor-")}
+
+
+def check_placement(stack: dict, node_gpus: int) -> dict[str, list[str]]:
+    """Every actor on GPUs no other actor has, none of them the learner's unless the node has
+    one GPU; the learner's torchrun ranks match its GPUs. Returns service -> GPUs."""
+    services = stack["services"]
+    learner = gpus_of(services["learner"])
+    assert services["learner"]["environment"]["LEARNER_GPUS"] == str(len(learner))
+    placed = {"learner": learner}
+    seen: set[str] = set()
+    for name, service in actors(stack).items():
+        ids = gpus_of(service)
+        assert service.get("deploy", {}).get("replicas", 1) == 1, name
+        assert not seen & set(ids), f"{name} shares GPUs {ids} with another actor"
+        seen |= set(ids)
+        if node_gpus > 1:
+            assert not set(ids) & set(learner), f"{name} shares GPUs with the learner"
+        placed[name] = ids
+    used = {int(i) for ids in placed.values() for i in ids}
+    assert used <= set(range(node_gpus)), used
+    indices = [s["environment"]["SPECRL_ACTOR_INDEX"] for s in actors(stack).values()]
+    assert sorted(indices, key=int) == [str(i) for i in range(len(indices))]
+    return placed
+
+
+def without_placement(service: dict) -> dict:
+    """An actor service less what differs between actors."""
+    service = json.loads(json.dumps(service))
+    service.pop("deploy")
+    for key in ("SPECRL_ACTOR_INDEX", "SPECRL_NODE_ARGS"):
+        service["environment"].pop(key, None)
+    return service
+
+
+@pytest.fixture(scope="module")
+def default_stack() -> dict:
+    """`docker compose up` with no -f: docker-compose.yml and docker-compose.override.yml."""
+    return config(ROOT / "docker-compose.yml", ROOT / "docker-compose.override.yml")
+
+
+@needs_compose
+def test_default_files_validate_and_share_gpu_0(default_stack):
+    placed = check_placement(default_stack, node_gpus=1)
+    assert placed == {"learner": ["0"], "actor": ["0"]}
+    node_args = default_stack["services"]["actor"]["environment"]["SPECRL_NODE_ARGS"]
+    assert node_args == "+engine.vllm_kwargs.gpu_memory_utilization=0.3"
+
+
+@needs_compose
+def test_eight_gpus(tmp_path):
+    rc, err, out = generate(tmp_path, "--gpus", "8", "--learner-gpus", "4")
+    assert rc == 0, err
+    stack = config(ROOT / "docker-compose.yml", out)
+    placed = check_placement(stack, node_gpus=8)
+    assert len(placed) == 5 and placed["learner"] == ["0", "1", "2", "3"]
+    # Actors on GPUs of their own run vLLM's default share; the services differ in nothing else.
+    services = actors(stack)
+    assert all("SPECRL_NODE_ARGS" not in s["environment"] for s in services.values())
+    reference = without_placement(services["actor"])
+    assert all(without_placement(s) == reference for s in services.values())
+    assert reference["environment"]["SPECRL_ACTOR_DEVICE"] == "cuda"
+
+    # Two GPUs per actor: vLLM tensor parallelism over them; 3 actors fit beside 2 learner GPUs.
+    rc, err, out = generate(tmp_path, "--gpus", "8", "--learner-gpus", "2", "--gpus-per-actor", "2")
+    assert rc == 0, err
+    stack = config(ROOT / "docker-compose.yml", out)
+    placed = check_placement(stack, node_gpus=8)
+    assert [len(ids) for ids in placed.values()] == [2, 2, 2, 2]
+    for service in actors(stack).values():
+        assert "engine.vllm_tensor_parallel_size=2" in service["environment"]["SPECRL_NODE_ARGS"]
+
+
+@needs_compose
+def test_one_gpu_layout_is_the_default_one(tmp_path, default_stack):
+    """The script's 1-GPU layout is what docker-compose.override.yml gives: nothing drifts."""
+    rc, err, out = generate(tmp_path, "--gpus", "1")
+    assert rc == 0, err
+    assert config(ROOT / "docker-compose.yml", out) == default_stack
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "8", "--learner-gpus", "8"], "no GPU left for an actor"),
+        (
+            ["--gpus", "4", "--actors", "4"],
+            "the layout needs 5 GPUs (learner 1 + 4 actor(s) x 1), the node has 4",
+        ),
+        (["--gpus", "8", "--learner-gpus", "4", "--gpus-per-actor", "8"], "no GPU left"),
+        (["--gpus", "1", "--learner-gpus", "2"], "a 1-GPU node holds the learner and one actor"),
+        (["--gpus", "1", "--actors", "2"], "a 1-GPU node holds the learner and one actor"),
+        (["--gpus", "0"], "gpus must be >= 1"),
+        ([], "give --gpus N"),
+        (["--gpus", "2", "--actor-gpu-memory", "1.5"], "--actor-gpu-memory must be in (0, 1)"),
+        (["--gpus", "2", "--model-dir", "/nonexistent"], "no such directory"),
+    ],
+)
+def test_bad_layouts_are_refused(tmp_path, args, message):
+    rc, err, out = generate(tmp_path, *args)
+    assert rc == 2 and message in err, err
+    assert not out.exists()
+
+
+def test_gpus_beyond_what_nvidia_smi_lists_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compose_gpu, "visible_gpus", lambda: 2)
+    assert compose_gpu.main(["--gpus", "8", "-o", str(tmp_path / "x.yml")]) == 2
+    assert "--gpus 8, but nvidia-smi -L lists 2 GPU(s) here" in capsys.readouterr().err
+    assert compose_gpu.main(["-o", str(tmp_path / "x.yml")]) == 0  # the listed count by default
+    assert set(compose_gpu.plan(2)) == {"learner", "actor"}
+
+
+def write_model(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    save_file(
+        {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()},
+        path / "model.safetensors",
+    )
+
+
+def size_bytes(size: str) -> int:
+    m = re.fullmatch(r"(\d+)gb?", size)
+    assert m, size
+    return int(m[1]) * 2**30
+
+
+def test_sizes_follow_the_model(tmp_path):
+    write_model(tmp_path / "m", {"embed": (300, 64), "w": (64, 64), "bias": (64,)})
+    assert compose_gpu.model_parameters(tmp_path / "m") == 300 * 64 + 64 * 64 + 64
+    # The script's copies of the defaults its formulas use are the config's.
+    assert RedisConfig().retention == compose_gpu.REDIS_RETENTION
+    assert LearnerConfig().publish_max_inflight == compose_gpu.PUBLISH_MAX_INFLIGHT
+    # An 8B model in bf16: V = 16.1e9 bytes.
+    params = 8_030_000_000
+    version = 2 * params
+    size = compose_gpu.sizes(params, "bfloat16")
+    gib = 2**30  # sizes round up to whole GiB
+    assert 3 * version <= size_bytes(size["weights_cache"]) <= 3.15 * version + gib
+    redis_bytes = size_bytes(size["redis_maxmemory"])
+    assert (compose_gpu.REDIS_RETENTION + 2) * version <= redis_bytes <= 5 * version + 2 * gib
+    assert size["redis_maxmemory"].endswith("gb")  # Redis's unit
+    assert 2 * version <= size_bytes(size["learner_shm"]) <= 2 * version + 5 * gib
+    assert compose_gpu.sizes(params, "float32")["weights_cache"] != size["weights_cache"]
+
+
+@needs_compose
+def test_model_and_data_mounts(tmp_path):
+    write_model(tmp_path / "model", {"w": (1024, 1024)})
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"prompt": "1+1", "answer": 2}\n')
+    rc, err, out = generate(
+        tmp_path, "--gpus", "4", "--model-dir", str(tmp_path / "model"), "--data-file", str(data)
+    )
+    assert rc == 0, err
+    stack = config(ROOT / "docker-compose.yml", out)
+    check_placement(stack, node_gpus=4)
+    mounts = {f"{tmp_path / 'model'}:/model:ro", f"{data.parent}:/data:ro"}
+    for name in ("learner", *actors(stack)):
+        service = stack["services"][name]
+        assert mounts <= set(service["volumes"]), (name, service["volumes"])
+        node_args = service["environment"]["SPECRL_NODE_ARGS"].split()
+        assert {"model.path=/model", "task=dataset", "task.path=/data/train.jsonl"} <= set(
+            node_args
+        )
+    learner_args = stack["services"]["learner"]["environment"]["SPECRL_NODE_ARGS"]
+    assert "learner.publish_dtype=bfloat16" in learner_args
+    # Sizes from the model (1 GiB at least), each overridable by its variable.
+    assert "size=1g," in stack["volumes"]["weights-cache"]["driver_opts"]["o"]
+    overridden = config(
+        ROOT / "docker-compose.yml", out, ACTOR_WEIGHTS_CACHE_SIZE="7g", REDIS_MAXMEMORY="9gb"
+    )
+    assert "size=7g," in overridden["volumes"]["weights-cache"]["driver_opts"]["o"]
+    assert overridden["services"]["redis"]["environment"]["SPECRL_REDIS_MAXMEMORY"] == "9gb"
+
+
+def test_node_args_reach_the_processes_before_the_user_args():
+    """The learner's command and docker/actor.sh pass SPECRL_NODE_ARGS, then the user's ARGS."""
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    learner = base["services"]["learner"]["command"]
+    assert learner.index("$${SPECRL_NODE_ARGS:-}") < learner.index("${LEARNER_ARGS:-}")
+    actor_sh = (ROOT / "docker" / "actor.sh").read_text()
+    assert '${SPECRL_NODE_ARGS:-} "$@"' in actor_sh
+    assert "index=${SPECRL_ACTOR_INDEX:-" in actor_sh
+
+
+def redis_argv() -> list[str]:
+    """The compose file's Redis command line, as its `sh -c` runs it (one variable per $$NAME)."""
+    command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["redis"][
+        "command"
+    ]
+    script = shlex.split(command)[2]  # sh -c '<script>'
+    assert script.startswith("exec ")
+    return shlex.split(script.removeprefix("exec ").replace("$$", "$"))
+
+
+def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path):
+    """The compose file's Redis command, run for real: no AOF, no RDB save rules, and a write
+    past maxmemory fails instead of evicting what is stored."""
+    port = find_free_port()
+    env = {
+        "SPECRL_REDIS_PORT": str(port),
+        "SPECRL_REDIS_BIND": "127.0.0.1",
+        "REDIS_PASSWORD": "pw",
+        "SPECRL_REDIS_MAXMEMORY": "8mb",
+    }
+    argv = _expand(redis_argv(), env)
+    assert argv[0] == "redis-server"
+    server = [find_redis_server_binary(), *argv[1:]]
+    proc = subprocess.Popen(server, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, password="pw")
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        assert client.config_get("save")["save"] == ""
+        assert client.config_get("appendonly")["appendonly"] == "no"
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        assert int(client.config_get("maxmemory")["maxmemory"]) == 8 * 2**20
+        chunk = b"x" * 2**20
+        stored = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError, match="maxmemory"):
+            for i in range(64):
+                client.set(f"weights:run:1:chunk:{i}", chunk)
+                stored += 1
+        # Nothing stored was evicted to make room.
+        assert 0 < stored < 64
+        assert all(client.exists(f"weights:run:1:chunk:{i}") for i in range(stored))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list(tmp_path.iterdir()), "Redis wrote files"
+
+
+def _expand(argv: list[str], env: dict[str, str]) -> list[str]:
+    out = []
+    for arg in argv:
+        for name, value in env.items():
+            arg = arg.replace(f"${name}", value)
+        assert "$" not in arg, arg
+        out.append(arg)
+    return out
