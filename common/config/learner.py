@@ -13,6 +13,9 @@ from common.config.checks import (
 )
 from common.config.modes import MODEL_IMPLS, PRECISIONS, PUBLISH_DTYPES, PUBLISH_UPLOADS
 
+LEARNER_PROFILES: tuple[str, ...] = ("auto", "manual", "off")
+"""``learner.profile``: how the memory settings meet the device's memory."""
+
 
 @dataclass
 class LearnerConfig:
@@ -101,11 +104,22 @@ class LearnerConfig:
     0: all completion positions of a micro-batch at once."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
+    profile: str = "auto"
+    """The four settings above against the device's memory, estimated at start from the model's
+    config with ``specrl plan``'s formulas (``learner/fit_check.py``). ``auto``: kept when they
+    fit, else those still at their defaults become more frugal (a micro-batch budget,
+    bf16-mixed, activation checkpointing, smaller budgets and log-prob chunks) until they fit;
+    ``manual``: as given. Both refuse to start, with the estimate, when nothing fits. ``off``:
+    no estimate, no check."""
+    device_memory_gib: float = 0.0
+    """Memory per device the fit check plans against, in GiB; 0: measured (free GPU memory, or
+    the host's available RAM over the learner ranks on it). Set it to plan for another machine."""
 
     def __post_init__(self) -> None:
         require_choice("learner.model_impl", self.model_impl, MODEL_IMPLS)
         require_choice("learner.precision", self.precision, PRECISIONS)
         require_choice("learner.publish_upload", self.publish_upload, PUBLISH_UPLOADS)
+        require_choice("learner.profile", self.profile, LEARNER_PROFILES)
         require(
             self.publish_dtype in PUBLISH_DTYPES,
             f"learner.publish_dtype must be '', bfloat16, float16 or float32, got "
@@ -120,6 +134,7 @@ class LearnerConfig:
         require_at_least("learner", self, queue_max=1, metrics_every=1)
         require_at_least("learner", self, publish_max_inflight=0, max_staleness=0, kl_coef=0)
         require_at_least("learner", self, max_tokens_per_microbatch=0, logprob_chunk_tokens=0)
+        require_at_least("learner", self, device_memory_gib=0)
         require_positive("learner", self, "lr", "max_abs_reward", "group_timeout_s")
         require(0 < self.clip_eps < 1, f"learner.clip_eps must be in (0, 1), got {self.clip_eps}")
         require(self.dual_clip > 1, f"learner.dual_clip must be > 1, got {self.dual_clip}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,19 @@ from common.config.modes import (
     DATASET_TASKS,
     TASK_NAMES,
 )
+
+
+def default_torch_threads() -> int:
+    """``run.torch_threads=0``: 1 without a GPU, else this process's cores over the visible GPUs
+    (one process per GPU), between 1 and 16. Counting GPUs goes through NVML where it can, so
+    it creates no CUDA context."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(16, (cores or 1) // gpus))
 
 
 @dataclass
@@ -28,8 +42,10 @@ class RunConfig:
     max_wall_s: float = 0.0
     """End the run (completed, with its final checkpoint) once the learner has run this long,
     even before ``steps``; 0: no time limit."""
-    torch_threads: int = 1
-    """``torch.set_num_threads`` per process; 1 keeps learner and actors from fighting over cores."""
+    torch_threads: int = 0
+    """``torch.set_num_threads`` per process. 0: 1 on a machine without a GPU (the learner and
+    actors share its cores), else this process's cores over the GPUs it sees, at most 16 (CPU
+    passes over a real model's weights); :func:`default_torch_threads`."""
     log_level: str = "INFO"
     """Python logging level of every process."""
     ledger: bool = False
@@ -37,7 +53,9 @@ class RunConfig:
     consumed by the learner (trained, dropped as stale, or pending at exit). For audits and tests."""
 
     def __post_init__(self) -> None:
-        require_at_least("run", self, steps=1, torch_threads=1, max_wall_s=0)
+        require_at_least("run", self, steps=1, torch_threads=0, max_wall_s=0)
+        if self.torch_threads == 0:
+            self.torch_threads = default_torch_threads()
         require(
             bool(self.name) and "/" not in self.name,
             f"run.name must be a non-empty name without '/', got {self.name!r}",
