@@ -5,6 +5,13 @@ The training state lives in ``training_state/`` because vLLM loads every ``*.saf
 directory it is given; checkpoints written before it existed (those files beside the model) are
 still read. No pickle: pending groups are wire frames. Under FSDP the caller gathers a
 ``FullState`` on rank 0 (``learner/distributed.py``) and passes that instead of the model.
+
+Under FSDP a resume reads shards: ``load_sharded_model`` and ``load_sharded_optimizer`` have each
+rank read only its rows of each tensor, with ``torch.distributed.checkpoint`` (DCP) and its
+Hugging Face reader, which plans each rank's reads from the DTensor layout and slices the
+safetensors files. DCP's own sharded format would need a second copy of the weights for
+``transformers`` and vLLM and a converter for one process; read this way, the files stay the
+ones both open, so any checkpoint, of either layout, resumes on one rank or on N.
 """
 
 from __future__ import annotations
@@ -22,11 +29,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from common.model import CONFIG_FILE, write_weights
+from common.model import CONFIG_FILE, DRAFT_FILE, DRAFT_PREFIX, write_weights
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.tokenizer import Tokenizer
 from common.weights.format import raw_bytes, safetensors_layout
-from learner.policy import hf_config, load_policy
+from learner.policy import hf_config, load_policy, unwrap
 
 STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_groups.msgpack"
@@ -183,11 +190,8 @@ def load_pending(path: Path, limits: DecodeLimits) -> list[TrajectoryGroup]:
     return groups
 
 
-def load_checkpoint(
-    path: Path, device: torch.device, impl: str = "auto", dtype: torch.dtype = torch.float32
-) -> tuple[nn.Module, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
-    """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters."""
-    model = load_policy(path, impl, device, dtype)
+def read_trainer_state(path: Path) -> tuple[TrainerState, list[dict[str, Any]]]:
+    """A checkpoint's trainer state and optimizer hyper-parameters."""
     raw = json.loads(_training_file(path, STATE_FILE).read_text())
     state = TrainerState(
         step=int(raw["step"]),
@@ -196,8 +200,92 @@ def load_checkpoint(
         metrics=raw.get("metrics", {}),
         wal_from=int(raw.get("wal_from", 0)),
     )
+    return state, raw.get("optimizer_param_groups", [])
+
+
+def load_checkpoint(
+    path: Path, device: torch.device, impl: str = "auto", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
+    """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters: the
+    whole state, for one process."""
+    model = load_policy(path, impl, device, dtype)
+    state, param_groups = read_trainer_state(path)
     tensors = load_file(str(_training_file(path, OPTIMIZER_FILE)), device=str(device))
-    return model, tensors, state, raw.get("optimizer_param_groups", [])
+    return model, tensors, state, param_groups
+
+
+def _read_shards(directory: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Collective: fill ``targets`` (DTensor shards: this rank's rows; plain tensors: whole) from
+    the ``*.safetensors`` files of ``directory``, reading only those rows."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(directory))
+    stored = reader.read_metadata().state_dict_metadata
+    missing = sorted(set(targets) - set(stored))
+    if missing:
+        raise ValueError(
+            f"{directory} has no tensor {', '.join(missing[:5])}"
+            + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+            + ": not a checkpoint of this model (move it out of the run's checkpoints/ to resume "
+            "from an older one, or set learner.resume=false to start from the model)"
+        )
+    dcp.load(targets, storage_reader=reader)
+
+
+def load_sharded_model(model: nn.Module, path: Path) -> None:
+    """Collective: a sharded model's parameters and persistent buffers (allocated by
+    ``learner.distributed.materialize``) from the model files of ``path``, a checkpoint or model
+    directory; each rank reads its shards only."""
+    policy = unwrap(model)
+    unique = {name for name, _ in policy.named_parameters()}
+    tied = {name for name, _ in policy.named_parameters(remove_duplicate=False)} - unique
+    targets = {k: v for k, v in policy.state_dict(keep_vars=True).items() if k not in tied}
+    draft = {k: v for k, v in targets.items() if k.startswith(DRAFT_PREFIX)}
+    _read_shards(path, {k: v for k, v in targets.items() if k not in draft})
+    if draft:
+        _read_shards((path / DRAFT_FILE).parent, draft)
+
+
+def load_sharded_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    param_groups: list[dict[str, Any]],
+) -> None:
+    """Collective: a checkpoint's AdamW state into the optimizer of a sharded model, each rank
+    reading the rows of its shards (moments) and the whole of each scalar (``step``). Parameters
+    the checkpoint has no state for start without, as AdamW does."""
+    file = _training_file(path, OPTIMIZER_FILE)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} has no {TRAINING_DIR}/{OPTIMIZER_FILE} (a model directory, not "
+            "a training checkpoint: set learner.resume=false and model.path to train from it)"
+        )
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    stored = HuggingFaceStorageReader(str(file.parent)).read_metadata().state_dict_metadata
+    params = dict(unwrap(model).named_parameters())
+    targets: dict[str, torch.Tensor] = {}
+    for key, meta in stored.items():
+        name, sep, _ = key.partition("::")
+        if not sep:
+            continue  # a model tensor (beside the optimizer's in the older layout)
+        if name not in params:
+            raise ValueError(
+                f"{file}: optimizer state for {name!r}, a parameter this model lacks (a "
+                "checkpoint of another model; set learner.resume=false to start from the model)"
+            )
+        param = params[name]
+        if tuple(meta.size) == tuple(param.shape):
+            targets[key] = torch.empty_like(param)  # sharded as the parameter
+        else:
+            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    _read_shards(file.parent, targets)
+    for key, value in targets.items():
+        name, _, slot = key.partition("::")
+        optimizer.state[params[name]][slot] = value
+    restore_param_groups(optimizer, param_groups)
 
 
 def _optimizer_tensors(
@@ -223,6 +311,13 @@ def restore_optimizer(
     for key, value in tensors.items():
         name, _, slot = key.partition("::")
         optimizer.state[params[name]][slot] = value
+    restore_param_groups(optimizer, param_groups)
+
+
+def restore_param_groups(
+    optimizer: torch.optim.Optimizer, param_groups: list[dict[str, Any]]
+) -> None:
+    """A checkpoint's optimizer hyper-parameters (lr, betas, ...), group by group."""
     for group, saved in zip(optimizer.param_groups, param_groups, strict=False):
         for k, v in saved.items():
             if k in group and not isinstance(v, list):

@@ -11,15 +11,21 @@ the 1-rank update: docs/design.md §4.1 and ``learner/microbatch.py``.
 Publishing and checkpoints gather the full state dict to rank 0's CPU, a collective every rank
 joins at the same point: publishing follows ``publish_every`` and the step's (all-reduced)
 skipped flag, checkpoints ``checkpoint_every``, the final checkpoint rank 0's ``stop`` message.
-On resume every rank loads the same full checkpoint, then shards it.
+On resume every rank builds the model with its parameters on the meta device (``empty_policy``),
+shards it, allocates its shards (``materialize``) and reads only those rows of each tensor from
+the checkpoint (``learner/checkpoint.py``): no rank holds the full model or AdamW state.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -27,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from common.model import CONFIG_FILE, Transformer
+from common.model_args import ModelArgs
 from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
-from learner.policy import PolicyModule, decoder_layers
+from learner.policy import PolicyModule, choose_impl, decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -118,17 +126,85 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def shard(policy: nn.Module) -> PolicyModule:
-    """FSDP2: each decoder layer is one unit; the root (embedding, final norm, LM head) another.
-    Parameters stay in their dtype (fp32 master weights unless ``precision=bf16``); bf16 compute
-    comes from autocast, as on one process."""
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``learner.precision``.
+
+    ``bf16-mixed``: FSDP all-gathers bf16 copies of the fp32 shards, so forward and backward run
+    on bf16 weights (matmuls in bf16 as under autocast on one process; elementwise ops and the
+    residual stream see bf16 too, as in a bf16 inference engine), and reduce-scatters gradients
+    in fp32 into the fp32 shards that AdamW updates. Forward inputs keep their dtype: the root's
+    are reference log-probs, and autocast (``learner/step.py``) casts at each op as on one
+    process. ``fp32`` and ``bf16``: no casts (the parameters' own dtype throughout)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    return MixedPrecisionPolicy()
+
+
+def shard(policy: nn.Module, precision: str = "fp32") -> PolicyModule:
+    """FSDP2: each decoder layer is one unit; the root (embedding, final norm, LM head) another,
+    with ``mixed_precision(precision)``. Parameters stay in their dtype (fp32 master weights
+    unless ``precision=bf16``). A policy on the meta device (``empty_policy``) stays there until
+    ``materialize``."""
     from torch.distributed.fsdp import fully_shard
 
+    mp = mixed_precision(precision)
     module = PolicyModule(policy)
     for layer in decoder_layers(policy):
-        fully_shard(layer)
-    fully_shard(module)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(module, mp_policy=mp)
     return module
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Within: each parameter a module registers moves to the meta device as it is registered
+    (its values never touched); buffers are computed as usual. ``torch.device("meta")`` would
+    leave empty the non-persistent buffers no checkpoint holds (a ``transformers`` model's RoPE
+    frequencies); ``accelerate.init_empty_weights(include_buffers=False)`` does the same as this,
+    but accelerate is not a dependency of the learner."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def empty_policy(model_dir: Path, impl: str, dtype: torch.dtype) -> nn.Module:
+    """The policy of an HF-format directory (as ``load_policy`` builds it) with its parameters on
+    the meta device in ``dtype``: no memory until ``shard`` and ``materialize``, then filled from
+    the files by ``learner.checkpoint.load_sharded_model``."""
+    with _parameters_on_meta():
+        if choose_impl(model_dir, impl) == "builtin":
+            config = json.loads((model_dir / CONFIG_FILE).read_text())
+            return Transformer(ModelArgs.from_hf_config(config)).to(dtype)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) a sharded module's meta parameters on ``device``: each rank its
+    shards only. Buffers keep the values they had."""
+    buffers = dict(module.named_buffers())
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if not buffers[name].is_meta:
+                buffer.copy_(buffers[name])
 
 
 def _strip(name: str) -> str:

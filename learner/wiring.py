@@ -28,15 +28,20 @@ from learner.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_pending,
+    load_sharded_model,
+    load_sharded_optimizer,
+    read_trainer_state,
     restore_optimizer,
 )
 from learner.distributed import (
     DistContext,
+    empty_policy,
     full_model_state,
     full_optimizer_state,
-    load_optimizer_state,
+    materialize,
     shard,
 )
+from learner.fit_check import fit_learner
 from learner.policy import (
     hf_config,
     is_builtin,
@@ -81,25 +86,35 @@ def setup(
     dist: DistContext | None = None,
 ) -> LearnerState:
     """Model, optimizer and counters: from the newest checkpoint, else from the model directory.
-    With ``dist``, every rank loads the same full weights and then shards them (FSDP2)."""
+    With ``dist`` the model is sharded (FSDP2): a fresh start loads the full weights on every
+    rank and shards them; a resume has each rank read only its shards of the checkpoint."""
     lcfg = cfg.learner
-    dtype = param_dtype(lcfg.precision)
     ckpt = latest_checkpoint(checkpoint_root) if lcfg.resume else None
-    opt_tensors, param_groups = {}, []
-    if ckpt is not None:
-        policy, opt_tensors, trainer, param_groups = load_checkpoint(
-            ckpt, device, lcfg.model_impl, dtype
-        )
-        tokenizer = load_tokenizer(ckpt)
-        step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
-        wal_from = trainer.wal_from
-        log.info("resumed from %s (step %d, version %d)", ckpt, step, version)
-    else:
+    model_dir = ckpt
+    if ckpt is None:
         if dist is not None and not dist.is_main:
             dist.barrier()  # rank 0 builds the model directory first (a warm start, once)
         model_dir = ensure_model(cfg)
         if dist is not None and dist.is_main:
             dist.barrier()
+    # Memory settings that fit the device (learner.profile), or a refusal: before any model.
+    fit_learner(cfg, model_dir, device, dist)
+    dtype = param_dtype(lcfg.precision)
+    opt_tensors, param_groups = {}, []
+    if ckpt is not None and dist is None:
+        policy, opt_tensors, trainer, param_groups = load_checkpoint(
+            ckpt, device, lcfg.model_impl, dtype
+        )
+    elif ckpt is not None:
+        # Parameters on the meta device; each rank reads its shards once sharded (below).
+        policy = empty_policy(ckpt, lcfg.model_impl, dtype)
+        trainer, param_groups = read_trainer_state(ckpt)
+    if ckpt is not None:
+        tokenizer = load_tokenizer(ckpt)
+        step, version, dedupe = trainer.step, trainer.version, trainer.dedupe
+        wal_from = trainer.wal_from
+        log.info("resumed from %s (step %d, version %d)", ckpt, step, version)
+    else:
         policy = load_policy(model_dir, lcfg.model_impl, device, dtype)
         tokenizer = load_tokenizer(model_dir)
         step, version, dedupe, wal_from = 0, -1, {}, 0
@@ -110,14 +125,21 @@ def setup(
     if lcfg.kl_coef > 0:
         # The reference is the policy the run started from (the checkpoint's, after a resume);
         # a full replica on every rank.
-        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
-    model: nn.Module = policy if dist is None else shard(policy)
+        if ckpt is not None and dist is not None:  # the policy has no weights yet
+            ref_model = load_policy(ckpt, lcfg.model_impl, device, dtype)
+        else:
+            ref_model = copy.deepcopy(policy)
+        ref_model.eval().requires_grad_(False)
+    model: nn.Module = policy if dist is None else shard(policy, lcfg.precision)
+    if ckpt is not None and dist is not None:
+        materialize(model, device)
+        load_sharded_model(model, ckpt)
     optimizer = make_optimizer(model, lcfg, cfg.spec)
     if ckpt is not None:
         if dist is None:
             restore_optimizer(model, optimizer, opt_tensors, param_groups)
         else:
-            load_optimizer_state(model, optimizer, opt_tensors, param_groups)
+            load_sharded_optimizer(model, optimizer, ckpt, param_groups)
     pending = []
     if ckpt is not None and (dist is None or dist.is_main):
         pending = load_pending(ckpt, DecodeLimits(vocab_size=args.vocab_size))
