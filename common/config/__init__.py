@@ -16,10 +16,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
-
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.config.checks import require
 from common.config.learner import LearnerConfig
@@ -94,6 +90,12 @@ def config_dir() -> Path:
 
 def load_config(overrides: list[str] | None = None) -> SpecRLConfig:
     """Compose ``configs/config.yaml`` with Hydra overrides and validate it into dataclasses."""
+    # Hydra is imported here, not at module level: the dataclasses serve code that runs without
+    # it (scripts/gpu-check.sh on a machine with torch alone).
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
     cs = ConfigStore.instance()
     cs.store(name="specrl_schema", node=SpecRLConfig)
     cs.store(group="task", name="task_schema", node=TaskConfig)
@@ -108,4 +110,6 @@ def load_config(overrides: list[str] | None = None) -> SpecRLConfig:
 
 
 def to_yaml(cfg: SpecRLConfig) -> str:
+    from omegaconf import OmegaConf
+
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
