@@ -14,7 +14,7 @@ use. Rows, per model and batch (rows per generate call = prompts x 8 samples):
                       build another LLM in the process); its ratio is to that baseline
   vllm selfspec       specrl's n-gram drafter inside vLLM (spec=ngram, k=8, matches of 3-6 tokens, prompt + GRPO group
                       + earlier completions of the prompt), through vLLM's custom_class proposer
-  vllm early_exit     not supported on vLLM (refused at start; reported as such)
+  vllm early_exit     the self-draft on vLLM: the real-model rows below (``--only real``)
   torch best          the torch engine's best of plain and spec=ngram (the same drafter settings)
 
 Every engine runs one warm-up epoch over the timed prompts (which also gives the history
@@ -26,6 +26,14 @@ the top-K residual from exact on the RL-trained demo model (per-position verifie
 computed exactly, against the new policy); the salvaged fraction on the demo model across a real
 version gap of its RL run. ``lossless`` is a chi-square test of vLLM + specrl drafter samples
 against an enumerable model's exact distribution.
+
+``--only real`` (and the full run): the real model (SmolLM2-135M-Instruct with its warm-started
+draft adapter, benchmarks/rollout_real.py; word_problems prompts, the preset's sampling) on
+vLLM at batch 8 and 32, engines interleaved chunk by chunk: vllm plain; vllm selfdraft (the
+policy's first layers + adapter inside vLLM, spec=early_exit, fixed k); vllm selfdraft_adaptive
+and vllm ngram_adaptive (spec.adaptive); vLLM's built-in ngram in a child process against its
+own vllm plain. ``real_vllm_lossless``: chi-square of vLLM + self-draft samples at the preset's
+temperature on an enumerable model with an adapter, and a negative control that must fail.
 """
 
 from __future__ import annotations
@@ -364,10 +372,189 @@ def preload_comparison(label: str, repeats: int, rounds: int) -> dict[str, objec
     return figures
 
 
+REAL_ROWS = ("vllm_plain", "vllm_selfdraft", "vllm_selfdraft_adaptive", "vllm_ngram_adaptive")
+
+
+def real_engines(rows, k: int):
+    """The real-model vLLM engines named in ``rows`` (and the model's settings)."""
+    from benchmarks.rollout_real import OVERRIDES, real_model_dir
+
+    model_dir = real_model_dir()
+    cfg = load_config(OVERRIDES)
+    tokenizer = load_tokenizer(model_dir)
+    fixed = SpecConfig(method="early_exit", adapter=True, k=k, adaptive=False)
+    specs = {
+        "vllm_plain": {},
+        "vllm_selfdraft": {"spec": fixed},
+        "vllm_selfdraft_adaptive": {"spec": SpecConfig(method="early_exit", adapter=True, k=k)},
+        "vllm_ngram_adaptive": {"spec": SpecConfig(method="ngram", k=k, ngram_sources="group")},
+        "vllm_builtin_ngram": {"speculative_config": BUILTIN_NGRAM},
+    }
+    engines = {
+        row: make_vllm(
+            model_dir,
+            tokenizer.eos_id,
+            2048,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            **specs[row],
+        )
+        for row in rows
+    }
+    return engines, cfg, tokenizer
+
+
+def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, float]:
+    """Tokens/s of ``rows`` on the real model, chunk by chunk in turn (the first engine moves
+    each time); for the self-draft rows also tokens per verify from the proposer's counts."""
+    from benchmarks.rollout_real import _chunks, _prompts
+    from common.tasks import task_from_config as make_task
+
+    engines, cfg, tokenizer = real_engines(rows, k)
+    task = make_task(cfg.task)
+    max_new = task.max_new_tokens
+    figures: dict[str, float] = {
+        "real_vllm_k": k,
+        "real_vllm_temperature": cfg.sampling.temperature,
+    }
+    for batch in batches:
+        per_epoch = batch // GROUP * (1 if quick else 2)
+        timed = _chunks(_prompts(cfg, tokenizer, task, per_epoch, 0), batch)
+        warm = _chunks(_prompts(cfg, tokenizer, task, batch // GROUP, 500), batch)
+        for engine in engines.values():
+            for chunk in warm:
+                engine.generate(chunk, GROUP, max_new)
+            engine.stats()
+        order = list(engines)
+        tokens = dict.fromkeys(engines, 0)
+        seconds = dict.fromkeys(engines, 0.0)
+        base = {n: dict(e.proposer.counts) for n, e in engines.items() if _counts(e)}
+        for _ in range(repeats):
+            for chunk in timed:
+                for name in order:
+                    started = time.perf_counter()
+                    out = engines[name].generate(chunk, GROUP, max_new)
+                    seconds[name] += time.perf_counter() - started
+                    tokens[name] += sum(len(r.token_ids) for g in out for r in g)
+                order = order[1:] + order[:1]
+        for name, engine in engines.items():
+            figures[f"real_{name}_b{batch}_tokens_per_s"] = round(tokens[name] / seconds[name], 1)
+            stats = engine.stats()
+            if mn.SPEC_ACCEPTANCE_RATE in stats and len(engines) == 2:
+                figures[f"real_{name}_b{batch}_acceptance"] = round(
+                    stats[mn.SPEC_ACCEPTANCE_RATE], 3
+                )
+            if name in base:
+                now = engine.proposer.counts
+                d = {key: now[key] - base[name][key] for key in now}
+                if d["verified"]:
+                    figures[f"real_{name}_b{batch}_tokens_per_verify"] = round(
+                        1 + d["accepted"] / d["verified"], 3
+                    )
+                    figures[f"real_{name}_b{batch}_acceptance"] = round(
+                        d["accepted"] / max(1, d["proposed"]), 3
+                    )
+        plain = figures[f"real_vllm_plain_b{batch}_tokens_per_s"]
+        for name in engines:
+            if name != "vllm_plain":
+                figures[f"real_{name}_over_vllm_plain_b{batch}"] = round(
+                    figures[f"real_{name}_b{batch}_tokens_per_s"] / plain, 3
+                )
+            print(
+                f"| real | {batch} | {name} | {figures[f'real_{name}_b{batch}_tokens_per_s']:,.1f}"
+                f" | {figures.get(f'real_{name}_over_vllm_plain_b{batch}', 1.0):.2f}x | "
+                f"{figures.get(f'real_{name}_b{batch}_tokens_per_verify', float('nan')):.2f} |",
+                flush=True,
+            )
+    engines.clear()
+    gc.collect()
+    return figures
+
+
+def _counts(engine) -> bool:
+    return getattr(engine.proposer, "counts", None) is not None
+
+
+def real_summary(figures: dict, batches) -> dict[str, object]:
+    """The headline real-model figures."""
+    out: dict[str, object] = {}
+    if "real_vllm_selfdraft_over_vllm_plain_b8" in figures:
+        out["real_vllm_selfdraft_over_vllm_plain_b8"] = figures[
+            "real_vllm_selfdraft_over_vllm_plain_b8"
+        ]
+        out["real_vllm_tokens_per_verify_b8"] = figures.get(
+            "real_vllm_selfdraft_b8_tokens_per_verify", float("nan")
+        )
+    ratios = [
+        figures[f"real_{row}_over_vllm_plain_b{b}"]
+        for row in REAL_ROWS
+        if row.endswith("_adaptive")
+        for b in batches
+        if f"real_{row}_over_vllm_plain_b{b}" in figures
+    ]
+    if ratios:
+        out["real_vllm_adaptive_min_ratio"] = min(ratios)
+    return out
+
+
+def real_lossless(quick: bool, temperature: float) -> dict[str, object]:
+    """vLLM + self-draft samples at ``temperature`` vs the exact distribution of an enumerable
+    model with a perturbed adapter over 5 of its 6 tokens; the negative control scores the same
+    samples against another model's distribution and must fail."""
+    from testing.lossless_check import ADAPTER_VOCAB, with_adapter
+
+    spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
+    model = with_adapter(peaky_model(6, 1, 6.0), spec, ADAPTER_VOCAB)
+    path = Path(tempfile.mkdtemp(prefix="specrl-selfdraft-lossless-"))
+    save_pretrained(model, path)
+    prompt = [1, 4, 5, 4]
+    exact = exact_sequence_logprobs(model, prompt, 3, temperature, 1.0, 99)
+    other = exact_sequence_logprobs(peaky_model(6, 2, 6.0), prompt, 3, temperature, 1.0, 99)
+    engine = make_vllm(path, 99, 32, spec=spec, temperature=temperature)
+    out = []
+    for _ in range(15 if quick else 40):
+        out += engine.generate([prompt], 100, 3)[0]
+    acceptance = engine.stats()[mn.SPEC_ACCEPTANCE_RATE]
+    del engine
+    gc.collect()
+    p, control = rollouts_pvalue(exact, out), rollouts_pvalue(other, out)
+    return {
+        "real_vllm_lossless_pvalue": round(p, 4),
+        "real_vllm_lossless_control_pvalue": round(control, 6),
+        "real_vllm_lossless": p >= 0.01 and control < 0.01,
+        "real_vllm_lossless_acceptance": round(acceptance, 3),
+        "real_vllm_lossless_samples": len(out),
+        "real_vllm_lossless_temperature": temperature,
+    }
+
+
+def real_section(opts, batches, repeats: int) -> dict[str, object]:
+    """The real-model figures (see the module docstring)."""
+    rows = tuple(opts.rows.split(",")) if opts.rows else REAL_ROWS
+    figures: dict[str, object] = dict(real_speed(rows, batches, repeats, opts.quick, opts.k))
+    if opts.speed_only:
+        return figures
+    figures.update(real_summary(figures, batches))
+    figures.update(real_lossless(opts.quick, figures["real_vllm_temperature"]))
+    child = child_speed("real", ("vllm_plain", "vllm_builtin_ngram"), batches, repeats)
+    for b in batches:
+        figures[f"real_vllm_builtin_ngram_over_vllm_plain_b{b}"] = child[
+            f"real_vllm_builtin_ngram_over_vllm_plain_b{b}"
+        ]
+        figures[f"real_vllm_builtin_ngram_b{b}_tokens_per_s"] = child[
+            f"real_vllm_builtin_ngram_b{b}_tokens_per_s"
+        ]
+    figures["real_vllm_suffix"] = (
+        "not run: vLLM 0.32's suffix method needs arctic-inference, which is not installed"
+    )
+    return figures
+
+
 def main() -> int:
     parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("demo", "scratchpad"))
+    parser.add_argument("--only", choices=("demo", "scratchpad", "real"))
+    parser.add_argument("--k", type=int, default=4, help="draft length of the real-model rows")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="", help="comma-separated (default: 8,32; quick: 8)")
     parser.add_argument("--rows", default="", help="comma-separated rows to time (default: all)")
@@ -382,6 +569,11 @@ def main() -> int:
     opts = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
+    if opts.only == "real":
+        batches = tuple(int(b) for b in opts.batches.split(",")) if opts.batches else (8, 32)
+        repeats = 1 if opts.quick else opts.repeats
+        summary = {"quick": opts.quick, **real_section(opts, batches, repeats)}
+        return cli.finish(summary, opts.json, started)
     works = [w for w in workloads(opts.quick) if not opts.only or w.label == opts.only]
     loaded = {w.label: load_work(w) for w in works}
     # Every vLLM engine is built before the first built-in n-gram one: vLLM's n-gram proposer
@@ -414,12 +606,6 @@ def main() -> int:
         if "demo" in loaded:
             summary.update(verification(loaded["demo"], opts.quick))
         summary.update(lossless(opts.quick))
-        try:
-            from actors.engines.vllm_engine import VllmEngine
-
-            VllmEngine(loaded[works[0].label][4], 2, spec=SpecConfig(method="early_exit"))
-        except ValueError as e:
-            summary["vllm_early_exit"] = f"unsupported: {e}"
     if not opts.speed_only:
         for w in works:  # vLLM's built-in n-gram, against its own vLLM plain, in a child process
             child = child_speed(w.label, ("vllm_plain", "vllm_ngram"), batches, repeats)
@@ -439,6 +625,8 @@ def main() -> int:
         summary["vllm_selfspec_over_vllm_plain_b8_demo"] = summary[
             "demo_vllm_selfspec_over_vllm_plain_b8"
         ]
+    if not opts.speed_only and opts.only is None:
+        summary.update(real_section(opts, batches, repeats))
     status = cli.finish(summary, opts.json, started)
     print(
         json.dumps({k: v for k, v in summary.items() if not k.endswith("_tokens_per_s")}, indent=1)

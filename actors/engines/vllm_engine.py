@@ -34,10 +34,16 @@ import numpy as np
 import torch
 
 from actors.drafting import NgramDrafter
-from actors.engines import vllm_proposer
+from actors.engines import vllm_proposer, vllm_selfdraft
 from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
 from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
 from actors.engines.vllm_proposer import PROPOSER_PATH
+from actors.engines.vllm_selfdraft import (
+    SELFDRAFT_PATH,
+    SelfDraft,
+    SpecrlSelfDraftProposerSetup,
+    adaptive_control,
+)
 from actors.engines.vllm_setup import (
     VLLM_CPU_SPEC_INEXACT,
     attach_proposer,
@@ -144,19 +150,33 @@ class VllmEngine(RolloutEngine):
         self.exact_verify = self.verify_topk == -1
         self.score_topk = -1 if self.exact_verify else max(SCORE_TOPK, self.verify_topk)
         self.ngram: NgramDrafter | None = None
+        self.selfdraft: SelfDraft | None = None
+        self._setup: Any = None  # what the proposer about to be built takes (see _open)
         speculative_config = dict(engine.vllm_speculative)
         if spec.method == "ngram":
             self.ngram = NgramDrafter(
                 spec.ngram_max_n, spec.ngram_min_n, sources=spec.ngram_sources
             )
-            speculative_config = {
-                "method": "custom_class",
-                "model": PROPOSER_PATH,
-                "num_speculative_tokens": spec.k,
-            }
+            control = adaptive_control("ngram", spec.k, None) if spec.adaptive else None
+            self._setup = (self.ngram, control)
+            speculative_config = self._custom(PROPOSER_PATH, spec.k)
+        elif spec.method == "early_exit":
+            # The policy's own draft, reloaded with the target in every swap (load_weights).
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.selfdraft = SelfDraft.from_checkpoint(
+                model_dir, spec.adapter, spec.exit_layer, version, device
+            )
+            self._setup = SpecrlSelfDraftProposerSetup(
+                self.selfdraft,
+                temperature,
+                top_p,
+                seed,
+                adaptive_control("early_exit", spec.k, self.selfdraft) if spec.adaptive else None,
+            )
+            speculative_config = self._custom(SELFDRAFT_PATH, spec.k)
         self.llm = self._open(model_dir, engine, speculative_config)
-        self.proposer: vllm_proposer.SpecrlNgramProposer | None = None
-        if self.ngram is not None:
+        self.proposer: Any = None
+        if self._setup is not None:
             self.proposer = self.llm.collective_rpc(attach_proposer)[0]
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.generator = torch.Generator().manual_seed(seed)
@@ -165,6 +185,11 @@ class VllmEngine(RolloutEngine):
         self._ids = itertools.count()
         self._reset_counters()
         self._spec_base = self._spec_counters()
+
+    @staticmethod
+    def _custom(path: str, k: int) -> dict[str, Any]:
+        """A specrl proposer through vLLM's ``custom_class`` method."""
+        return {"method": "custom_class", "model": path, "num_speculative_tokens": k}
 
     def _open(self, model_dir: Path, engine: EngineConfig, speculative_config: dict[str, Any]):
         """The in-process ``vllm.LLM`` serving ``model_dir``."""
@@ -202,7 +227,9 @@ class VllmEngine(RolloutEngine):
             kwargs["tensor_parallel_size"] = engine.vllm_tensor_parallel_size
         kwargs.update(engine.vllm_kwargs)  # anything in engine.vllm_kwargs wins
         if self.ngram is not None:
-            vllm_proposer.pending(self.ngram)
+            vllm_proposer.pending(*self._setup)
+        elif self.selfdraft is not None:
+            vllm_selfdraft.pending(self._setup)
         return llm_cls(**kwargs)
 
     def _reset_counters(self) -> None:
@@ -211,6 +238,9 @@ class VllmEngine(RolloutEngine):
         self._record_bytes, self._recorded_tokens = 0, 0
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """vLLM's weights and, with the self-draft, the draft's (the same tensors), in one call."""
+        if self.selfdraft is not None:
+            self.selfdraft.check(state_dict)  # before vLLM changes: a version without the draft
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={
@@ -223,6 +253,8 @@ class VllmEngine(RolloutEngine):
                 "is_checkpoint_format": True,
             },
         )
+        if self.selfdraft is not None:
+            self.proposer.reload(version, state_dict)
         self.version = version
         # Cached prefixes hold KV of the old weights. With requests running (keep mode) vLLM
         # refuses to reset and returns False; the version in every request's cache_salt is what
@@ -260,11 +292,15 @@ class VllmEngine(RolloutEngine):
         prompts, n, max_new_tokens = call.prompts, call.n, call.max_new_tokens
         weight_source, on_group = call.weight_source, call.on_group
         engine = self.llm.llm_engine
+        if self.selfdraft is not None:
+            self.proposer.check()  # the draft must be the weights' version (load_weights)
         started = time.perf_counter()
         slots = [_Slot(list(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
         by_request: dict[str, _Slot] = {}
         if self.ngram is not None:
             self.ngram.begin()  # the drafter follows this call's requests (rows) from here
+        if self.proposer is not None:
+            self.proposer.pause()  # the time since the last call is no decoding step
         for slot in slots:
             self._submit(slot, by_request, max_new_tokens)
         while engine.has_unfinished_requests():

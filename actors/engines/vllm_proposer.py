@@ -7,21 +7,27 @@ every running row's tokens but no request ids or prompts, so the engine (in-proc
 :class:`~actors.drafting.NgramDrafter` (:func:`pending`, before the ``LLM`` is built), the model
 runner (to map a batch row to its request id) and each request's prompt key (:meth:`register`).
 Drafts are deterministic (``q`` one-hot), so vLLM's rejection sampler keeps the output exact.
+With ``spec.adaptive`` the draft length of each step comes from
+:class:`~actors.draft_length.DraftLength` (given the rows' match lengths, as on the torch
+engine), timed from one ``propose`` call to the next (:class:`~actors.engines.vllm_selfdraft.StepTimer`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from actors.draft_length import PLAIN, DraftLength
 from actors.drafting import NgramDrafter
+from actors.engines.vllm_selfdraft import StepTimer
 
-_PENDING: list[NgramDrafter] = []
+_PENDING: list[tuple[NgramDrafter, DraftLength | None]] = []
 PROPOSER_PATH = "actors.engines.vllm_proposer.SpecrlNgramProposer"
 
 
-def pending(drafter: NgramDrafter) -> None:
-    """The drafter the next :class:`SpecrlNgramProposer` constructed in this process uses."""
-    _PENDING.append(drafter)
+def pending(drafter: NgramDrafter, control: DraftLength | None = None) -> None:
+    """The drafter (and adaptive controller) the next :class:`SpecrlNgramProposer` constructed in
+    this process uses."""
+    _PENDING.append((drafter, control))
 
 
 class SpecrlNgramProposer:
@@ -33,7 +39,8 @@ class SpecrlNgramProposer:
                 "SpecrlNgramProposer is built by actors.engines.vllm_engine.VllmEngine "
                 "(it needs the engine's n-gram drafter); do not name it in a bare vLLM config"
             )
-        self.drafter = _PENDING.pop()
+        self.drafter, control = _PENDING.pop()
+        self.timer = StepTimer(control) if control is not None else None
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.runner: Any = None
         self._keys: dict[str, tuple[str, int]] = {}
@@ -51,9 +58,17 @@ class SpecrlNgramProposer:
     def unregister(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
 
+    def pause(self) -> None:
+        """Time until the next ``propose`` is not a decoding step (a new call, a swap)."""
+        if self.timer is not None:
+            self.timer.pause()
+
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **kwargs):
         assert self.runner is not None, "the engine attaches the model runner after start-up"
-        req_ids = self.runner.input_batch.req_ids
+        now = self.timer.control.clock() if self.timer is not None else 0.0
+        req_ids = list(self.runner.input_batch.req_ids)
+        if self.timer is not None:
+            self.timer.close(req_ids, sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows, contexts, keys, row_ids = [], [], [], []
         for row, sampled in enumerate(sampled_token_ids):
@@ -67,8 +82,15 @@ class SpecrlNgramProposer:
             contexts.append(token_ids_cpu[row, : int(num_tokens_no_spec[row])].tolist())
             keys.append(known[0])
             row_ids.append(known[1])
-        if rows:
-            proposed = self.drafter.propose(contexts, keys, self.k, row_ids=row_ids)
-            for row, draft in zip(rows, proposed, strict=True):
-                drafts[row] = draft
+        if not rows:
+            return drafts
+        proposed = self.drafter.propose(contexts, keys, self.k, row_ids=row_ids)
+        if self.timer is not None:
+            choice = self.timer.choose(len(rows), [len(d) for d in proposed])
+            k = 0 if choice.kind == PLAIN else choice.k
+            proposed = [d[:k] for d in proposed]
+            lengths = {req_ids[r]: len(d) for r, d in zip(rows, proposed, strict=True)}
+            self.timer.open(choice, len(rows), now, lengths)
+        for row, draft in zip(rows, proposed, strict=True):
+            drafts[row] = draft
         return drafts

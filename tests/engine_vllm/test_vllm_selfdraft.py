@@ -1,0 +1,197 @@
+"""The policy's own trained draft inside vLLM (``spec=early_exit``, :mod:`actors.engines.vllm_selfdraft`):
+exact sampling through vLLM's rejection sampler with the draft's q (chi-square on an enumerable
+model, and a control with a wrong q that fails), the draft reloaded in the same swap as the
+target (between calls and mid-rollout with delayed verification), the stale-draft control, the
+adaptive draft length, and what the engine refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engines.torch_engine import TorchEngine
+from common.config.actor import EngineConfig, SpecConfig
+from common.model import Transformer, attach_draft, save_pretrained
+from testing.lossless_check import (
+    ADAPTER_VOCAB,
+    exact_sequence_logprobs,
+    peaky_model,
+    rollouts_pvalue,
+    with_adapter,
+)
+from testing.models import random_model
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from actors.engines.vllm_engine import VllmEngine  # noqa: E402
+from actors.engines.vllm_selfdraft import StaleDraftError  # noqa: E402
+from testing.vllm import EOS, PROMPTS, tokens  # noqa: E402
+
+SELFDRAFT = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
+
+
+def drafting_model(seed: int) -> Transformer:
+    """A peaky random model (vocabulary 64) whose adapter after layer 2 drafts its exact
+    distribution: layers 2-3 add nothing to the residual stream and the adapter is a copy of
+    layer 2 and of the final norm. Two seeds' distributions differ widely."""
+    model = random_model(
+        64, seed, num_hidden_layers=4, bos_token_id=1, eos_token_id=EOS, pad_token_id=0
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers[2:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    attach_draft(model, 2)
+    return model
+
+
+def engine_on(model: Transformer, path, spec=SELFDRAFT, **kwargs) -> VllmEngine:
+    save_pretrained(model, path)
+    kwargs.setdefault("inflight", "keep")
+    kwargs.setdefault("temperature", 1.0)
+    return VllmEngine(path, EOS, EngineConfig(vllm_max_model_len=64), spec=spec, seed=3, **kwargs)
+
+
+def acceptance(engine: VllmEngine, n: int = 4) -> float:
+    engine.generate(PROMPTS, n, 16)
+    return engine.stats()["spec/acceptance_rate"]
+
+
+def test_sampling_through_the_self_draft_is_exact_and_uses_its_q(tmp_path):
+    # An enumerable model (vocabulary 6, 3 tokens) with an adapter over 5 of the 6 tokens whose
+    # drafts differ from the model (perturbed): every completion's probability is known.
+    spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
+    model = with_adapter(peaky_model(6, 1, 6.0), spec, ADAPTER_VOCAB)
+    prompt, no_eos, temperature = [1, 4, 5, 4], 99, 0.7
+    exact = exact_sequence_logprobs(model, prompt, 3, temperature, 1.0, no_eos)
+    save_pretrained(model, tmp_path)
+    engine = VllmEngine(
+        tmp_path,
+        no_eos,
+        EngineConfig(vllm_max_model_len=32),
+        spec=spec,
+        inflight="keep",
+        temperature=temperature,
+        seed=5,
+    )
+    out = []
+    for _ in range(15):
+        out += engine.generate([prompt], 100, 3)[0]
+    stats = engine.stats()
+    assert stats["spec/draft_tokens"] > 1000 and 0.05 < stats["spec/acceptance_rate"] < 0.99
+    assert rollouts_pvalue(exact, out) > 0.01
+    # Negative control 1: the same samples against another model's distribution fail.
+    other = exact_sequence_logprobs(peaky_model(6, 2, 6.0), prompt, 3, temperature, 1.0, no_eos)
+    assert rollouts_pvalue(other, out) < 0.01
+    # Negative control 2: the rejection sampler reads the q the proposer hands it: a wrong one
+    # (q at temperature 3 while the drafts are drawn at 0.7) makes the output inexact.
+    proposer = engine.proposer
+    draft = proposer._draft
+
+    def wrong_q(ids, contexts, k):
+        proposed, q = draft(ids, contexts, k)
+        flat = q.pow(1 / 3.0 * temperature)
+        return proposed, (flat / flat.sum(-1, keepdim=True)).contiguous()
+
+    proposer._draft = wrong_q
+    bad = []
+    for _ in range(15):
+        bad += engine.generate([prompt], 100, 3)[0]
+    assert rollouts_pvalue(exact, bad) < 0.01
+
+
+def test_draft_reloads_in_the_swap_and_a_stale_draft_loses_acceptance(tmp_path):
+    old, new = drafting_model(0), drafting_model(1)
+    engine = engine_on(old, tmp_path, version=0)
+    proposer = engine.proposer
+    assert proposer.draft is engine.selfdraft and proposer.draft.version == 0
+    assert acceptance(engine) > 0.9  # the draft is the model's own distribution
+    engine.load_weights(1, new.state_dict())
+    assert proposer.draft.version == proposer.target_version == engine.version == 1
+    assert acceptance(engine) > 0.9  # reloaded with the target: as good as before
+    # Stale-draft control: the previous version's draft, loaded on purpose.
+    proposer.draft.load(0, old.state_dict())
+    with pytest.raises(StaleDraftError, match="version 0, the target 1"):
+        engine.generate(PROMPTS, 1, 4)
+    proposer.check_version = False  # what the version check prevents
+    proposer.forget()
+    assert acceptance(engine) < 0.5
+    # A version without the draft's tensors is refused before vLLM's weights change.
+    policy_only = {k: v for k, v in old.state_dict().items() if not k.startswith("draft.")}
+    with pytest.raises(ValueError, match="without the draft adapter"):
+        engine.load_weights(2, policy_only)
+    assert engine.version == 1
+
+
+def test_swap_mid_rollout_with_delayed_verification_reloads_the_draft(tmp_path):
+    old, new = drafting_model(0), drafting_model(1)
+    engine = engine_on(old, tmp_path, version=0, inflight="verify_on_swap")
+    calls = {"n": 0}
+
+    def source():
+        calls["n"] += 1
+        return (1, new.state_dict()) if calls["n"] == 4 else None
+
+    out = engine.generate(PROMPTS, 4, 24, weight_source=source)
+    stats = engine.stats()
+    assert stats["verify/swaps"] == 1 and stats["verify/inflight_tokens"] > 0
+    assert all(set(r.token_versions.tolist()) == {1} for g in out for r in g)
+    assert engine.proposer.draft.version == 1
+    assert stats["spec/acceptance_rate"] > 0.9  # drafts after the swap come from the new draft
+
+
+def test_greedy_self_draft_matches_plain_decoding(tmp_path):
+    model = with_adapter(peaky_model(16, 0, 30.0), SELFDRAFT, None)
+    save_pretrained(model, tmp_path)
+    engine = VllmEngine(
+        tmp_path,
+        EOS,
+        EngineConfig(vllm_max_model_len=64),
+        spec=SELFDRAFT,
+        inflight="keep",
+        temperature=0.0,
+    )
+    prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9]]
+    reference = TorchEngine(model, EOS, 0, temperature=0.0).generate(prompts, 2, 12)
+    assert tokens(engine.generate(prompts, 2, 12)) == tokens(reference)
+    assert engine.stats()["spec/draft_tokens"] > 0
+
+
+def test_adaptive_length_drafts_a_good_draft_and_learns_its_acceptance(tmp_path):
+    spec = SpecConfig(method="early_exit", adapter=True, k=4, adaptive=True)
+    good = drafting_model(0)
+    engine = engine_on(good, tmp_path, spec=spec, version=0)
+    timer = engine.proposer.timer
+    control = timer.control
+    # A deterministic clock: a plain step costs 1, a drafting step 1 + k / 4 (each draft pass a
+    # quarter of a plain step), so the choice follows the acceptance vLLM reports back per
+    # draft position (the measured-cost side is covered in tests/unit/actors).
+    now = [0.0]
+    close = timer.close
+
+    def timed_close(req_ids, sampled):
+        if timer._open is not None:
+            now[0] += 1.0 + timer._open[0].k / 4
+        close(req_ids, sampled)
+
+    timer.close = timed_close
+    control.clock = lambda: now[0]
+    for _ in range(2):
+        engine.generate(PROMPTS, 4, 24)
+    stats = engine.stats()
+    drafted = stats["spec/draft_tokens"] / stats["actor/tokens"]
+    assert drafted > 0.4 and stats["spec/mean_accepted_len"] > 2.5
+    assert control.steps > 0 and control.acceptance["early_exit"].conditional()[0] > 0.9
+
+
+def test_self_draft_refuses_a_model_without_adapter_and_a_multiprocess_engine(
+    tmp_path, monkeypatch
+):
+    save_pretrained(random_model(64, 0), tmp_path)
+    with pytest.raises(ValueError, match="no draft adapter"):
+        VllmEngine(tmp_path, EOS, spec=SELFDRAFT)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ValueError, match="engine core in this process"):
+        VllmEngine(tmp_path, EOS, spec=SELFDRAFT)
