@@ -123,6 +123,12 @@ def init_from_env(timeout_s: float = 3600.0) -> DistContext | None:
 
 def shutdown() -> None:
     if dist.is_initialized():
+        try:
+            # Every rank tears the group down together: a rank whose peers have already
+            # closed their gloo connections can abort in the destructor.
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001 - a peer already gone: tear down regardless
+            log.warning("learner: barrier before closing the process group failed: %s", e)
         dist.destroy_process_group()
 
 
