@@ -310,17 +310,21 @@ class DraftAdapter(nn.Module):
             self.register_buffer("vocab_ids", torch.arange(size), persistent=True)
         else:
             self.vocab_ids = None  # the whole vocabulary: the LM head as it is
-        self._head: tuple[int, int, Tensor] | None = None  # (id, _version, rows) of the weight
+        # (the head's weight, its version counter, the gathered rows); the weight is held, so
+        # the identity check cannot match a new tensor at a recycled address.
+        self._head: tuple[Tensor, int | None, Tensor] | None = None
 
     def head_weight(self, lm_head: Tensor) -> Tensor:
         """The LM head rows of the draft vocabulary, detached (the head is frozen for the draft);
-        the gathered copy is reused while the head's tensor is unchanged."""
+        the gathered copy is reused while the head's tensor is unchanged: the same tensor and,
+        unless it is an inference tensor (a rollout engine's adopted weights, which nothing
+        writes to; they have no version counter), the same version."""
         if self.vocab_ids is None:
             return lm_head.detach()
-        key = (id(lm_head), lm_head._version)
-        if self._head is None or self._head[:2] != key:
+        version = None if lm_head.is_inference() else lm_head._version
+        if self._head is None or self._head[0] is not lm_head or self._head[1] != version:
             with torch.no_grad():
-                self._head = (*key, lm_head.index_select(0, self.vocab_ids))
+                self._head = (lm_head, version, lm_head.index_select(0, self.vocab_ids))
         return self._head[2]
 
 

@@ -127,3 +127,22 @@ def test_engine_refuses_adapter_without_one():
     spec = SpecConfig(method="early_exit", exit_layer=1, adapter=True)
     with pytest.raises(ValueError, match="no draft adapter"):
         TorchEngine(model, EOS, 0, spec=spec)
+
+
+def test_adapter_drafts_from_adopted_inference_tensors():
+    """A version adopted mid-generate (inside inference mode, as a swap does) has inference
+    tensors as parameters (no version counter): the adapter's cached head rows follow them."""
+    spec = ADAPTER_SPECS[0]
+    model = with_adapter(peaky_model(vocab=16, seed=0, scale=30.0), spec, ADAPTER_VOCAB)
+    engine = TorchEngine(model, EOS, 0, temperature=1.0, spec=spec)
+    engine.generate([[1, 5, 6]], 2, 6)
+    with torch.inference_mode():  # as a version fetched and applied mid-generate
+        published = {k: v.clone() for k, v in model.state_dict().items()}
+        published["lm_head.weight"].mul_(-1.0)  # another head: the old rows must not be reused
+        engine.load_weights(1, published)
+    assert engine.model is not model and engine.model.lm_head.weight.is_inference()
+    out = engine.generate([[1, 5, 6]], 2, 6)
+    assert all(len(r.token_ids) > 0 for g in out for r in g)
+    rows = engine.model.draft.head_weight(engine.model.lm_head.weight)
+    expected = published["lm_head.weight"].index_select(0, engine.model.draft.vocab_ids)
+    assert torch.equal(rows, expected)
