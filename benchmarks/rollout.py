@@ -435,7 +435,12 @@ def main() -> int:
         real, real_table = rollout_real.measure(quick, 1 if quick else 3)
         flat.update(real)
         if not opts.no_rl:
-            flat.update(rollout_real.rl_figures())
+            try:
+                flat.update(rollout_real.rl_figures())
+            except subprocess.CalledProcessError as e:
+                # The rows measured so far still go into the JSON; the exit status says it failed.
+                flat["real_rl_error"] = str(e)
+                print(f"RL figures failed: {e}", flush=True)
 
     summary: dict[str, object] = {
         "lossless": lossless,
@@ -481,7 +486,8 @@ def main() -> int:
         if key in summary:
             print(f"{key} = {summary[key]} ({summary[method]})")
     print(f"lossless = {lossless}, {summary['seconds']} s")
-    return cli.finish(summary, opts.json)
+    status = cli.finish(summary, opts.json)
+    return 1 if "real_rl_error" in flat else status
 
 
 if __name__ == "__main__":
