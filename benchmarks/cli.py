@@ -72,6 +72,36 @@ def random_model(
     return Transformer(ModelArgs(**shape, **args))
 
 
+def random_groups(
+    vocab: int, groups: int, group_size: int, prompt: int, completion: int, seed: int, actor: str
+) -> list:
+    """``groups`` GRPO groups of ``group_size`` random completions (half to all of
+    ``completion`` tokens) of random ``prompt``-token prompts, with random rewards and
+    behaviour log-probs: a learner step's input without a model to sample from."""
+    import numpy as np
+
+    from common.protocol import Completion, TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(groups):
+        completions = []
+        for _ in range(group_size):
+            t = int(rng.integers(completion // 2, completion + 1))
+            completions.append(
+                Completion(
+                    token_ids=rng.integers(3, vocab, t).astype(np.int32),
+                    behaviour_logprobs=(-rng.random(t) * 3 - 1).astype(np.float32),
+                    token_versions=np.zeros(t, np.int32),
+                    reward=float(rng.random()),
+                    finished=True,
+                )
+            )
+        prompt_ids = rng.integers(3, vocab, prompt).astype(np.int32)
+        out.append(TrajectoryGroup(actor, i, f"p{i}", prompt_ids, 0, completions))
+    return out
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else what ``platform.processor()`` says."""
     cpuinfo = Path("/proc/cpuinfo")

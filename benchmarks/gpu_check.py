@@ -85,7 +85,7 @@ from common.config.run import SamplingConfig  # noqa: E402
 from common.model import Transformer, attach_draft  # noqa: E402
 from common.model_args import ModelArgs  # noqa: E402
 from common.model_presets import preset_dir  # noqa: E402
-from common.protocol import Completion, TrajectoryGroup  # noqa: E402
+from common.protocol import TrajectoryGroup  # noqa: E402
 from common.weights.format import (  # noqa: E402
     check_finite,
     dtype_name,
@@ -390,24 +390,9 @@ def check_engine_shape(plan: Plan) -> str | None:
 def random_groups(plan: Plan, vocab: int, seed: int) -> list[TrajectoryGroup]:
     """``learner_groups`` GRPO groups of 8 random completions (half to all of
     ``learner_completion`` tokens) of random prompts, random rewards."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for i in range(plan.learner_groups):
-        completions = []
-        for _ in range(8):
-            t = int(rng.integers(plan.learner_completion // 2, plan.learner_completion + 1))
-            completions.append(
-                Completion(
-                    token_ids=rng.integers(3, vocab, t).astype(np.int32),
-                    behaviour_logprobs=(-rng.random(t) * 3 - 1).astype(np.float32),
-                    token_versions=np.zeros(t, np.int32),
-                    reward=float(rng.random()),
-                    finished=True,
-                )
-            )
-        prompt = rng.integers(3, vocab, plan.learner_prompt).astype(np.int32)
-        groups.append(TrajectoryGroup("gpu-check", i, f"p{i}", prompt, 0, completions))
-    return groups
+    groups = plan.learner_groups
+    prompt, completion = plan.learner_prompt, plan.learner_completion
+    return cli.random_groups(vocab, groups, 8, prompt, completion, seed, "gpu-check")
 
 
 def learner_step(plan: Plan, device: torch.device, run: Run) -> tuple[dict[str, Any], Transformer]:

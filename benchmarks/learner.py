@@ -42,14 +42,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import cli  # noqa: E402
 from common.config.learner import LearnerConfig  # noqa: E402
 from common.config.run import SamplingConfig  # noqa: E402
 from common.model import Transformer  # noqa: E402
-from common.protocol import Completion, TrajectoryGroup  # noqa: E402
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
 from learner.batch import TrainBatch, collate  # noqa: E402
 from learner.loss import ppo_clip_loss  # noqa: E402
@@ -74,31 +72,7 @@ def build_model(name: str) -> Transformer:
 
 
 def build_batch(vocab: int, groups: int, seed: int = 0) -> TrainBatch:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(groups):
-        completions = []
-        for _ in range(GROUP_SIZE):
-            t = int(rng.integers(COMPLETION // 2, COMPLETION + 1))
-            completions.append(
-                Completion(
-                    token_ids=rng.integers(3, vocab, t).astype(np.int32),
-                    behaviour_logprobs=(-rng.random(t) * 3 - 1).astype(np.float32),
-                    token_versions=np.zeros(t, np.int32),
-                    reward=float(rng.random()),
-                    finished=True,
-                )
-            )
-        out.append(
-            TrajectoryGroup(
-                actor_id="bench",
-                seq=i,
-                prompt_id=f"p{i}",
-                prompt_ids=rng.integers(3, vocab, PROMPT).astype(np.int32),
-                version=0,
-                completions=completions,
-            )
-        )
+    out = cli.random_groups(vocab, groups, GROUP_SIZE, PROMPT, COMPLETION, seed, "bench")
     return collate(out, 0, 0, torch.device("cpu"))
 
 
