@@ -30,7 +30,10 @@ task.path=...``. With a model, the sizes that scale with it are derived from its
   written), plus 5%;
 - Redis ``maxmemory``: (redis.retention + 2) V, plus 1 GiB: the retained versions, the version
   being uploaded and room for the delta chain of the oldest retained one;
-- the learner's /dev/shm: ``learner.publish_max_inflight`` + 1 copies of V, plus 4 GiB (NCCL).
+- the learner's /dev/shm: ``learner.publish_max_inflight`` + 1 copies of V, plus 4 GiB (NCCL);
+- how long the learner waits for a group (``learner.group_timeout_s``; the first one comes after
+  every actor's cold start: reading V, building its engine, a first rollout): 600 s plus 60 s per
+  GiB of V.
 
 Needs Python 3 with PyYAML (Debian/Ubuntu: python3-yaml).
 """
@@ -152,6 +155,7 @@ def sizes(parameters: int, publish_dtype: str) -> dict[str, str]:
         "weights_cache": gib(3 * version * 1.05),
         "redis_maxmemory": gib((REDIS_RETENTION + 2) * version + GIB) + "b",
         "learner_shm": gib((PUBLISH_MAX_INFLIGHT + 1) * version + 4 * GIB),
+        "group_timeout_s": str(600 + math.ceil(60 * version / GIB)),
     }
 
 
@@ -206,10 +210,14 @@ def render(
     actor_args: list[str] = []
     if model_dir is not None:
         volumes.append(f"{model_dir.resolve()}:{MODEL_MOUNT}:ro")
-        learner_args += [f"model.path={MODEL_MOUNT}", f"learner.publish_dtype={publish_dtype}"]
-        actor_args.append(f"model.path={MODEL_MOUNT}")
         # The derived sizes are the defaults of the variables that set them by hand.
         size = sizes(model_parameters(model_dir), publish_dtype)
+        learner_args += [
+            f"model.path={MODEL_MOUNT}",
+            f"learner.publish_dtype={publish_dtype}",
+            f"learner.group_timeout_s=${{LEARNER_GROUP_TIMEOUT_S:-{size['group_timeout_s']}}}",
+        ]
+        actor_args.append(f"model.path={MODEL_MOUNT}")
         cache = f"size=${{ACTOR_WEIGHTS_CACHE_SIZE:-{size['weights_cache']}}},mode=1777"
         out["volumes"] = {
             "weights-cache": merge(base["volumes"]["weights-cache"], {"driver_opts": {"o": cache}})

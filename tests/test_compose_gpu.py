@@ -230,6 +230,12 @@ def test_sizes_follow_the_model(tmp_path):
     assert size["redis_maxmemory"].endswith("gb")  # Redis's unit
     assert 2 * version <= size_bytes(size["learner_shm"]) <= 2 * version + 5 * gib
     assert compose_gpu.sizes(params, "float32")["weights_cache"] != size["weights_cache"]
+    # The learner's wait for a group covers an actor's cold start: longer for a bigger version.
+    assert (
+        600
+        < int(size["group_timeout_s"])
+        < int(compose_gpu.sizes(params, "float32")["group_timeout_s"])
+    )
 
 
 @needs_compose
@@ -254,6 +260,7 @@ def test_model_and_data_mounts(tmp_path):
         )
     learner_args = stack["services"]["learner"]["environment"]["SPECRL_NODE_ARGS"]
     assert "learner.publish_dtype=bfloat16" in learner_args
+    assert "learner.group_timeout_s=601" in learner_args.split()  # 2 MiB in bf16
     # Sizes from the model (1 GiB at least), each overridable by its variable.
     assert "size=1g," in stack["volumes"]["weights-cache"]["driver_opts"]["o"]
     overridden = config(
@@ -261,6 +268,10 @@ def test_model_and_data_mounts(tmp_path):
     )
     assert "size=7g," in overridden["volumes"]["weights-cache"]["driver_opts"]["o"]
     assert overridden["services"]["redis"]["environment"]["SPECRL_REDIS_MAXMEMORY"] == "9gb"
+    timeout = config(ROOT / "docker-compose.yml", out, LEARNER_GROUP_TIMEOUT_S="3600")
+    assert "learner.group_timeout_s=3600" in (
+        timeout["services"]["learner"]["environment"]["SPECRL_NODE_ARGS"].split()
+    )
 
 
 def test_node_args_reach_the_processes_before_the_user_args():
