@@ -10,7 +10,10 @@ Placement (Docker's ``device_ids``, one set per service; Compose cannot give the
 service different GPUs, so each actor is a service of its own: ``actor``, ``actor-1``, ...):
 
 - on a node with one GPU, the learner and one actor share GPU 0, and the actor's vLLM engine takes
-  ``--actor-gpu-memory`` of it (``gpu_memory_utilization``);
+  ``--actor-gpu-memory`` of it (``gpu_memory_utilization``); the learner's fit check then plans
+  for the rest less 5% (``learner.device_memory_gib``, from ``--gpu-memory-gib`` or the GPU's
+  total memory as nvidia-smi reports it), not for the memory it finds free when it starts,
+  which depends on whether vLLM has allocated its share yet;
 - on a node with more, the learner takes GPUs 0 .. L-1 (``--learner-gpus``; above 1 it runs
   under torchrun, one rank per GPU) and each actor the next ``--gpus-per-actor`` GPUs of its own
   (vLLM tensor parallelism above 1); by default as many actors as the remaining GPUs hold.
@@ -68,6 +71,24 @@ PUBLISH_MAX_INFLIGHT = 1
 
 class LayoutError(ValueError):
     """A layout this node cannot hold, or an input that cannot be read; the message says why."""
+
+
+def gpu_memory_gib() -> float | None:
+    """Total memory of GPU 0 as ``nvidia-smi`` reports it, in GiB; None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
+    out = subprocess.run(query, capture_output=True, text=True, check=False)
+    try:
+        return float(out.stdout.strip().splitlines()[0]) / 1024  # MiB
+    except (IndexError, ValueError):
+        return None
+
+
+def learner_share_gib(total_gib: float, actor_share: float) -> float:
+    """What the learner may plan for on a GPU whose ``actor_share`` vLLM takes: the rest, less
+    5% of the GPU (CUDA contexts, the allocators' slack)."""
+    return round(total_gib * (1 - actor_share - 0.05), 1)
 
 
 def visible_gpus() -> int | None:
@@ -191,6 +212,7 @@ def render(
     model_dir: Path | None = None,
     data_file: Path | None = None,
     actor_gpu_memory: float = 0.3,
+    gpu_memory: float | None = None,
     publish_dtype: str = "bfloat16",
     base: dict[str, Any] | None = None,
     override: dict[str, Any] | None = None,
@@ -233,6 +255,9 @@ def render(
         learner_args += task
         actor_args += task
 
+    if shared and gpu_memory is not None:
+        budget = learner_share_gib(gpu_memory, actor_gpu_memory)
+        learner_args.append(f"learner.device_memory_gib=${{LEARNER_DEVICE_MEMORY_GIB:-{budget}}}")
     learner = services["learner"]
     learner_env = learner.setdefault("environment", {})
     learner_env["LEARNER_GPUS"] = str(len(layout["learner"]))
@@ -302,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         default=float(env.get("ACTOR_GPU_MEMORY") or 0.3),
         help="vLLM gpu_memory_utilization of an actor sharing its GPU with the learner",
     )
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=float(env["GPU_MEMORY_GIB"]) if env.get("GPU_MEMORY_GIB") else None,
+        help="memory of one GPU, for the learner's share of a GPU it shares (default: nvidia-smi)",
+    )
     p.add_argument("--publish-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
     p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -320,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LayoutError("no nvidia-smi here to count the GPUs: give --gpus N (or GPUS=N)")
         if detected is not None and gpus > detected:
             raise LayoutError(f"--gpus {gpus}, but nvidia-smi -L lists {detected} GPU(s) here")
+        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+            raise LayoutError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
         if not 0 < args.actor_gpu_memory < 1:
             raise LayoutError(f"--actor-gpu-memory must be in (0, 1), got {args.actor_gpu_memory}")
         layout = plan(gpus, args.learner_gpus, args.gpus_per_actor, args.actors)
@@ -330,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir=args.model_dir,
             data_file=args.data_file,
             actor_gpu_memory=args.actor_gpu_memory,
+            gpu_memory=args.gpu_memory_gib if args.gpu_memory_gib else gpu_memory_gib(),
             publish_dtype=args.publish_dtype,
         )
     except LayoutError as e:

@@ -167,6 +167,27 @@ def test_one_gpu_layout_is_the_default_one(tmp_path, default_stack):
     assert config(ROOT / "docker-compose.yml", out) == default_stack
 
 
+@needs_compose
+def test_a_learner_sharing_its_gpu_plans_for_what_vllm_leaves(tmp_path):
+    """On one GPU the fit check plans for the GPU less the actor's vLLM share (and 5%), not for
+    what happens to be free when the learner starts; with GPUs of its own it measures them."""
+    rc, err, out = generate(tmp_path, "--gpus", "1", "--gpu-memory-gib", "80")
+    assert rc == 0, err
+    stack = config(ROOT / "docker-compose.yml", out)
+    learner_args = stack["services"]["learner"]["environment"]["SPECRL_NODE_ARGS"].split()
+    assert "learner.device_memory_gib=52.0" in learner_args  # 80 x (1 - 0.3 - 0.05)
+    rc, err, out = generate(
+        tmp_path, "--gpus", "1", "--gpu-memory-gib", "80", "--actor-gpu-memory", "0.5"
+    )
+    assert rc == 0, err
+    learner_env = config(ROOT / "docker-compose.yml", out)["services"]["learner"]["environment"]
+    assert "learner.device_memory_gib=36.0" in learner_env["SPECRL_NODE_ARGS"].split()
+    rc, err, out = generate(tmp_path, "--gpus", "2", "--gpu-memory-gib", "80")
+    assert rc == 0, err
+    learner_env = config(ROOT / "docker-compose.yml", out)["services"]["learner"]["environment"]
+    assert "device_memory_gib" not in learner_env.get("SPECRL_NODE_ARGS", "")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -182,6 +203,7 @@ def test_one_gpu_layout_is_the_default_one(tmp_path, default_stack):
         ([], "give --gpus N"),
         (["--gpus", "2", "--actor-gpu-memory", "1.5"], "--actor-gpu-memory must be in (0, 1)"),
         (["--gpus", "2", "--model-dir", "/nonexistent"], "no such directory"),
+        (["--gpus", "1", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0"),
     ],
 )
 def test_bad_layouts_are_refused(tmp_path, args, message):
