@@ -429,6 +429,7 @@ def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, fl
         tokens = dict.fromkeys(engines, 0)
         seconds = dict.fromkeys(engines, 0.0)
         base = {n: dict(e.proposer.counts) for n, e in engines.items() if _counts(e)}
+        drafting = {n: _draft_seconds(e) for n, e in engines.items()}
         for _ in range(repeats):
             for chunk in timed:
                 for name in order:
@@ -443,6 +444,11 @@ def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, fl
             if mn.SPEC_ACCEPTANCE_RATE in stats and len(engines) == 2:
                 figures[f"real_{name}_b{batch}_acceptance"] = round(
                     stats[mn.SPEC_ACCEPTANCE_RATE], 3
+                )
+            if drafting[name] is not None:
+                # The proposer's own time (its draft forwards and bookkeeping) in the row's time.
+                figures[f"real_{name}_b{batch}_proposer_frac"] = round(
+                    (_draft_seconds(engine) - drafting[name]) / seconds[name], 3
                 )
             if name in base:
                 now = engine.proposer.counts
@@ -469,6 +475,11 @@ def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, fl
     engines.clear()
     gc.collect()
     return figures
+
+
+def _draft_seconds(engine) -> float | None:
+    """Seconds the self-draft proposer has spent in its ``propose`` calls (None: no such one)."""
+    return getattr(getattr(engine, "proposer", None), "draft_seconds", None)
 
 
 def _counts(engine) -> bool:
