@@ -1,5 +1,7 @@
-"""The shape and numerics of the transformer (:class:`ModelArgs`), read from and written to a
-Hugging Face ``config.json`` (llama, qwen2 and qwen3 layouts; static RoPE scaling types only)."""
+"""The architecture a published version carries: :class:`ModelArgs`, the shape and numerics of
+the built-in transformer, read from and written to a Hugging Face ``config.json`` (llama, qwen2
+and qwen3 layouts; static RoPE scaling types only), or :class:`HFLayout`, any other
+``transformers`` causal LM, described by its own ``config.json``."""
 
 from __future__ import annotations
 
@@ -266,3 +268,91 @@ def _rope_spec(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if params is not None and "rope_theta" in params:
         return float(params["rope_theta"]), found
     return float(cfg.get("rope_theta", 10000.0)), found
+
+
+# Logit transforms that a transformers model applies after its LM head. The learner computes
+# log-probs from ``lm_head`` alone (learner/microbatch.py), so a model that sets one would be
+# trained on other log-probs than the actors sample from.
+_HEAD_TRANSFORMS = {
+    "final_logit_softcapping": None,  # Gemma 2 (Gemma 3 when set)
+    "logit_scale": 1.0,  # Cohere
+    "logits_scaling": 1.0,  # Granite
+}
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass
+class HFLayout:
+    """A ``transformers`` causal LM whose layout the built-in model does not compute (Gemma 3,
+    Mistral, Phi-3, OLMo 2, ...): versions carry its own ``config.json`` and its HF parameter
+    names. ``engine=vllm`` serves it (any architecture the installed vLLM supports); the torch
+    engine, the early exit and the trained self-draft need :class:`ModelArgs`."""
+
+    config: dict[str, Any]
+    """The model's ``config.json`` content."""
+    reason: str = ""
+    """Why :meth:`ModelArgs.from_hf_config` refused it (what the torch engine reports)."""
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        for key in ("vocab_size", "num_hidden_layers"):
+            value = cfg.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config.json needs a positive int {key}, got {value!r}")
+        if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
+            raise ValueError("config.json has no model_type")
+        arch = cfg.get("architectures")
+        if not (isinstance(arch, list) and arch and all(isinstance(a, str) for a in arch)):
+            raise ValueError(
+                f"config.json needs architectures (the model class vLLM serves), got {arch!r}"
+            )
+        if self.max_position_embeddings <= 0:
+            raise ValueError(f"config.json gives no context length (one of {_CONTEXT_KEYS})")
+        for key, neutral in _HEAD_TRANSFORMS.items():
+            value = cfg.get(key, neutral)
+            if value is not None and value != neutral:
+                raise ValueError(
+                    f"unsupported {key}={value!r} ({cfg['model_type']}): the learner computes "
+                    "log-probs from the LM head alone, so the actors would sample from another "
+                    "distribution than the one trained"
+                )
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The context the checkpoint advertises (the first of the usual keys present)."""
+        for key in _CONTEXT_KEYS:
+            value = self.config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return 0
+
+    def to_hf_config(self, torch_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """The model's ``config.json`` with the dtype of the saved tensors (both spellings)."""
+        cfg = dict(self.config)
+        cfg["torch_dtype"] = cfg["dtype"] = _DTYPE_NAMES[torch_dtype]
+        return cfg
+
+
+Layout = ModelArgs | HFLayout
+"""What actors build the policy from: the built-in model's arguments, or a foreign HF layout."""
+
+
+def layout_from_hf_config(cfg: dict[str, Any]) -> Layout:
+    """:class:`ModelArgs` when the built-in model computes this ``config.json`` exactly, else an
+    :class:`HFLayout` (which refuses configs that the learner would train wrongly)."""
+    try:
+        return ModelArgs.from_hf_config(cfg)
+    except (ValueError, KeyError, TypeError) as e:
+        return HFLayout(dict(cfg), reason=str(e))

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from common.model import CONFIG_FILE, Transformer, load_pretrained
-from common.model_args import ModelArgs
+from common.model_args import Layout, ModelArgs, layout_from_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +102,22 @@ def hf_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
     return cfg
 
 
-def model_args(model: nn.Module) -> ModelArgs:
-    """The built-in description actors build the policy from (``common.policy_meta``); an HF
-    model whose layout the actors' engines cannot build is refused here, before any training."""
+def model_args(model: nn.Module) -> Layout:
+    """What published versions describe the policy by (``common.policy_meta``): the built-in
+    :class:`ModelArgs`, or for any other ``transformers`` model its own config as an
+    :class:`HFLayout` (served by ``engine=vllm``). A config the actors could not serve the
+    trained distribution from (logits transformed after the LM head, no architecture or context
+    length) is refused here, before any training."""
     if is_builtin(model):
         return model.args
+    cfg = model.config.to_dict()
+    cfg["architectures"] = cfg.get("architectures") or [type(model).__name__]
     try:
-        return ModelArgs.from_hf_config(model.config.to_dict())
-    except (ValueError, KeyError) as e:
+        return layout_from_hf_config(cfg)
+    except ValueError as e:
         raise ValueError(
             f"the learner can train this {type(model).__name__}, but actors could not load its "
-            f"published versions ({e}); supported layouts: Llama, Qwen2, Qwen3 with default, "
-            "linear or llama3 RoPE"
+            f"published versions: {e}"
         ) from e
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common.entrypoint import StopFlag
-from common.model_args import ModelArgs
+from common.model_args import Layout
 from common.weights.connection import REDIS_DOWN, retry_redis
 from common.weights.format import WeightsError
 from common.weights.store import WeightStore
@@ -30,7 +30,7 @@ class PolicyView:
     last ``refresh`` (a collective every rank calls at the same point); the republisher re-sends
     it without a collective."""
 
-    def __init__(self, model: nn.Module, args: ModelArgs, dist: DistContext | None) -> None:
+    def __init__(self, model: nn.Module, args: Layout, dist: DistContext | None) -> None:
         self.model = model
         self.args = args
         self.dist = dist

@@ -16,7 +16,7 @@ from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
 from common.curve_keys import authorized_dir, learner_keys
 from common.model import attach_draft
-from common.model_args import ModelArgs
+from common.model_args import Layout
 from common.protocol import DecodeLimits, TrajectoryGroup
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.transport import DEFAULT_HWM
@@ -75,7 +75,7 @@ class LearnerState:
     """Groups acked before the restart but never trained on (from the checkpoint)."""
     wal_from: int = 0
     """First write-ahead-log segment the checkpoint does not cover (0: none, or a fresh run)."""
-    args: ModelArgs | None = None
+    args: Layout | None = None
     """The architecture actors build from published versions (``common.policy_meta``)."""
 
 
@@ -200,7 +200,7 @@ def train_on(
     )
 
 
-def make_admission(cfg: SpecRLConfig, args: ModelArgs) -> Admission:
+def make_admission(cfg: SpecRLConfig, args: Layout) -> Admission:
     """What this run trains on: its group size, the model's context (or a smaller learner
     budget) and the reward bound."""
     context = args.max_position_embeddings

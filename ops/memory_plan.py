@@ -5,7 +5,14 @@ start (``learner.profile``); its docstring gives the formulas. ``--memory-gib M`
 the settings ``learner.profile=auto`` picks on devices of M GiB, or why nothing fits.
 
 Actor: weights in the serving dtype plus the KV cache (2 x layers x kv heads x head dim x bytes
-x sequence length x concurrent sequences).
+x sequence length x concurrent sequences; an upper bound for models with sliding-window layers).
+The plan also names the rollout engines that run the model: both for the built-in layouts
+(Llama, Qwen2, Qwen3), ``engine=vllm`` alone for any other ``transformers`` causal LM.
+
+Any architecture's ``config.json`` with the usual keys (vocab_size, hidden_size,
+intermediate_size, num_hidden_layers, num_attention_heads; num_key_value_heads, head_dim
+optional): per-layer norms beyond two, such as Gemma 3's and OLMo 2's, are left out (under 1%
+of the parameters).
 
 Estimates, not guarantees: allocator caching, CUDA context (~0.5-1 GiB), NCCL buffers and
 fragmentation come on top. ``benchmarks/learner.py`` checks the estimate against CPU
@@ -16,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from common.config import SpecRLConfig
-from common.config.modes import PRECISIONS
+from common.config.modes import ENGINE_NAMES, PRECISIONS
+from common.model_args import HFLayout, layout_from_hf_config
 from learner.fit_check import FitError, GiB, Shape, Workload, choose, describe, learner_plan
 
 __all__ = ["Shape", "actor_plan", "learner_plan", "main"]
@@ -31,6 +40,44 @@ def actor_plan(
     weights = shape.params() * dtype_bytes
     kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes * seq_len * sequences
     return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+def read_config(path: Path) -> dict:
+    """``config.json`` with the defaults of its architecture filled in by ``transformers``
+    (``save_pretrained`` leaves out values equal to them, such as Gemma 3's tied LM head); as
+    written when ``transformers`` does not know its ``model_type``."""
+    raw = json.loads(path.read_text())
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        return raw
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return raw
+    return {**raw, **CONFIG_MAPPING[model_type].from_dict(raw).to_dict()}
+
+
+def read_shape(config: dict, where: str) -> Shape:
+    """The shape of the model that ``config`` (read from ``where``) describes."""
+    try:
+        return Shape.from_hf_config(config)
+    except KeyError as e:
+        raise ValueError(
+            f"{where} has no {e.args[0]!r}: `specrl plan` reads a transformers causal LM's "
+            "config.json (vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
+            "num_attention_heads)"
+        ) from None
+
+
+def rollout_engines(config: dict) -> dict[str, object]:
+    """The engines whose actors run this model, and why the others cannot (empty if none)."""
+    try:
+        layout = layout_from_hf_config(config)
+    except ValueError as e:
+        return {"engines": [], "refused": str(e)}
+    if isinstance(layout, HFLayout):
+        return {"engines": ["vllm"], "refused": f"engine=torch: {layout.reason}"}
+    return {"engines": list(ENGINE_NAMES), "refused": ""}
 
 
 def _fmt(n: float) -> str:
@@ -71,7 +118,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     path = args.model / "config.json" if args.model.is_dir() else args.model
-    shape = Shape.from_hf_config(json.loads(path.read_text()))
+    config = read_config(path)
+    try:
+        shape = read_shape(config, str(path))
+    except ValueError as e:
+        print(f"specrl plan: {e}", file=sys.stderr)
+        return 1
+    engines = rollout_engines(config)
     learner = learner_plan(
         shape,
         args.gpus,
@@ -84,9 +137,15 @@ def main(argv: list[str]) -> int:
     actor = actor_plan(shape, args.actor_seq_len, args.actor_sequences, args.actor_dtype_bytes)
     fit = _auto_fit(shape, args, str(args.model)) if args.memory_gib > 0 else None
     if args.json:
-        print(json.dumps({"learner": learner, "actor": actor, "auto": fit}, indent=2))
+        print(
+            json.dumps(
+                {"learner": learner, "actor": actor, "auto": fit, "rollout": engines}, indent=2
+            )
+        )
         return 0
     print(f"model: {path}  ({shape.params() / 1e9:.2f}B parameters)")
+    names = ", ".join(f"engine={e}" for e in engines["engines"]) or "none"
+    print(f"rollout engines: {names}" + (f"  ({engines['refused']})" if engines["refused"] else ""))
     print(
         f"learner per GPU ({args.gpus} GPU(s), {args.precision}, {args.max_tokens} tokens/"
         f"micro-batch, chunk {args.chunk}, checkpointing {not args.no_checkpointing}):"

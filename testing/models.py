@@ -32,6 +32,52 @@ def random_model(vocab_size: int, seed: int = 0, **fields: Any) -> Transformer:
     return Transformer(args).eval()
 
 
+FOREIGN_LAYOUTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": dict(
+        query_pre_attn_scalar=32,
+        # Both attention kinds, the window longer than any test sequence.
+        sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "mistral": dict(sliding_window=None, tie_word_embeddings=False),
+    "phi3": dict(tie_word_embeddings=False),
+}
+"""``transformers`` layouts the built-in model does not compute but vLLM 0.32 serves natively,
+with what :func:`random_hf_model` sets beyond :data:`SMALL_SHAPE` (Gemma 3 ties its LM head)."""
+
+
+def random_hf_model(
+    model_type: str, vocab_size: int, seed: int = 0, std: float = 0.1, **fields: Any
+) -> torch.nn.Module:
+    """A randomly initialised ``transformers`` causal LM of ``model_type`` in eval mode:
+    :data:`SMALL_SHAPE` (head_dim 32, BOS 1, EOS 2, pad 0, context 256), the layout's settings in
+    :data:`FOREIGN_LAYOUTS` and ``fields``; matrices drawn from N(0, ``std``) after
+    ``torch.manual_seed(seed)`` (above the init std, so its distributions are not near uniform)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        **{
+            **SMALL_SHAPE,
+            "vocab_size": vocab_size,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            **FOREIGN_LAYOUTS.get(model_type, {}),
+            **fields,
+        },
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
 def tiny_model(vocab: int) -> Transformer:
     """:func:`random_model` (seed 0) in train mode, for tests of the learner's step."""
     return random_model(vocab).train()

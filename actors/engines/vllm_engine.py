@@ -3,7 +3,9 @@ torch engine.
 
 Prompts go in as token ids (``skip_tokenizer_init``); behaviour log-probs are vLLM's
 *processed* log-probs (after temperature/top-p), the same distribution the learner evaluates.
-Weights are updated in place with ``collective_rpc("reload_weights")``, never by a restart.
+Weights are updated in place with ``collective_rpc("reload_weights")``, never by a restart: by
+Hugging Face parameter name through the model's own ``load_weights``, so any architecture vLLM
+serves takes new versions.
 Every request carries its weights version in vLLM's ``cache_salt``, so no request started after
 a swap can read prefix-cache blocks computed under older weights (vLLM refuses
 ``reset_prefix_cache()`` while requests run).
@@ -142,7 +144,7 @@ class VllmEngine(RolloutEngine):
         greedy decoding)."""
         engine = engine or EngineConfig()
         spec = spec or SpecConfig()
-        check_options(inflight, engine, spec)
+        check_options(inflight, engine, spec, model_dir)
         self.eos_id, self.seed, self.version = eos_id, seed, version
         self.temperature, self.top_p = temperature, top_p
         self.inflight = inflight
@@ -244,7 +246,10 @@ class VllmEngine(RolloutEngine):
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={
-                # The draft adapter (``draft.*``) drafts in the torch engine only.
+                # By HF parameter name, through the model's own load_weights; a tied LM head's
+                # tensor too (without it, vLLM 0.32's in-place reload leaves Gemma 3's head on
+                # the old weights). The draft adapter (``draft.*``) drafts in the torch engine
+                # only.
                 "weights_iterator": [
                     (k, v.detach().cpu())
                     for k, v in state_dict.items()

@@ -9,6 +9,8 @@ from typing import Any
 
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
+from common.model_args import ModelArgs
+from common.policy_meta import SPEC_NEEDS_BUILTIN
 
 VLLM_UNSUPPORTED_SPEC = {
     "hybrid": (
@@ -70,8 +72,11 @@ def attach_proposer(worker) -> Any:
     return runner.drafter
 
 
-def check_options(inflight: str, engine: EngineConfig, spec: SpecConfig):
-    """Refuse what the vLLM engine cannot run."""
+def check_options(
+    inflight: str, engine: EngineConfig, spec: SpecConfig, model_dir: Path | None = None
+):
+    """Refuse what the vLLM engine cannot run; given the model in ``model_dir``, the early-exit
+    drafts on a layout the built-in model does not compute."""
     if inflight not in VLLM_INFLIGHT_MODES:
         raise ValueError(
             f"engine=vllm supports actor.inflight in {VLLM_INFLIGHT_MODES}, got {inflight!r} "
@@ -86,3 +91,13 @@ def check_options(inflight: str, engine: EngineConfig, spec: SpecConfig):
         raise ValueError(VLLM_UNSUPPORTED_SPEC[spec.method])
     if spec.method != "none" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise ValueError(VLLM_IN_PROCESS.format(method=spec.method))
+    if model_dir is not None and spec.uses_early_exit:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        try:
+            ModelArgs.from_hf_config(config)
+        except (ValueError, KeyError) as e:
+            raise ValueError(
+                SPEC_NEEDS_BUILTIN.format(
+                    method=spec.method, model_type=config.get("model_type"), reason=e
+                )
+            ) from e

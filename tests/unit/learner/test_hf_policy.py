@@ -118,3 +118,18 @@ def test_published_versions_load_in_the_actor_and_checkpoints_in_transformers(ki
     opt2 = make_optimizer(loaded, cfg)
     restore_optimizer(loaded, opt2, tensors, groups)
     assert len(opt2.state) == len(optimizer.state)
+
+
+def test_other_layouts_publish_their_own_config_and_head_transforms_are_refused():
+    """A layout the built-in model does not compute publishes its HF config (engine=vllm serves
+    it); one whose logits are transformed after the LM head is refused before any training."""
+    from common.model_args import HFLayout
+    from testing.models import random_hf_model
+
+    layout = model_args(random_hf_model("mistral", VOCAB))
+    assert isinstance(layout, HFLayout) and layout.model_type == "mistral"
+    assert layout.config["architectures"] == ["MistralForCausalLM"]
+    assert layout.vocab_size == VOCAB
+    softcapped = random_hf_model("gemma2", VOCAB, final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        model_args(softcapped)
