@@ -45,9 +45,44 @@ _ACTOR_METRICS = {
     mn.VERIFY_SALVAGED_TOKENS: ("verify_salvaged_tokens", "In-flight tokens kept by verification."),
     mn.VERIFY_WASTED_TOKENS: ("verify_wasted_tokens", "In-flight tokens discarded."),
     mn.VERIFY_FORWARD_TOKENS: ("verify_forward_tokens", "Tokens re-run by delayed verification."),
+    mn.ACTOR_DECODE_STALL_S: (
+        "decode_stall_seconds",
+        "Decode-loop time blocked taking weights while a version was being delivered.",
+    ),
+    mn.ACTOR_DECODE_S_DURING_DELIVERY: (
+        "decode_seconds_during_delivery",
+        "Decode-loop time while a version was being delivered.",
+    ),
+    mn.ACTOR_DECODE_STALL_FRAC: (
+        "decode_stall_frac",
+        "Share of the decode loop's time during deliveries spent blocked taking weights.",
+    ),
+    mn.ACTOR_WEIGHT_FETCH_FAILURES: (
+        "weight_fetch_failures",
+        "Versions refused or not read (the weights in use were kept).",
+    ),
+    mn.ACTOR_WEIGHT_SUPERSEDED: (
+        "weight_versions_superseded",
+        "Fetched versions a newer one replaced before the engine took them.",
+    ),
+    mn.ACTOR_WEIGHT_VERSIONS_COLLECTIVE: (
+        "weight_versions_collective",
+        "Versions received through the learner's weights group (actor.weights_group).",
+    ),
+    mn.ACTOR_WEIGHT_VERSIONS_REDIS: (
+        "weight_versions_redis",
+        "Versions fetched from Redis by an actor of the weights group (before joining, or "
+        "while the group could not serve).",
+    ),
 }
 _ACTOR_GAUGES = frozenset(
-    {mn.ACTOR_TOKENS_PER_S, mn.ACTOR_REWARD_MEAN, mn.SENDER_UNACKED, mn.SENDER_UNSENT}
+    {
+        mn.ACTOR_TOKENS_PER_S,
+        mn.ACTOR_REWARD_MEAN,
+        mn.SENDER_UNACKED,
+        mn.SENDER_UNSENT,
+        mn.ACTOR_DECODE_STALL_FRAC,
+    }
 )
 _ACTOR_SUMS = frozenset(
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -13,7 +14,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import redis
 import torch
 
 from actors.engines.rollout_engine import Rollout, RolloutEngine
@@ -21,6 +21,7 @@ from actors.engines.torch_engine import TorchEngine
 from actors.exporter import ActorExporter
 from actors.sender import GroupSender, unique_actor_id
 from actors.spool import Spool, orphans
+from actors.weight_feed import RedisWeightFeed, StallMeter, WeightFeed, take
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
@@ -28,9 +29,14 @@ from common.config import SpecRLConfig
 from common.curve_keys import actor_keys
 from common.entrypoint import StopFlag
 from common.metrics import MetricsWriter
-from common.model import Transformer, save_pretrained
-from common.model_args import ModelArgs
-from common.policy_meta import model_args_from_meta, tokenizer_from_meta
+from common.model import CONFIG_FILE, Transformer, write_weights
+from common.model_args import Layout, ModelArgs
+from common.policy_meta import (
+    check_rollout_support,
+    hf_config_from_meta,
+    layout_from_meta,
+    tokenizer_from_meta,
+)
 from common.prompts import prompt_encoder
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
@@ -53,8 +59,9 @@ class ActorStats:
 
 def build_engine(
     store: WeightReader, version: int, cfg: SpecRLConfig, seed: int
-) -> tuple[RolloutEngine, Tokenizer, ModelArgs]:
-    """The policy from a published version alone: architecture and tokenizer come from its meta."""
+) -> tuple[RolloutEngine, Tokenizer, Layout]:
+    """The policy from a published version alone: architecture and tokenizer come from its meta,
+    the weights are the published tensors (no randomly initialised model on the way)."""
     for attempt in range(3):
         manifest = store.manifest(version)
         try:
@@ -69,17 +76,16 @@ def build_engine(
                 raise
             log.warning("actor: version %d unavailable (%s); trying latest %d", version, e, latest)
             version = latest
-    args = model_args_from_meta(manifest["meta"])
+    layout = layout_from_meta(manifest["meta"])
+    check_rollout_support(layout, cfg.engine.name, cfg.spec.method, cfg.spec.adapter)
     tokenizer = tokenizer_from_meta(manifest["meta"], cfg.model.path)
     if cfg.engine.name == "vllm":
-        return _vllm_engine(args, state, fetched, tokenizer, cfg, seed), tokenizer, args
-    # Built in its dtype from the start (no float32 model on the way), then given the weights.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(rollout_dtype(cfg, manifest))
-    try:
-        model = Transformer(args).to(torch.device(cfg.actor.device))
-    finally:
-        torch.set_default_dtype(previous)
+        engine = _vllm_engine(layout, manifest["meta"], state, fetched, tokenizer, cfg, seed)
+        return engine, tokenizer, layout
+    assert isinstance(layout, ModelArgs)  # check_rollout_support refuses the rest on torch
+    model = policy_from_state(
+        layout, state, torch.device(cfg.actor.device), rollout_dtype(cfg, manifest)
+    )
     engine = TorchEngine(
         model,
         eos_id=tokenizer.eos_id,
@@ -87,12 +93,28 @@ def build_engine(
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         seed=seed,
+        version=fetched,
         spec=cfg.spec,
         inflight=cfg.actor.inflight,
         max_rows=cfg.engine.max_rows or None,
     )
-    engine.load_weights(fetched, state)
-    return engine, tokenizer, args
+    return engine, tokenizer, layout
+
+
+def policy_from_state(
+    args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> Transformer:
+    """The built-in model holding a published state dict: built on the meta device, then given
+    the tensors themselves (copied only to change their dtype or device)."""
+    tensors = {
+        name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        for name, t in state.items()
+    }
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.tie_weights()
+    return model.eval()
 
 
 def rollout_dtype(cfg: SpecRLConfig, manifest: dict) -> torch.dtype:
@@ -104,19 +126,36 @@ def rollout_dtype(cfg: SpecRLConfig, manifest: dict) -> torch.dtype:
     return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
 
 
-def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLConfig, seed: int):
-    """vLLM opens a model directory: write the published version there as an HF checkpoint, in
-    the published dtype (what ``engine.vllm_dtype=auto`` then serves on CPU)."""
+def write_published(meta: dict, state: dict[str, torch.Tensor], path: Path) -> None:
+    """A published version as an HF model directory (``config.json`` from the meta, the
+    tensors by their HF names), in the published dtype (float32 when it mixes dtypes); a tied
+    LM head is left out, as HF checkpoints do."""
+    config = hf_config_from_meta(meta)
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
-    model = Transformer(args).to(floats.pop() if len(floats) == 1 else torch.float32)
-    model.load_state_dict(state)
+    dtype = floats.pop() if len(floats) == 1 else torch.float32
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    tied = bool(config.get("tie_word_embeddings"))
+    tensors = {
+        name: t.to(dtype if t.is_floating_point() else t.dtype).contiguous()
+        for name, t in state.items()
+        if not (tied and name == "lm_head.weight")
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    write_weights(tensors, path)  # a draft adapter's tensors in their own file
+
+
+def _vllm_engine(
+    layout: Layout, meta: dict, state, version: int, tokenizer: Tokenizer, cfg: SpecRLConfig, seed
+):
+    """vLLM opens a model directory: the published version, written there as it is (what
+    ``engine.vllm_dtype=auto`` then serves on CPU)."""
     # vLLM reads the directory while it builds; later versions arrive through load_weights.
     with tempfile.TemporaryDirectory(prefix="specrl-vllm-") as model_dir:
-        save_pretrained(model, Path(model_dir))
-        del model
+        write_published(meta, state, Path(model_dir))
         from actors.engines.vllm_engine import VllmEngine
 
-        max_model_len = min(cfg.engine.vllm_max_model_len, args.max_position_embeddings)
+        max_model_len = min(cfg.engine.vllm_max_model_len, layout.max_position_embeddings)
         return VllmEngine(
             Path(model_dir),
             tokenizer.eos_id,
@@ -128,32 +167,6 @@ def _vllm_engine(args, state, version: int, tokenizer: Tokenizer, cfg: SpecRLCon
             seed=seed,
             version=version,
         )
-
-
-def fetch_update(
-    store: WeightReader,
-    watcher: VersionWatcher,
-    current: int,
-    stats: ActorStats,
-    timeout_s: float = 0.0,
-) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """The newest published version if there is one newer than ``current`` (waiting at most
-    ``timeout_s`` for one to be announced)."""
-    version = watcher.poll(timeout_s=timeout_s)
-    if version is None or version <= current:
-        return None
-    started = time.perf_counter()
-    try:
-        fetched, state = store.fetch(version)
-    except (WeightsError, redis.ConnectionError) as e:
-        # Refused (checksum/shape), expired or Redis away: keep generating with the weights we
-        # have, and let the watcher report this version (or a newer one) again on its next poll.
-        log.warning("actor: cannot load version %d (%s); keeping version %d", version, e, current)
-        watcher.last_seen = current
-        return None
-    stats.weight_loads += 1
-    stats.weight_fetch_s = time.perf_counter() - started
-    return fetched, state
 
 
 def make_groups(
@@ -314,8 +327,8 @@ class ActorPhases:
 
     cfg: SpecRLConfig
     engine: RolloutEngine
-    store: WeightReader
-    watcher: VersionWatcher
+    feed: WeightFeed
+    stall: StallMeter
     stats: ActorStats
     exporter: ActorExporter
     task: Task
@@ -327,11 +340,12 @@ class ActorPhases:
     stop: StopFlag
 
     def fetch(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """A newer weights version, if one is published (waiting up to ``timeout_s``)."""
-        update = fetch_update(
-            self.store, self.watcher, self.engine.version, self.stats, timeout_s=timeout_s
-        )
+        """A newer weights version the feed holds ready, if any (waiting up to ``timeout_s`` for
+        one): fetched and verified in the background, so this never waits for Redis."""
+        update = take(self.feed, self.stall, timeout_s)
         if update is not None:
+            self.stats.weight_loads += 1
+            self.stats.weight_fetch_s = self.feed.stats()[mn.ACTOR_WEIGHT_FETCH_S]
             self.exporter.observe_weight_fetch(self.stats.weight_fetch_s)
         return update
 
@@ -385,8 +399,9 @@ class ActorPhases:
                 recovery.poll()
             if self.cfg.actor.max_batches and self.stats.batches >= self.cfg.actor.max_batches:
                 break
-            self.sync_weights()  # Phase 1
-            batch_version = self.generate_and_send(sender)  # Phases 2 and 3
+            with self.stall.running(self.feed):  # the decode loop, as the stall meter sees it
+                self.sync_weights()  # Phase 1
+                batch_version = self.generate_and_send(sender)  # Phases 2 and 3
             engine_stats = self.engine.stats()
             self.wait_for_learner(batch_version)  # synchronous mode only
             self.report(sender, engine_stats)  # Phase 4
@@ -399,7 +414,8 @@ class ActorPhases:
         status = {
             **engine_stats,
             **sender.stats(),
-            mn.ACTOR_WEIGHT_FETCH_S: stats.weight_fetch_s,
+            **self.feed.stats(),
+            **self.stall.figures(),
             mn.ACTOR_WAIT_S: stats.wait_s,
             mn.ACTOR_REWARD_MEAN: stats.reward_sum / max(stats.completions, 1),
         }
@@ -417,7 +433,7 @@ def actor_seed(cfg: SpecRLConfig) -> int:
 
 def first_engine(
     cfg: SpecRLConfig, store: WeightReader, watcher: VersionWatcher, seed: int, stop: StopFlag
-) -> tuple[RolloutEngine, Tokenizer, ModelArgs] | None:
+) -> tuple[RolloutEngine, Tokenizer, Layout] | None:
     """The engine on the first published version; None when none is published in time or a
     stop comes first."""
     first = None
@@ -478,11 +494,19 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     spool = Spool(spool_root(cfg) / name / actor_id) if cfg.actor.spool else None
     recovery = Recovery(cfg, name, actor_id, limits) if cfg.actor.spool else None
 
+    # From here on a thread fetches new versions while the engine decodes (actors/weight_feed.py).
+    feed: WeightFeed
+    if cfg.actor.weights_group:  # the learner's weights group, with Redis where it cannot serve
+        from actors.collective_feed import CollectiveFeed
+
+        feed = CollectiveFeed.from_config(cfg, store, engine.version)
+    else:
+        feed = RedisWeightFeed(store, watcher, engine.version)
     phases = ActorPhases(  # the fields in their order
         cfg,
         engine,
-        store,
-        watcher,
+        feed,
+        StallMeter(),
         stats,
         exporter,
         task,
@@ -493,14 +517,17 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         actor_id,
         stop,
     )
-    with group_sender(cfg, actor_id, limits, spool, cfg.actor.outbox_max) as sender:
-        phases.run_batches(sender, recovery)
-        sender.close(timeout_s=5.0)  # waits for the last acks once (leaving the block won't)
-        unacked = sender.unacked_seqs()
-        if ledger is not None:
-            # With a spool these are not lost: the next incarnation of this actor resends them.
-            ledger.write({"actor_id": actor_id, "event": "exit", "unacked": unacked})
-            ledger.close()
+    try:
+        with group_sender(cfg, actor_id, limits, spool, cfg.actor.outbox_max) as sender:
+            phases.run_batches(sender, recovery)
+            sender.close(timeout_s=5.0)  # waits for the last acks once (leaving the block won't)
+            unacked = sender.unacked_seqs()
+            if ledger is not None:
+                # With a spool these are not lost: the next incarnation of this actor resends them.
+                ledger.write({"actor_id": actor_id, "event": "exit", "unacked": unacked})
+                ledger.close()
+    finally:
+        feed.close()  # joins its thread
     if recovery is not None:
         recovery.close()
     if spool is not None:

@@ -30,6 +30,31 @@ Scaling figures (all in one run, on the same Redis):
                              t_fetch; the ratio of throughputs t_plain / t_fetch, medians of
                              interleaved repeats on the 100mb model (goal >= 0.8).
 
+Delivery figures (one run: a learner publishing while 2 actor processes decode):
+
+  decode_stall_frac_during_delivery
+                             each actor process decodes a random-weight model of Qwen2.5-0.5B's
+                             shape in bf16 (494M parameters, about 1 GB; a full version's bytes
+                             in ``delivery_model_bytes``) with the torch engine (1
+                             prompt x 2 completions, plain decoding) and takes new weights from
+                             its background weight feed (actors/weight_feed.py: watcher, verified
+                             fetch, deltas, the host cache shared by both) between decoding
+                             steps, as the actor loop does. Its StallMeter, inside the loop,
+                             sums the time the loop spent blocked taking weights while a version
+                             was being delivered and the loop's time in those windows; the
+                             figure is the larger of the two actors' ratios (goal <= 0.05).
+                             ``delivery_actors``: per actor, the ratio, and its decoding steps
+                             per second during deliveries and otherwise (the cores a delivery
+                             takes slow the loop down without blocking it).
+  skipped_versions_counted   the learner side (this process) changes 2% of the rows of every
+                             matrix every 0.5 s and publishes each version through the
+                             learner's Publisher (bf16, deltas with a keyframe every 10, upload
+                             in a child process, latest wins); uploads take longer than a step,
+                             so versions are skipped. True when some were, the publisher counted
+                             exactly the versions published but never uploaded, and both actors
+                             end on the last uploaded version.
+  ``--quick`` runs them on a ~10 MB model, 12 steps back to back (a smoke test).
+
 A private redis-server (ops.redis_server.RedisServer, as the tests use) holds the versions;
 the learner side is this process, with a real `learner.weight_writer.WeightWriter`. Models are random
 fp32 tensors shaped like a Llama-style transformer (untied embedding and LM head, per layer
@@ -64,8 +89,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,11 +102,21 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from actors.engines.torch_engine import TorchEngine  # noqa: E402
+from actors.host_cache import HostCache  # noqa: E402
+from actors.weight_feed import RedisWeightFeed, StallMeter, take  # noqa: E402
 from actors.weight_reader import WeightReader  # noqa: E402
 from actors.weight_watcher import VersionWatcher  # noqa: E402
 from benchmarks import cli  # noqa: E402
-from benchmarks.weight_scaling import GOALS, scaling_figures  # noqa: E402
+from benchmarks.gpu_check import QWEN25_05B  # noqa: E402
+from benchmarks.weight_scaling import GOALS, scaling_figures, shm_root  # noqa: E402
+from common import metric_names as mn  # noqa: E402
 from common.config.run import RedisConfig  # noqa: E402
+from common.model import Transformer  # noqa: E402
+from common.model_args import ModelArgs  # noqa: E402
+from common.policy_meta import model_args_from_meta  # noqa: E402
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
+from learner.publisher import Publisher  # noqa: E402
 from learner.weight_writer import WeightWriter  # noqa: E402
 from ops.redis_server import RedisServer  # noqa: E402
 
@@ -94,6 +131,24 @@ MODELS = {
 READERS = (1, 4)
 TARGET_FETCH_GBPS_100MB = 1.0
 TIMEOUT_S = 600.0
+DELIVERY_SHAPES = {
+    "full": QWEN25_05B,
+    "quick": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+"""The delivery run's model: Qwen2.5-0.5B's shape, or ~10 MB with ``--quick``."""
+DELIVERY_ACTORS = 2
+DELIVERY_STEP_S = {"full": 0.5, "quick": 0.0}  # the learner's step time
+DELIVERY_STEPS = {"full": 24, "quick": 12}
+DELIVERY_ROWS_CHANGED = 0.02  # share of each matrix's rows a step changes
+STALL_GOAL = 0.05
 
 
 def model_shapes(target_bytes: int, d: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -250,6 +305,207 @@ def run_config(
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
 
+# ------------------------------------------------------------------------------ delivery
+
+
+class _Stopped(Exception):
+    """Raised from the weight source to leave a generate call when the run ends."""
+
+
+def delivery_actor(
+    index: int, url: str, run_id: str, cache_root: str, results: mp.Queue, holds, stop
+) -> None:
+    """One actor-like process: an engine on the first version, then decoding batch after batch
+    with new weights taken from a background feed between steps; the meter's figures at the end.
+    ``holds[index]`` is the version its engine holds."""
+    torch.set_num_threads(1)
+    client = redis.Redis.from_url(url)
+    store = WeightReader(client, run_id, host_cache=HostCache(cache_root))
+    watcher = VersionWatcher.of_store(store, poll_interval_s=0.5)
+    deadline = time.monotonic() + TIMEOUT_S
+    first = None
+    while first is None and time.monotonic() < deadline:
+        first = watcher.poll(timeout_s=1.0)
+    if first is None:
+        results.put(("error", index, "no first version"))
+        return
+    version, state = store.fetch(first)
+    args = model_args_from_meta(store.manifest(version)["meta"])
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)  # the fetched tensors themselves
+    engine = TorchEngine(model.eval(), eos_id=args.vocab_size, pad_id=0, version=version)
+    holds[index] = version
+    feed = RedisWeightFeed(store, watcher, version)
+    meter = StallMeter()
+    rng = random.Random(index)
+    # Polls of the feed (between decoding steps, and between batches), versions taken, tokens.
+    counts = {"polls": 0, "polls_during_delivery": 0, "versions_taken": 0, "tokens": 0}
+
+    def poll():
+        counts["polls"] += 1
+        counts["polls_during_delivery"] += feed.delivering
+        update = take(feed, meter)
+        if update is not None:
+            counts["versions_taken"] += 1
+            holds[index] = update[0]
+        return update
+
+    def weight_source():
+        if stop.is_set():
+            raise _Stopped
+        return poll()
+
+    results.put(("ready", index))
+    loop_started = time.perf_counter()
+    try:
+        with meter.running(feed):
+            while not stop.is_set():
+                update = poll()  # between batches, as the actor's phase 1
+                if update is not None:
+                    engine.load_weights(*update)
+                prompt = [rng.randrange(args.vocab_size) for _ in range(8)]
+                out = engine.generate([prompt], 2, 16, weight_source=weight_source)
+                counts["tokens"] += sum(len(r.token_ids) for r in out[0])
+    except _Stopped:
+        pass
+    finally:
+        feed.close()
+        watcher.close()
+    # Decoding steps per second while versions were delivered and otherwise: what a delivery's
+    # share of the cores costs the loop, beside the time it blocks it.
+    loop_s = time.perf_counter() - loop_started
+    during = meter.loop_s
+    steps_otherwise = counts["polls"] - counts["polls_during_delivery"]
+    rates = {
+        "steps_per_s_during_delivery": counts["polls_during_delivery"] / during if during else 0.0,
+        "steps_per_s_otherwise": steps_otherwise / (loop_s - during) if loop_s > during else 0.0,
+    }
+    results.put(("done", index, {**meter.figures(), **feed.stats(), **counts, **rates}))
+    client.close()
+
+
+def delivery_model(shape: dict) -> Transformer:
+    """A random-weight model of ``shape`` built in bf16 (no fp32 copy on the way)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        return Transformer(ModelArgs(**shape))
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def learner_step(model: Transformer, gen: torch.Generator) -> None:
+    """Change ``DELIVERY_ROWS_CHANGED`` of the rows of every matrix (a sparse update, so most
+    versions go out as deltas)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                rows = max(1, int(p.shape[0] * DELIVERY_ROWS_CHANGED))
+                index = torch.randint(0, p.shape[0], (rows,), generator=gen)
+                p[index] += 1e-2
+
+
+def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
+    """The learner publishing a version every ``DELIVERY_STEP_S`` while ``DELIVERY_ACTORS``
+    processes decode: each actor's stall figures and the publisher's skipped versions."""
+    mode = "quick" if quick else "full"
+    run_id = "bench-delivery"
+    model = delivery_model(DELIVERY_SHAPES[mode])
+    store = WeightWriter(client, run_id, keyframe_every=10, retention=3)
+    uploaded: list[int] = []
+    publisher = Publisher(
+        store,
+        model,
+        CharTokenizer(BUILTIN_ALPHABET),
+        dtype=torch.bfloat16,
+        max_inflight=1,
+        upload="process",
+        latest_wins=True,
+        on_published=uploaded.append,
+    )
+    publisher.publish(1)
+    publisher.flush()
+    model_bytes = store.manifest(1)["total_bytes"]
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    holds = ctx.Array("i", [-1] * DELIVERY_ACTORS)
+    stop = ctx.Event()
+    steps = DELIVERY_STEPS[mode]
+    with tempfile.TemporaryDirectory(prefix="specrl-bench-shm-", dir=shm_root()) as root:
+        procs = [
+            ctx.Process(target=delivery_actor, args=(i, url, run_id, root, results, holds, stop))
+            for i in range(DELIVERY_ACTORS)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            for _ in procs:
+                _expect(results, procs, "ready")
+            gen = torch.Generator().manual_seed(1)
+            started = time.perf_counter()
+            for version in range(2, steps + 2):
+                learner_step(model, gen)
+                publisher.publish(version)  # never waits for the upload (latest wins)
+                next_step = started + (version - 1) * DELIVERY_STEP_S[mode]
+                time.sleep(max(0.0, next_step - time.perf_counter()))
+            publisher.flush()
+            final = uploaded[-1]
+            deadline = time.monotonic() + TIMEOUT_S
+            while min(holds[:]) < final and time.monotonic() < deadline:
+                time.sleep(0.1)
+            held = list(holds[:])
+            stop.set()
+            actors = [_expect(results, procs, "done")[2] for _ in procs]
+        finally:
+            stop.set()
+            for proc in procs:
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
+            publisher.close()
+    client.flushdb()
+    published = steps + 1
+    skipped = publisher.skipped
+    counted = skipped == published - len(uploaded) - publisher.refused
+    fracs = [a[mn.ACTOR_DECODE_STALL_FRAC] for a in actors]
+    delivered = all(a[mn.ACTOR_DECODE_S_DURING_DELIVERY] > 0 for a in actors)
+    return {
+        "decode_stall_frac_during_delivery": max(fracs) if delivered else float("nan"),
+        "decode_stall_goal": STALL_GOAL,
+        "decode_stall_met": delivered and max(fracs) <= STALL_GOAL,
+        "skipped_versions_counted": skipped > 0 and counted and min(held) == final,
+        "delivery_model": mode,
+        "delivery_model_bytes": model_bytes,
+        "delivery_versions_published": published,
+        "delivery_versions_uploaded": len(uploaded),
+        "delivery_versions_skipped": skipped,
+        "delivery_final_version": final,
+        "delivery_actor_versions": held,
+        "delivery_upload_s_last": publisher.last_publish_s,
+        "delivery_actors": actors,
+    }
+
+
+def _expect(results: mp.Queue, procs: list, kind: str) -> tuple:
+    """The next message of ``kind`` from the delivery actors (an error or a death raises)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            message = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"delivery actor process(es) {dead} died") from None
+            continue
+        if message[0] == "error":
+            raise RuntimeError(f"delivery actor {message[1]}: {message[2]}")
+        assert message[0] == kind, message
+        return message
+    raise TimeoutError(f"no {kind!r} from the delivery actors within {TIMEOUT_S} s")
+
+
 def print_table(table: list[tuple[str, int, int, dict[str, float]]]) -> None:
     """The Markdown table of (model, bytes, readers, medians) rows."""
     print()
@@ -294,6 +550,9 @@ def main() -> int:
         plain = ("100mb", make_model("100mb"))
         scaling = scaling_figures(server.url, client, opts.quick, chunk_bytes, plain)
         del plain
+        delivery = delivery_figures(server.url, client, opts.quick)
+        shown = {k: v for k, v in delivery.items() if k != "delivery_actors"}
+        print("delivery: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         readers = Readers(max(READERS), server.url)
         try:
             for label in labels:
@@ -322,11 +581,14 @@ def main() -> int:
     fetch_100mb = flat["fetch_gbps_per_reader_100mb_r1"]
     summary = {
         **{k: scaling[k] for k in GOALS},
+        "decode_stall_frac_during_delivery": delivery["decode_stall_frac_during_delivery"],
+        "skipped_versions_counted": delivery["skipped_versions_counted"],
         **cli.target("fetch_gbps_100mb", fetch_100mb, TARGET_FETCH_GBPS_100MB),
         "chunk_bytes": chunk_bytes,
         "quick": opts.quick,
         "seconds": round(time.perf_counter() - started, 1),
         **scaling,
+        **delivery,
         **flat,
     }
     print(
@@ -337,6 +599,12 @@ def main() -> int:
         print(
             f"{key} = {scaling[key]:.4g} (goal {how} {goal}): {'met' if scaling[key + '_met'] else 'NOT met'}"
         )
+    stall = delivery["decode_stall_frac_during_delivery"]
+    print(
+        f"decode_stall_frac_during_delivery = {stall:.4g} (goal <= {STALL_GOAL}): "
+        f"{'met' if delivery['decode_stall_met'] else 'NOT met'}"
+    )
+    print(f"skipped_versions_counted = {delivery['skipped_versions_counted']}")
     return cli.finish(summary, opts.json)
 
 

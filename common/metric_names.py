@@ -25,6 +25,18 @@ ACTOR_TOKENS = "actor/tokens"
 ACTOR_TOKENS_PER_S = "actor/tokens_per_s"
 ACTOR_WAIT_S = "actor/wait_s"
 ACTOR_WEIGHT_FETCH_S = "actor/weight_fetch_s"
+# The weight feed (actors/weight_feed.py): decode-loop time blocked on weights while a version
+# is being delivered, the loop's time during deliveries, their ratio; versions that failed, and
+# versions a newer one replaced before the engine took them.
+ACTOR_DECODE_STALL_S = "actor/decode_stall_s"
+ACTOR_DECODE_S_DURING_DELIVERY = "actor/decode_s_during_delivery"
+ACTOR_DECODE_STALL_FRAC = "actor/decode_stall_frac"
+ACTOR_WEIGHT_FETCH_FAILURES = "actor/weight_fetch_failures"
+ACTOR_WEIGHT_SUPERSEDED = "actor/weight_superseded"
+# With actor.weights_group: versions received through the learner's weights group, and through
+# Redis (before joining, or where the group cannot serve).
+ACTOR_WEIGHT_VERSIONS_COLLECTIVE = "actor/weight_versions_collective"
+ACTOR_WEIGHT_VERSIONS_REDIS = "actor/weight_versions_redis"
 
 # Speculative decoding, per batch (from the engine's counters).
 SPEC_ACCEPTANCE_POS_PREFIX = "spec/acceptance_pos"
@@ -82,6 +94,8 @@ LEARNER_OUTSIDE_NUCLEUS_FRAC = "learner/outside_nucleus_frac"
 LEARNER_PG_LOSS = "learner/pg_loss"
 LEARNER_PUBLISH_REFUSED = "learner/publish_refused"
 LEARNER_PUBLISH_S = "learner/publish_s"
+# Versions replaced by a newer one before their upload started (learner.publish_latest_wins).
+LEARNER_PUBLISH_SKIPPED_VERSIONS = "learner/publish_skipped_versions"
 LEARNER_PUBLISH_UPLOAD_S = "learner/publish_upload_s"
 LEARNER_RATIO_MEAN = "learner/ratio_mean"
 LEARNER_REJECTED_GROUPS = "learner/rejected_groups"

@@ -148,11 +148,22 @@ class Learner:
             dtype=publish_dtype(self.view, lcfg.publish_dtype),
             max_inflight=lcfg.publish_max_inflight,
             upload=lcfg.publish_upload,
+            latest_wins=lcfg.publish_latest_wins,
             should_stop=self.stop,
             on_published=lambda version: write_version_mark(self.version_mark, version),
             optimizer=state.optimizer,  # the snapshot is taken in the background, before a step
         )
         self.publisher.publish(state.version)
+        # learner.weights_group: the same versions also go, as bf16 buckets, to the actors that
+        # joined the weights group (common/weights/collective.py); Redis keeps the order.
+        self.collective = None
+        if lcfg.weights_group and (self.dist is None or self.dist.rank == 0):
+            from learner.collective_sender import CollectiveSender
+
+            self.collective = CollectiveSender.from_config(
+                lcfg, store.client, store.run_id, self.device
+            )
+            self.collective.send(state.version, self.view.state_dict())
         # Republishing re-sends the last gathered state: rank 0 alone, no collective.
         self.republisher = Republisher(
             store,
@@ -210,6 +221,8 @@ class Learner:
             self.state.version += 1
             self.view.refresh()
             self.publisher.publish(self.state.version)
+            if self.collective is not None:
+                self.collective.send(self.state.version, self.view.state_dict())
 
     def log(
         self,
@@ -237,6 +250,7 @@ class Learner:
             mn.LEARNER_PUBLISH_S: times.published - times.trained,
             mn.LEARNER_PUBLISH_UPLOAD_S: self.publisher.last_publish_s,
             mn.LEARNER_PUBLISH_REFUSED: self.publisher.refused,
+            mn.LEARNER_PUBLISH_SKIPPED_VERSIONS: self.publisher.skipped,
             mn.LEARNER_WALL_S: times.published - self.wall_start,
         }
         self.exporter.update(self.last, batch.staleness)
@@ -273,6 +287,8 @@ class Learner:
         receiver.close()
         self.exporter.close()
         self.publisher.close()  # the last version reaches Redis before the final checkpoint
+        if self.collective is not None:
+            self.collective.close()  # the group's members go back to Redis
         # Acked but not trained on: carried in the checkpoint so a resumed learner trains them
         # (acked means the actor has forgotten them; this is the only copy).
         leftover = [*unfinished, *receiver.drain()]

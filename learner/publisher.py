@@ -3,10 +3,13 @@
 process (``upload="process"``), on a thread (``"thread"``), or on the caller's thread
 (``max_inflight=0``) while the next step trains; versions go out in order.
 
-Given the ``optimizer``, the snapshot is taken on the publisher's thread during the next step's
+Given the ``optimizer``, the snapshot is taken on a publisher thread during the next step's
 forward and backward: a pre-hook on ``optimizer.step`` waits until it is taken, so no update can
 reach a version being copied. The learner otherwise waits only when ``max_inflight`` versions are
-queued or uploading. A non-finite version is refused by the store, logged and counted in
+queued or uploading; with ``latest_wins`` it never does: a version published while that many are
+in flight waits in one more snapshot (slot), and a newer one replaces it before its upload starts
+(counted in ``skipped``). A delta's base is always a version that was uploaded (the uploader's
+own last one). A non-finite version is refused by the store, logged and counted in
 ``refused``. Redis outages are retried where the upload runs, until ``should_stop``; any other
 failure, and the death of the upload process, is raised at the next ``publish``/``flush``.
 """
@@ -105,6 +108,7 @@ class Publisher:
         on_published: Callable[[int], None] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         upload: str = "process",
+        latest_wins: bool = False,
     ) -> None:
         self.store = store
         self.model = model
@@ -123,6 +127,11 @@ class Publisher:
         """The newest version whose upload finished (-1: none yet)."""
         self.refused = 0
         """Versions refused for non-finite weights (never published)."""
+        self.latest_wins = latest_wins and max_inflight > 0
+        self.skipped = 0
+        """Versions replaced by a newer one before their upload started (``latest_wins``)."""
+        self._pending: tuple[int, Any] | None = None  # latest_wins: the version waiting for room
+        self._pending_lock = threading.Lock()
         self._error: BaseException | None = None
         self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self._snapshot_taken = threading.Event()
@@ -135,26 +144,36 @@ class Publisher:
         self._child: _UploadProcess | None = None
         if self.upload == "process":
             layout, slot_bytes = _layout(model.state_dict(), self.dtype)
-            need = max_inflight * slot_bytes
+            slots = max_inflight + (1 if self.latest_wins else 0)  # + the waiting one
+            need = slots * slot_bytes
             free = shm_free_bytes()
             if free is not None and need > free:
                 log.warning(
                     "learner: uploading on a thread, not a process: %d snapshot slot(s) need "
                     "%.2f GB of shared memory and /dev/shm has %.2f GB free (raise the "
                     "container's shm_size, or set learner.publish_upload=thread)",
-                    max_inflight,
+                    slots,
                     need / 1e9,
                     free / 1e9,
                 )
                 self.upload = "thread"
             else:
-                self._child = _UploadProcess(self, store, layout, slot_bytes, max_inflight)
+                self._child = _UploadProcess(self, store, layout, slot_bytes, slots)
         self._thread: threading.Thread | None = None
         if max_inflight > 0:
             self._thread = threading.Thread(
                 target=self._worker, name="weights-publisher", daemon=True
             )
             self._thread.start()
+        # latest_wins with the optimizer: a thread of its own takes the snapshots, so none waits
+        # behind an upload running on the worker thread.
+        self._stager: threading.Thread | None = None
+        self._to_stage: queue.Queue[int | None] = queue.Queue()
+        if self.latest_wins and self.snapshot_on_thread:
+            self._stager = threading.Thread(
+                target=self._stage_worker, name="weights-snapshot", daemon=True
+            )
+            self._stager.start()
 
     @property
     def upload_pid(self) -> int | None:
@@ -171,12 +190,12 @@ class Publisher:
                 out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
         return out
 
-    def _take(self) -> Any:
+    def _take(self, slot: int | None = None) -> Any:
         """The snapshot in the form the upload takes: a shared-memory slot's index for the
-        upload process, else a private copy."""
+        upload process (``slot``, or a free one), else a private copy."""
         if self._child is None:
             return self.snapshot()
-        return self._child.fill(self.model.state_dict())
+        return self._child.fill(self.model.state_dict(), slot)
 
     def publish(self, version: int) -> None:
         self._raise_error()
@@ -185,6 +204,12 @@ class Publisher:
         if self._thread is None:
             self._upload(version, self.snapshot())
             self._raise_error()
+        elif self.latest_wins:
+            if self._stager is not None:
+                self._snapshot_taken.clear()  # set by the stager once it holds its copy
+                self._to_stage.put(version)
+            else:
+                self._stage(version)
         else:
             self._room.acquire()  # waits only while max_inflight versions are in flight
             if self._error is not None:
@@ -203,16 +228,24 @@ class Publisher:
     @property
     def inflight(self) -> int:
         """Versions snapshotted whose upload has not finished."""
-        return self._queue.unfinished_tasks if self._thread is not None else 0
+        if self._thread is None:
+            return 0
+        staging = self._to_stage.unfinished_tasks
+        return self._queue.unfinished_tasks + (self._pending is not None) + staging
 
     def flush(self) -> None:
         """Wait until every queued version is uploaded (or refused)."""
         if self._thread is not None:
-            self._queue.join()
+            self._to_stage.join()
+            self._queue.join()  # a version waiting for room is queued before the last one ends
         self._raise_error()
 
     def close(self) -> None:
-        """Upload what is queued, then stop the thread (and the upload process)."""
+        """Upload what is queued, then stop the threads (and the upload process)."""
+        if self._stager is not None and self._stager.is_alive():
+            self._to_stage.join()
+            self._to_stage.put(None)
+            self._stager.join()
         if self._thread is not None and self._thread.is_alive():
             self._queue.join()
             self._queue.put(None)
@@ -256,7 +289,51 @@ class Publisher:
 
     def _done(self) -> None:
         self._room.release()
+        self._dispatch()  # before task_done: a flush never sees nothing queued while one waits
         self._queue.task_done()
+
+    # latest_wins: a version is staged (snapshotted) at once; it is queued for upload when there
+    # is room, and until then a newer staged version replaces it.
+
+    def _stage_worker(self) -> None:
+        while (version := self._to_stage.get()) is not None:
+            try:
+                self._stage(version)
+            except Exception as e:  # noqa: BLE001 - handed to the learner's thread, raised there
+                self._error = e
+            self._to_stage.task_done()  # first: a step that goes on sees the version staged
+            self._snapshot_taken.set()
+        self._to_stage.task_done()
+
+    def _stage(self, version: int) -> None:
+        with self._pending_lock:
+            replaced, self._pending = self._pending, None
+        slot = None
+        if replaced is not None:
+            self.skipped += 1
+            log.info("learner: version %d replaced by %d before its upload", replaced[0], version)
+            if self._child is not None:
+                slot = replaced[1]  # refilled: the upload process never saw it
+            replaced = None  # a private copy is freed before the next one is taken
+        try:
+            payload = self._take(slot)
+        except BaseException:
+            if self._child is not None and slot is not None:
+                self._child.free.put(slot)
+            raise
+        with self._pending_lock:
+            self._pending = (version, payload)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Queue the waiting version for upload if there is room."""
+        if not self.latest_wins:
+            return
+        with self._pending_lock:
+            if self._pending is None or not self._room.acquire(blocking=False):
+                return
+            item, self._pending = self._pending, None
+            self._queue.put(item)
 
     def _upload(self, version: int, state: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
@@ -336,9 +413,11 @@ class _UploadProcess:
         )
         self.replies.start()
 
-    def fill(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Copy the weights into a free slot (there is one: the publisher holds room for it)."""
-        slot = self.free.get()
+    def fill(self, state_dict: Mapping[str, torch.Tensor], slot: int | None = None) -> int:
+        """Copy the weights into ``slot``, or into a free one (there is one: the publisher holds
+        room for it)."""
+        if slot is None:
+            slot = self.free.get()
         views = self.views[slot]
         with torch.no_grad():
             for name, t in state_dict.items():

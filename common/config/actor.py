@@ -146,6 +146,13 @@ class ActorConfig:
     metrics_port: int = 9401
     """Prometheus ``/metrics`` port of actor ``index`` 0; actor i serves on ``metrics_port + i``.
     0: any free port (written to ``{run_dir}/prometheus/``); -1: off."""
+    weights_group: bool = False
+    """Join the learner's weights group at ``learner.weights_group_address`` and take versions
+    from its broadcasts; from Redis while not a member (before joining, when joining fails,
+    after the learner leaves)."""
+    weights_group_join_timeout_s: float = 10.0
+    """How long one attempt to join the weights group may take; the actor keeps to Redis
+    meanwhile and tries again after as long."""
 
     def __post_init__(self) -> None:
         require(
@@ -160,6 +167,7 @@ class ActorConfig:
         check_port("actor.metrics_port", self.metrics_port)
         require(-1 <= self.seed < 2**32, f"actor.seed must be -1 or in [0, 2**32), got {self.seed}")
         require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
+        require_positive("actor", self, "weights_group_join_timeout_s")
 
 
 @dataclass

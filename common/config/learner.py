@@ -48,12 +48,30 @@ class LearnerConfig:
     dtype (the parameters'). Recorded in the manifest."""
     publish_max_inflight: int = 1
     """Versions snapshotted but not yet uploaded; the upload runs in the background while the
-    next step trains, and the learner waits only when this many are in flight. 0: publish
-    synchronously on the learner's thread."""
+    next step trains, and the learner waits only when this many are in flight (never with
+    ``publish_latest_wins``). 0: publish synchronously on the learner's thread."""
+    publish_latest_wins: bool = True
+    """When ``publish_max_inflight`` versions are already in flight, a new version waits in one
+    more snapshot instead of the learner waiting, and a newer one replaces it before its upload
+    starts: a slow upload skips versions (``learner/publish_skipped_versions``) and actors get
+    the newest. False: every version is uploaded, the learner waiting for room."""
     publish_upload: str = "process"
     """Where background uploads run: ``process`` (a child process reading the snapshot from
     shared memory: serializing never takes the learner's GIL; needs ``/dev/shm`` room for
-    ``publish_max_inflight`` copies of the weights) or ``thread`` (a thread of the learner)."""
+    ``publish_max_inflight`` copies of the weights, one more with ``publish_latest_wins``) or
+    ``thread`` (a thread of the learner)."""
+    weights_group: bool = False
+    """Also broadcast each published version to the actors that join the learner's weights group
+    (``learner/collective_sender.py``; gloo on CPU, NCCL on CUDA), in bfloat16; Redis keeps the
+    manifests and serves the actors outside the group."""
+    weights_group_address: str = "127.0.0.1:29650"
+    """``HOST:PORT`` of the weights group's rendezvous store: the learner hosts it, actors with
+    ``actor.weights_group`` join it (a host they can reach, for actors on other machines)."""
+    weights_group_bucket_mb: int = 256
+    """MiB of a version broadcast at a time."""
+    weights_group_timeout_s: float = 60.0
+    """Longest one broadcast may take before its epoch of the group is given up (the members
+    join again)."""
     checkpoint_every: int = 50
     """Write a checkpoint every N steps (and always at exit)."""
     resume: bool = True
@@ -143,6 +161,13 @@ class LearnerConfig:
             f"learner.address must be tcp://HOST:PORT or ipc://PATH, got {self.address!r}",
         )
         check_port("learner.metrics_port", self.metrics_port)
+        host, _, port = self.weights_group_address.rpartition(":")
+        require(
+            bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            f"learner.weights_group_address must be HOST:PORT, got {self.weights_group_address!r}",
+        )
+        require_at_least("learner", self, weights_group_bucket_mb=1)
+        require_positive("learner", self, "weights_group_timeout_s")
 
     def resolved_bind(self) -> str:
         return self.bind or self.address

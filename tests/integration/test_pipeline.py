@@ -255,3 +255,53 @@ def test_curve_encrypted_pipeline_and_a_keyless_sender_gets_nothing_through(
     assert [r["learner/version"] for r in steps] == [1, 2, 3, 4]
     ledger = read_ledger(tmp_path / "run")
     assert all(actor != "intruder" for actor, _ in ledger.consumed)
+
+
+def test_actors_take_versions_from_the_weights_group_and_from_redis_in_one_run(
+    tmp_path, redis_server, model_dir
+):
+    """learner.weights_group: actor 0 joins the learner's weights group and receives versions as
+    broadcast buckets; actor 1 keeps the Redis path. Both serve one run to its end."""
+    from ops.redis_server import find_free_port
+
+    address = f"127.0.0.1:{find_free_port()}"
+    pipeline = Pipeline.make(
+        tmp_path,
+        redis_server.url,
+        model_dir,
+        ["run.steps=30", "learner.weights_group=true", f"learner.weights_group_address={address}"],
+    )
+    group_versions = 0.0
+    try:
+        learner = pipeline.start_learner()
+        pipeline.start_actor(0, ["actor.weights_group=true"])
+        pipeline.start_actor(1)
+        deadline = time.monotonic() + 240
+        while group_versions < 2 and learner.poll() is None:
+            assert time.monotonic() < deadline, pipeline.log_tail("actor-0")
+            group_versions = scrape_actor(tmp_path, "actor-0", "weight_versions_collective")
+            time.sleep(0.5)
+        assert wait_exit(learner, 240, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    assert group_versions >= 2, pipeline.log_tail("actor-0")
+    steps = pipeline.steps()
+    assert [r["learner/version"] for r in steps] == list(range(1, 31))
+    ledger = read_ledger(tmp_path)
+    assert len({actor for actor, _ in ledger.consumed}) == 2  # both actors' groups trained
+    assert not ledger.lost() and not {k: n for k, n in ledger.consumed.items() if n > 1}
+
+
+def scrape_actor(run_dir, role: str, suffix: str) -> float:
+    """``specrl_actor_<suffix>`` from ``role``'s /metrics (0 until it answers)."""
+    port_file = run_dir / "prometheus" / f"{role}.port"
+    try:
+        port = int(port_file.read_text())
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    except (OSError, ValueError):
+        return 0.0
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name in (f"specrl_actor_{suffix}", f"specrl_actor_{suffix}_total"):
+                return s.value
+    return 0.0

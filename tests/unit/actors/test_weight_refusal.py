@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from actors.loop import ActorStats, fetch_update
+from actors.weight_feed import fetch_newer
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
 from common.weights.keys import weights_chunk_key, weights_manifest_key
@@ -42,19 +42,17 @@ def test_tampered_version_is_refused_and_current_weights_kept(redis_client, tamp
     reader = WeightReader.from_recipe(store.recipe())
     store.publish(1, state(1))
     watcher = VersionWatcher.of_store(reader, last_seen=None, poll_interval_s=0.05)
-    stats = ActorStats()
-    version, weights = fetch_update(reader, watcher, -1, stats, timeout_s=2.0)
+    version, weights, _ = fetch_newer(reader, watcher, -1, timeout_s=2.0)
     assert version == 1
 
     store.publish(2, state(2))
     tamper(redis_client, 2)
-    assert fetch_update(reader, watcher, version, stats, timeout_s=2.0) is None
-    assert stats.weight_loads == 1  # nothing loaded: the actor still runs version 1
+    assert fetch_newer(reader, watcher, version, timeout_s=2.0) is None
     assert torch.equal(weights["w"], state(1)["w"])
 
     # The next good version is taken as usual.
     store.publish(3, state(3))
-    update = fetch_update(reader, watcher, version, stats, timeout_s=2.0)
+    update = fetch_newer(reader, watcher, version, timeout_s=2.0)
     assert update is not None and update[0] == 3
     assert torch.equal(update[1]["w"], state(3)["w"])
     watcher.close()

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 import learner.weight_writer as writer_module
-from actors.loop import ActorStats, fetch_update
+from actors.weight_feed import fetch_newer
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
 from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite, weights_digest
@@ -147,17 +147,16 @@ def test_bad_delta_is_refused_and_actor_keeps_weights(redis_client: redis.Redis,
     actor = WeightReader(redis_client, RUN, chunk_bytes=1024)
     watcher = VersionWatcher.of_store(actor, poll_interval_s=0.05)
     states = versions(4)
-    stats = ActorStats()
     pub.publish(1, states[0])
-    version, held = fetch_update(actor, watcher, -1, stats, timeout_s=2.0)
+    version, held, _ = fetch_newer(actor, watcher, -1, timeout_s=2.0)
     assert version == 1
 
     pub.publish(2, states[1])
     tamper(redis_client, states)
-    assert fetch_update(actor, watcher, version, stats, timeout_s=2.0) is None
+    assert fetch_newer(actor, watcher, version, timeout_s=2.0) is None
     with pytest.raises(WeightsCorrupt):
         actor.fetch(2)
-    assert stats.weight_loads == 1 and same(held, states[0])
+    assert same(held, states[0])
     # Deltas built on the bad one cannot be applied either: refused, weights kept.
     pub.publish(3, states[2])
     with pytest.raises(WeightsCorrupt):
@@ -193,19 +192,18 @@ def test_actor_refuses_non_finite_and_keeps_weights(
     pub = publisher(redis_client, keyframe_every=keyframe_every)
     actor = WeightReader(redis_client, RUN, chunk_bytes=1024)
     watcher = VersionWatcher.of_store(actor, poll_interval_s=0.05)
-    stats = ActorStats()
     states = versions(3)
     pub.publish(1, states[0])
-    version, held = fetch_update(actor, watcher, -1, stats, timeout_s=2.0)
+    version, held, _ = fetch_newer(actor, watcher, -1, timeout_s=2.0)
 
     bad = {k: v.clone() for k, v in states[1].items()}
     bad["w"][0, 0] = float("nan")
     publish_unchecked(monkeypatch, pub, 2, bad)
     assert pub.manifest(2)["kind"] == ("delta" if keyframe_every > 1 else "full")
-    assert fetch_update(actor, watcher, version, stats, timeout_s=2.0) is None
+    assert fetch_newer(actor, watcher, version, timeout_s=2.0) is None
     with pytest.raises(WeightsNonFinite):
         actor.fetch(2)
-    assert stats.weight_loads == 1 and same(held, states[0])
+    assert same(held, states[0])
 
 
 def test_unknown_manifest_format_is_refused(redis_client: redis.Redis) -> None:

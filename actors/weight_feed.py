@@ -1,0 +1,263 @@
+"""An actor's weight feed: new versions are fetched, verified and decoded in the background while
+the engine keeps decoding on the weights it has (docs/design.md §6.4).
+
+The decode loop only takes what a feed already holds in memory; it never waits for the bytes.
+A feed has this interface (:class:`WeightFeed`), whatever carries the bytes:
+
+- ``poll() -> (version, state_dict) | None``: the newest version held ready that is newer than
+  the last one handed out, at once (no I/O); None when there is none. The tensors follow
+  :meth:`actors.weight_reader.WeightReader.fetch`'s contract: verified, never to be modified in
+  place.
+- ``wait(timeout_s) -> (version, state_dict) | None``: the same, waiting up to ``timeout_s`` for
+  one (the synchronous mode's idle wait).
+- ``delivering``: True from the moment a version's transfer starts until it is ready (or
+  refused); what :class:`StallMeter` measures against.
+- ``stats() -> dict[str, float]``: ``common.metric_names`` keys: the last delivery's seconds
+  (``actor/weight_fetch_s``), versions that failed (``actor/weight_fetch_failures``), versions
+  replaced by a newer one before the engine took them (``actor/weight_superseded``).
+- ``close()``: stop; the feed's thread is joined.
+
+An unexpected error in the feed's thread stops it and is raised by every later ``poll`` or
+``wait``. A version that fails its checks, has expired or cannot be read while Redis is away is
+logged and counted, and the engine keeps its weights: the feed asks for that version (or a newer
+one) again. The actor loop calls :func:`take`, which times each call with a :class:`StallMeter`.
+
+:class:`RedisWeightFeed` is the Redis path: a :class:`~actors.weight_watcher.VersionWatcher`
+notices versions and a :class:`~actors.weight_reader.WeightReader` fetches them (chunk checksums,
+deltas, ``weights_sha256``, the host cache), on one thread that owns both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import NamedTuple, Protocol
+
+import torch
+
+from actors.weight_reader import WeightReader
+from actors.weight_watcher import VersionWatcher
+from common import metric_names as mn
+from common.weights.connection import REDIS_DOWN
+from common.weights.format import WeightsError
+
+log = logging.getLogger(__name__)
+
+Update = tuple[int, dict[str, torch.Tensor]]
+"""A version and its state dict, as the engines' ``load_weights`` and ``weight_source`` take."""
+
+
+class WeightFeed(Protocol):
+    """What the actor loop takes new weights from (see the module docstring)."""
+
+    @property
+    def delivering(self) -> bool: ...
+
+    def poll(self) -> Update | None: ...
+
+    def wait(self, timeout_s: float) -> Update | None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class Fetched(NamedTuple):
+    version: int
+    state: dict[str, torch.Tensor]
+    seconds: float
+    """How long the fetch took (read, verify, decode)."""
+
+
+def fetch_newer(
+    store: WeightReader,
+    watcher: VersionWatcher,
+    current: int,
+    timeout_s: float = 0.0,
+    on_start: Callable[[int], None] | None = None,
+) -> Fetched | None:
+    """The newest published version if there is one newer than ``current`` (waiting at most
+    ``timeout_s`` for one to be announced), fetched and verified; ``on_start(version)`` is
+    called when its fetch begins. None when there is none, and when it cannot be loaded."""
+    version = watcher.poll(timeout_s=timeout_s)
+    if version is None or version <= current:
+        return None
+    if on_start is not None:
+        on_start(version)
+    started = time.perf_counter()
+    try:
+        fetched, state = store.fetch(version)
+    except (WeightsError, *REDIS_DOWN) as e:
+        # Refused (checksum/shape), expired or Redis away: keep the weights we have, and let the
+        # watcher report this version (or a newer one) again on its next check of `latest`.
+        log.warning("actor: cannot load version %d (%s); keeping version %d", version, e, current)
+        watcher.last_seen = current
+        return None
+    return Fetched(fetched, state, time.perf_counter() - started)
+
+
+class RedisWeightFeed:
+    """The Redis path of :class:`WeightFeed`: a thread watches the run's versions and fetches
+    each new one as it is announced; a version fetched before the engine took the previous one
+    replaces it. ``current`` is the version the engine holds when the feed starts; the feed
+    owns ``store`` and ``watcher`` until :meth:`close`."""
+
+    JOIN_TIMEOUT_S = 120.0
+
+    def __init__(
+        self, store: WeightReader, watcher: VersionWatcher, current: int, poll_s: float = 0.2
+    ) -> None:
+        self.store, self.watcher, self.poll_s = store, watcher, poll_s
+        self._cond = threading.Condition()
+        self._taken = current  # the newest version handed out
+        self._ready: Fetched | None = None
+        self._error: BaseException | None = None
+        self._delivering = False
+        self._closing = threading.Event()
+        self.failures = 0
+        self.superseded = 0
+        self.last_fetch_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="weight-feed", daemon=True)
+        self._thread.start()
+
+    @property
+    def delivering(self) -> bool:
+        return self._delivering
+
+    def poll(self) -> Update | None:
+        with self._cond:
+            if self._error is not None:
+                raise self._error  # the thread has stopped: every later call raises too
+            ready, self._ready = self._ready, None
+            if ready is None:
+                return None
+            self._taken = ready.version
+            return ready.version, ready.state
+
+    def wait(self, timeout_s: float) -> Update | None:
+        with self._cond:
+            self._cond.wait_for(self._settled, timeout=timeout_s)
+        return self.poll()
+
+    def _settled(self) -> bool:
+        """A version is ready, the thread failed, or the feed is closing (``wait`` returns)."""
+        return self._ready is not None or self._error is not None or self._closing.is_set()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            mn.ACTOR_WEIGHT_FETCH_S: self.last_fetch_s,
+            mn.ACTOR_WEIGHT_FETCH_FAILURES: self.failures,
+            mn.ACTOR_WEIGHT_SUPERSEDED: self.superseded,
+        }
+
+    def close(self) -> None:
+        """Stop after the fetch in progress, if any, and join the thread."""
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=self.JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("actor: the weight feed did not stop within %.0f s", self.JOIN_TIMEOUT_S)
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _newest(self) -> int:
+        with self._cond:
+            return self._ready.version if self._ready is not None else self._taken
+
+    def _start(self, version: int) -> None:
+        self._delivering = True
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                got = fetch_newer(
+                    self.store, self.watcher, self._newest(), self.poll_s, on_start=self._start
+                )
+                with self._cond:
+                    if got is not None:
+                        if self._ready is not None:
+                            self.superseded += 1
+                        self._ready = got
+                        self.last_fetch_s = got.seconds
+                        self._cond.notify_all()
+                    elif self._delivering:
+                        self.failures += 1
+                    self._delivering = False
+        except Exception as e:  # noqa: BLE001 - raised on the decode loop's thread by poll()
+            log.exception("actor: the weight feed stopped")
+            with self._cond:
+                self._error = e
+                self._delivering = False
+                self._cond.notify_all()
+
+
+def take(feed: WeightFeed, meter: StallMeter, timeout_s: float = 0.0) -> Update | None:
+    """What the decode loop calls for new weights: the feed's ready version, if any (waiting up
+    to ``timeout_s``), the time spent here metered by ``meter``."""
+    with meter.blocked(feed):
+        return feed.wait(timeout_s) if timeout_s > 0 else feed.poll()
+
+
+class StallMeter:
+    """How long the decode loop is blocked on weights while a version is being delivered.
+
+    Measured from inside the loop: :meth:`running` spans the loop, :meth:`blocked` each call
+    that takes weights. At each of those points the meter reads the feed's ``delivering``; a
+    stretch of the loop between two points belongs to a delivery when the feed was delivering at
+    either end. ``stall_s`` sums the blocked stretches of deliveries, ``loop_s`` all their
+    stretches; ``stall_s / loop_s`` is the stall fraction (0 before any delivery).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.stall_s = 0.0
+        self.loop_s = 0.0
+        self._mark: float | None = None  # the last point, while the loop runs
+        self._delivering = False  # the feed's state at the last point
+        self._blocked = False
+
+    def _point(self, feed: WeightFeed) -> None:
+        now, delivering = self.clock(), feed.delivering
+        if self._mark is not None:
+            if delivering or self._delivering:
+                self.loop_s += now - self._mark
+                if self._blocked:
+                    self.stall_s += now - self._mark
+            self._mark = now
+        self._delivering = delivering
+
+    @contextlib.contextmanager
+    def running(self, feed: WeightFeed) -> Iterator[None]:
+        """The decode loop runs inside this block (outside it nothing is counted)."""
+        self._mark, self._delivering = self.clock(), feed.delivering
+        try:
+            yield
+        finally:
+            self._point(feed)
+            self._mark = None
+
+    @contextlib.contextmanager
+    def blocked(self, feed: WeightFeed) -> Iterator[None]:
+        """The loop waits on ``feed`` inside this block."""
+        self._point(feed)
+        self._blocked = True
+        try:
+            yield
+        finally:
+            self._point(feed)
+            self._blocked = False
+
+    @property
+    def frac(self) -> float:
+        return self.stall_s / self.loop_s if self.loop_s > 0 else 0.0
+
+    def figures(self) -> dict[str, float]:
+        return {
+            mn.ACTOR_DECODE_STALL_S: self.stall_s,
+            mn.ACTOR_DECODE_S_DURING_DELIVERY: self.loop_s,
+            mn.ACTOR_DECODE_STALL_FRAC: self.frac,
+        }

@@ -1,0 +1,368 @@
+"""The learner's side of the collective weights path (common/weights/collective.py): rank 0 of the
+weights group, broadcasting each version to the actors that joined it while Redis keeps the
+manifests.
+
+``send(version, state)`` packs the version (floats cast to bfloat16) and returns; a thread of its
+own admits joiners, broadcasts the newest queued version in buckets, writes its collective
+manifest to Redis, and sends heartbeats while idle. Versions not yet started when a newer one
+comes are skipped (a member only wants the newest); after a new epoch forms, the newest version
+is sent again, so a joiner gets it at once. A member that fails an operation ends the epoch; the
+next forms from whoever asks again. Versions still go to Redis through the publisher for actors
+outside the group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import torch
+
+from common.config.learner import LearnerConfig
+from common.weights.collective import (
+    COLLECTIVE_FORMAT,
+    DEFAULT_BUCKET_BYTES,
+    HEARTBEAT_S,
+    JOINS,
+    MANIFEST_TTL_S,
+    OP_LEAVE,
+    OP_NOOP,
+    OP_REGROUP,
+    OP_VERSION,
+    CollectiveError,
+    WeightsGroup,
+    bucket_ranges,
+    bucket_sha256,
+    collective_manifest_key,
+    hash_threads,
+    new_manifest,
+    pack,
+    slots,
+    store_server,
+    views,
+    wire_layout,
+)
+from common.weights.format import WeightsError, WeightsNonFinite, check_finite
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Version:
+    """A version to broadcast: its payload once packed (``state`` until then)."""
+
+    version: int
+    layout: dict[str, Any]
+    state: Mapping[str, torch.Tensor] | None = None
+    payload: torch.Tensor | None = None
+    digests: list[str] = field(default_factory=list)
+    checked: bool = False  # its floats are finite
+    manifest_written: bool = False
+
+
+class CollectiveSender:
+    """Rank 0 of a run's weights group, hosting its store at ``address`` (``host:port``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        address: str,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        heartbeat_s: float = HEARTBEAT_S,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """``timeout_s`` bounds one broadcast, ``connect_timeout_s`` the forming of an epoch."""
+        if bucket_bytes < 64:
+            raise ValueError(f"bucket_bytes must be >= 64, got {bucket_bytes}")
+        self.client, self.run_id, self.address = client, run_id, address
+        self.bucket_bytes = int(bucket_bytes)
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.device = torch.device(device)
+        self.store = store_server(address, max(timeout_s, connect_timeout_s))
+        self.store.add(JOINS, 0)
+        self._group: WeightsGroup | None = None
+        self._epoch = 0
+        self._tickets = 0
+        self._pending: _Version | None = None
+        self._last: _Version | None = None  # the newest version sent: sent again to a new epoch
+        self._queued_version = -1
+        self._busy = False
+        self._closing = False
+        self._cond = threading.Condition()
+        self._hasher = ThreadPoolExecutor(hash_threads(), thread_name_prefix="weights-group-sha256")
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="weights-group-finite")
+        self.versions_sent = 0
+        self.skipped = 0
+        self.refused = 0
+        self.group_losses = 0
+        self.last_send_s = 0.0
+        self.sent_version = -1
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="weights-group-sender", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls, cfg: LearnerConfig, client: redis.Redis, run_id: str, device: str | torch.device
+    ) -> CollectiveSender:
+        """The sender of ``learner.weights_group*`` (``device``: the learner's; the actors'
+        must be of the same kind: CUDA for NCCL, CPU for gloo)."""
+        return cls(
+            client,
+            run_id,
+            cfg.weights_group_address,
+            bucket_bytes=cfg.weights_group_bucket_mb * 2**20,
+            timeout_s=cfg.weights_group_timeout_s,
+            device=device,
+        )
+
+    # ----------------------------------------------------------------------------- the caller
+
+    def send(self, version: int, state: Mapping[str, torch.Tensor], copy: bool = True) -> None:
+        """Queue ``version`` for the group. ``copy``: pack it now, on the caller's thread (a
+        snapshot: the caller may change ``state`` afterwards); False: the caller hands ``state``
+        over unchanged and the sender's thread packs it. Raises ``WeightsError`` unless versions
+        grow."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise WeightsError(f"version must be a non-negative int, got {version!r}")
+        with self._cond:
+            if version <= self._queued_version:
+                raise WeightsError(
+                    f"weights group: version {version} after {self._queued_version}; versions "
+                    "only grow"
+                )
+            self._queued_version = version
+        item = _Version(version, wire_layout(state, self.bucket_bytes))
+        if copy:
+            item.payload = pack(state, item.layout, self.device)
+        else:
+            item.state = state
+        with self._cond:
+            if self._pending is not None:
+                self.skipped += 1
+            self._pending = item
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        """Wait until the queued version has been sent (or given up on); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._pending is None and not self._busy, timeout=timeout_s
+            )
+
+    @property
+    def members(self) -> int:
+        """Actors in the current epoch (0: no group)."""
+        group = self._group
+        return group.size - 1 if group is not None else 0
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "members": self.members,
+            "epoch": self._epoch,
+            "versions_sent": self.versions_sent,
+            "sent_version": self.sent_version,
+            "skipped": self.skipped,
+            "refused": self.refused,
+            "group_losses": self.group_losses,
+            "last_send_s": self.last_send_s,
+        }
+
+    def close(self) -> None:
+        """Tell the members the learner leaves, then stop (members fall back to Redis)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.timeout_s + 10)
+        self._hasher.shutdown(wait=True)
+        self._checker.shutdown(wait=True)
+
+    def __enter__(self) -> CollectiveSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._pending is None and not self._closing:
+                    self._cond.wait(timeout=self.heartbeat_s)
+                item, self._pending = self._pending, None
+                closing = self._closing
+                self._busy = item is not None
+            try:
+                if closing:
+                    self._leave()
+                    return
+                self._step(item)
+            except Exception as e:  # noqa: BLE001 - the thread must outlive one bad version
+                log.exception("weights group: sender error")
+                self.error = e
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _step(self, item: _Version | None) -> None:
+        regrouped = self._admit()
+        if item is not None:
+            if item.payload is None:  # handed over uncopied: packed here
+                assert item.state is not None
+                item.payload = pack(item.state, item.layout, self.device)
+                item.state = None
+            self._last = item
+        elif regrouped and self._last is not None:
+            item = self._last  # the joiners want the newest version now
+        if self._group is None:
+            return  # kept as the newest: sent once a group forms
+        if item is not None:
+            self._broadcast(item)
+        else:
+            self._header([OP_NOOP, 0, 0, 0])
+
+    def _admit(self) -> bool:
+        """Form a new epoch for actors that took a ticket since the last; True if one formed."""
+        count = self.store.add(JOINS, 0)
+        if count == self._tickets:
+            return False
+        tickets = list(range(self._tickets + 1, count + 1))
+        self._tickets = count
+        epoch = self._epoch + 1
+        first = self._group.size if self._group is not None else 1
+        if self._group is not None:
+            try:
+                self._group.header([OP_REGROUP, epoch, first + len(tickets), 0], self.timeout_s)
+            except CollectiveError as e:
+                # Members that got the header wait for an epoch that never forms, then rejoin.
+                log.warning("weights group: %s; the next epoch has the joiners only", e)
+                self.group_losses += 1
+                epoch, first = epoch + 1, 1
+        size = first + len(tickets)
+        for i, ticket in enumerate(tickets):
+            answer = {"epoch": epoch, "rank": first + i, "size": size}
+            self.store.set(f"ticket/{ticket}", json.dumps(answer))
+        self._group = None  # the old epoch's sockets close; its members moved on or failed
+        self._epoch = epoch
+        try:
+            self._group = WeightsGroup(
+                self.store, epoch, 0, size, self.device, self.connect_timeout_s
+            )
+        except CollectiveError as e:
+            self.group_losses += 1
+            log.warning("weights group: %s", e)
+            return False
+        log.info("weights group: epoch %d formed with %d actor(s)", epoch, size - 1)
+        return True
+
+    def _header(self, values: list[int]) -> bool:
+        assert self._group is not None
+        try:
+            self._group.header(values, self.timeout_s)
+            return True
+        except CollectiveError as e:
+            self._lost(e)
+            return False
+
+    def _lost(self, error: CollectiveError) -> None:
+        self.group_losses += 1
+        log.warning("weights group: epoch %d lost (%s); members join again", self._epoch, error)
+        self._group = None
+
+    def _broadcast(self, item: _Version) -> None:
+        """Header, layout, then the buckets (hashed on a helper thread as they go), then the
+        collective manifest to Redis."""
+        group = self._group
+        assert group is not None and item.payload is not None
+        started = time.perf_counter()
+        layout = json.dumps(item.layout).encode()
+        total = int(item.layout["total_bytes"])
+        hashing = []
+        # The finite check runs beside the broadcast: the manifest, written after both, decides.
+        finite = None
+        if not item.checked:
+            tensors = views(item.payload, slots(item.layout))
+            finite = self._checker.submit(check_finite, item.version, tensors)
+        try:
+            group.header([OP_VERSION, item.version, total, len(layout)], self.timeout_s)
+            raw = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(self.device)
+            group.broadcast(raw, self.timeout_s)
+            for a, b in bucket_ranges(total, self.bucket_bytes):
+                bucket = item.payload[a:b]
+                if not item.digests:
+                    hashing.append(self._hasher.submit(bucket_sha256, bucket))
+                group.broadcast(bucket, self.timeout_s)
+        except CollectiveError as e:
+            self._lost(e)
+        if not item.digests:
+            done = len(hashing)
+            hashing += [
+                self._hasher.submit(bucket_sha256, item.payload[a:b])
+                for a, b in bucket_ranges(total, self.bucket_bytes)[done:]
+            ]
+            item.digests = [f.result() for f in hashing]
+        if finite is not None:
+            try:
+                finite.result()
+                item.checked = True
+            except WeightsNonFinite as e:
+                self._refuse(item, e)
+                return
+        self._write_manifest(item)
+        if self._group is group:
+            self.versions_sent += 1
+            self.sent_version = item.version
+            self.last_send_s = time.perf_counter() - started
+
+    def _refuse(self, item: _Version, error: WeightsNonFinite) -> None:
+        """A version with a non-finite float: its manifest says so, receivers refuse it."""
+        self.refused += 1
+        log.error("weights group: version %d refused: %s", item.version, error)
+        refused = {"format": COLLECTIVE_FORMAT, "run_id": self.run_id, "version": item.version}
+        self._set_manifest(item.version, refused | {"refused": str(error)})
+        if self._last is item:
+            self._last = None
+
+    def _write_manifest(self, item: _Version) -> None:
+        if not item.manifest_written:
+            manifest = self._manifest(item.version, item.layout, item.digests)
+            item.manifest_written = self._set_manifest(item.version, manifest)
+
+    def _manifest(self, version: int, layout: dict[str, Any], digests: list[str]) -> dict[str, Any]:
+        """The collective manifest of a version (what receivers check the bytes against)."""
+        return new_manifest(self.run_id, version, layout, digests)
+
+    def _set_manifest(self, version: int, manifest: dict[str, Any]) -> bool:
+        try:
+            self.client.set(
+                collective_manifest_key(self.run_id, version),
+                json.dumps(manifest),
+                ex=MANIFEST_TTL_S,
+            )
+            return True
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.error("weights group: manifest of version %d not written: %s", version, e)
+            return False
+
+    def _leave(self) -> None:
+        if self._group is not None:
+            try:
+                self._group.header([OP_LEAVE, 0, 0, 0], min(self.timeout_s, 5.0))
+            except CollectiveError as e:
+                log.info("weights group: members already gone at close (%s)", e)
+            self._group = None
+        log.info("weights group: closed at epoch %d", self._epoch)

@@ -1,0 +1,142 @@
+"""The collective weights path's pure parts: the wire layout, packing, buckets and the checks a
+receiver makes against the collective manifest (the group itself:
+tests/integration/test_weights_group.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from common.weights.collective import (
+    WIRE_DTYPE,
+    bucket_ranges,
+    bucket_sha256,
+    check_received,
+    new_manifest,
+    pack,
+    parse_address,
+    slots,
+    views,
+    wire_layout,
+)
+from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite
+from common.weights.manifest import digest_of_digests
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(7, 13, generator=g),
+        "b": torch.randn(5, generator=g, dtype=torch.float64),
+        "half": torch.randn(3, 3, generator=g).to(torch.float16),
+        "step": torch.tensor(41),
+        "ids": torch.arange(9, dtype=torch.int32),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def payload_of(s, bucket_bytes=128):
+    layout = wire_layout(s, bucket_bytes)
+    payload = pack(s, layout, torch.device("cpu"))
+    digests = [bucket_sha256(payload[a:b]) for a, b in bucket_ranges(payload.numel(), bucket_bytes)]
+    return layout, payload, digests
+
+
+def test_pack_then_views_give_the_state_in_the_wire_dtype():
+    s = state()
+    layout, payload, _ = payload_of(s)
+    got = views(payload, slots(layout))
+    assert list(got) == list(s)
+    for name, t in s.items():
+        want = t.to(WIRE_DTYPE) if t.is_floating_point() else t
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape
+        assert torch.equal(got[name], want), name
+    entries = slots(layout)
+    assert all(e.offset % 64 == 0 for e in entries)
+    # The padding between tensors is zero, so the digests depend on the tensors alone.
+    covered = torch.zeros(payload.numel(), dtype=torch.bool)
+    for e in entries:
+        covered[e.offset : e.offset + e.nbytes] = True
+    assert int(payload[~covered].sum()) == 0
+    assert layout["total_bytes"] == payload.numel()
+
+
+def test_a_dtype_the_wire_cannot_carry_is_refused():
+    with pytest.raises(WeightsError, match="cannot travel"):
+        wire_layout({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_buckets_cover_the_payload_once():
+    assert bucket_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert bucket_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert bucket_ranges(0, 4) == []
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        wire_layout(state(), 32)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda t: t["w"].update(dtype="complex32"), "does not fit"),
+        (lambda t: t["w"].update(nbytes=t["w"]["nbytes"] + 2), "does not fit"),
+        (lambda t: t["b"].update(offset=t["w"]["offset"]), "does not fit"),
+        (lambda t: t["b"].update(offset=t["b"]["offset"] + 2), "does not fit"),
+        (lambda t: t["w"].update(shape=[-7, -13]), "does not fit"),
+        (lambda t: t["ids"].pop("offset"), "malformed"),
+    ],
+)
+def test_a_layout_that_does_not_fit_is_refused(change, match):
+    layout = wire_layout(state())
+    change(layout["tensors"])
+    with pytest.raises(WeightsCorrupt, match=match):
+        slots(layout)
+
+
+def test_a_layout_past_the_payload_end_is_refused():
+    layout = wire_layout(state())
+    layout["total_bytes"] -= 64
+    with pytest.raises(WeightsCorrupt, match="does not fit"):
+        slots(layout)
+
+
+def test_received_bytes_are_checked_against_the_manifest():
+    layout, payload, digests = payload_of(state())
+    assert len(digests) > 1
+    manifest = new_manifest("run", 3, layout, digests)
+    check_received("run", 3, copy.deepcopy(layout), digests, manifest)
+
+    flipped = payload.clone()
+    flipped[-1] ^= 1
+    bad = [bucket_sha256(flipped[a:b]) for a, b in bucket_ranges(flipped.numel(), 128)]
+    with pytest.raises(WeightsCorrupt, match=f"bucket {len(digests) - 1} hashes"):
+        check_received("run", 3, layout, bad, manifest)
+    with pytest.raises(WeightsCorrupt, match="run 'run' version 3"):
+        check_received("other", 3, layout, digests, manifest)
+    with pytest.raises(WeightsCorrupt, match="version 3"):
+        check_received("run", 4, layout, digests, manifest)
+    other = wire_layout({**state(), "w": torch.zeros(13, 7)}, 128)
+    with pytest.raises(WeightsCorrupt, match="tensors differs"):
+        check_received("run", 3, other, digests, manifest)
+    listed = {**manifest, "bucket_sha256": list(reversed(digests))}
+    with pytest.raises(WeightsCorrupt, match="bucket list is damaged"):
+        check_received("run", 3, layout, digests, listed)
+    relisted = {**listed, "buckets_sha256": digest_of_digests(listed["bucket_sha256"])}
+    with pytest.raises(WeightsCorrupt, match="bucket 0 hashes"):
+        check_received("run", 3, layout, digests, relisted)
+    refused = {"format": 1, "run_id": "run", "version": 3, "refused": "tensor w has 1 NaN"}
+    with pytest.raises(WeightsNonFinite, match="1 NaN"):
+        check_received("run", 3, layout, digests, refused)
+    with pytest.raises(WeightsError, match="no collective manifest"):
+        check_received("run", 3, layout, digests, None)
+    with pytest.raises(WeightsError, match="format"):
+        check_received("run", 3, layout, digests, {**manifest, "format": 99})
+
+
+def test_addresses_are_checked():
+    assert parse_address("127.0.0.1:29650") == ("127.0.0.1", 29650)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("127.0.0.1", ":80", "host:0", "host:port", "host:70000"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)
