@@ -55,6 +55,17 @@ Delivery figures (one run: a learner publishing while 2 actor processes decode):
                              end on the last uploaded version.
   ``--quick`` runs them on a ~10 MB model, 12 steps back to back (a smoke test).
 
+Collective figure (benchmarks/weights_collective.py, its own run):
+
+  collective_over_redis_delivery_s
+                             a random model of Qwen2.5-0.5B's shape in bf16 and 2 actor
+                             processes, members of the learner's weights group; each version goes
+                             by one path, the paths alternating: time from publish until both
+                             actors hold it, collective broadcast (bf16 buckets, sha256 per bucket
+                             checked) over the Redis path (WeightWriter.publish, each actor's
+                             verified fetch), medians of 3 (goal <= 0.5). Details under
+                             ``collective``.
+
 A private redis-server (ops.redis_server.RedisServer, as the tests use) holds the versions;
 the learner side is this process, with a real `learner.weight_writer.WeightWriter`. Models are random
 fp32 tensors shaped like a Llama-style transformer (untied embedding and LM head, per layer
@@ -107,7 +118,7 @@ from actors.host_cache import HostCache  # noqa: E402
 from actors.weight_feed import RedisWeightFeed, StallMeter, take  # noqa: E402
 from actors.weight_reader import WeightReader  # noqa: E402
 from actors.weight_watcher import VersionWatcher  # noqa: E402
-from benchmarks import cli  # noqa: E402
+from benchmarks import cli, weights_collective  # noqa: E402
 from benchmarks.gpu_check import QWEN25_05B  # noqa: E402
 from benchmarks.weight_scaling import GOALS, scaling_figures, shm_root  # noqa: E402
 from common import metric_names as mn  # noqa: E402
@@ -577,12 +588,21 @@ def main() -> int:
             client.close()
 
     print_table(table)
+    # The collective byte path against the Redis path, side by side on one model and 2 actors.
+    collective = weights_collective.figures(versions=2 if opts.quick else 3, quick=opts.quick)
+    print(
+        "collective: "
+        + ", ".join(f"{k} {v}" for k, v in collective.items() if not isinstance(v, list)),
+        flush=True,
+    )
 
     fetch_100mb = flat["fetch_gbps_per_reader_100mb_r1"]
     summary = {
         **{k: scaling[k] for k in GOALS},
         "decode_stall_frac_during_delivery": delivery["decode_stall_frac_during_delivery"],
         "skipped_versions_counted": delivery["skipped_versions_counted"],
+        "collective_over_redis_delivery_s": collective["collective_over_redis_delivery_s"],
+        "collective": collective,
         **cli.target("fetch_gbps_100mb", fetch_100mb, TARGET_FETCH_GBPS_100MB),
         "chunk_bytes": chunk_bytes,
         "quick": opts.quick,
@@ -605,6 +625,12 @@ def main() -> int:
         f"{'met' if delivery['decode_stall_met'] else 'NOT met'}"
     )
     print(f"skipped_versions_counted = {delivery['skipped_versions_counted']}")
+    ratio = collective["collective_over_redis_delivery_s"]
+    print(
+        f"collective_over_redis_delivery_s = {ratio:.3g} (goal <= "
+        f"{collective['target_collective_over_redis_delivery_s']}): "
+        f"{'met' if collective['collective_target_met'] else 'NOT met'}"
+    )
     return cli.finish(summary, opts.json)
 
 
