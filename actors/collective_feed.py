@@ -1,8 +1,8 @@
 """An actor's weights versions over the learner's weights group, with Redis while it is not a
 member (common/weights/collective.py).
 
-``CollectiveFeed`` is a :class:`~actors.weight_feed.WeightFeed`: it holds the newest ready
-``(version, state)`` and ``poll()`` hands it out once. Two background threads fill it: one joins
+``CollectiveFeed`` is a :class:`~actors.weight_feed.WeightFeed` (its ready version is a
+:class:`~actors.weight_feed.ReadySlot`). Two background threads fill it: one joins
 the group and receives broadcast versions (each checked against its collective manifest in Redis
 before it is offered), the other follows Redis (``VersionWatcher``, ``WeightReader``) whenever the
 actor is not a member: before it joins, when it cannot, and after the group is lost or the
@@ -25,7 +25,7 @@ import redis
 import torch
 import torch.distributed as dist
 
-from actors.weight_feed import Update
+from actors.weight_feed import ReadySlot, Update
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
@@ -181,7 +181,7 @@ class CollectiveReceiver:
         return version, views(payload, entries)
 
 
-class CollectiveFeed:
+class CollectiveFeed(ReadySlot):
     """A :class:`~actors.weight_feed.WeightFeed` whose versions come from the weights group at
     ``address`` while the actor is a member, else from Redis through ``reader`` (``address``
     None: Redis only). ``current``: the version the engine holds (-1: none); ``rejoin_s``: the
@@ -203,23 +203,15 @@ class CollectiveFeed:
         poll_interval_s: float = 1.0,
         device: str | torch.device = "cpu",
     ) -> None:
+        super().__init__(current)
         self.reader = reader
         self.address = address
         self.rejoin_s = rejoin_s
         self.poll_interval_s = poll_interval_s
-        self._taken = current  # the newest version handed out
-        self._ready: tuple[int, State] | None = None
-        self._error: BaseException | None = None
-        self._delivering = False
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
         self._member = threading.Event()
         self.counts = dict.fromkeys(
             ("collective", "redis", "refused", "joins", "join_failures", "group_losses"), 0
         )
-        self.failures = 0
-        self.superseded = 0
-        self.last_fetch_s = 0.0
         self.receiver = (
             CollectiveReceiver(
                 reader.client,
@@ -233,12 +225,9 @@ class CollectiveFeed:
             if address
             else None
         )
-        self._threads = [threading.Thread(target=self._redis, name="weights-feed-redis")]
+        self._spawn(("weights-feed-redis", self._redis))
         if self.receiver is not None:
-            self._threads.append(threading.Thread(target=self._group, name="weights-feed-group"))
-        for thread in self._threads:
-            thread.daemon = True
-            thread.start()
+            self._spawn(("weights-feed-group", self._group))
 
     @classmethod
     def from_config(cls, cfg: SpecRLConfig, reader: WeightReader, current: int = -1) -> Self:
@@ -270,36 +259,10 @@ class CollectiveFeed:
             and time.monotonic() - receiver.last_op < self.SILENT_S
         )
 
-    @property
-    def delivering(self) -> bool:
-        """A version is on its way (received or fetched, not yet ready or refused)."""
-        return self._delivering
-
-    def poll(self) -> Update | None:
-        """The newest ready version newer than the last handed out, at once; None if none."""
-        with self._cond:
-            if self._error is not None:
-                raise self._error
-            ready, self._ready = self._ready, None
-            if ready is not None:
-                self._taken = ready[0]
-            return ready
-
-    def wait(self, timeout_s: float) -> Update | None:
-        """:meth:`poll`, waiting up to ``timeout_s`` for a version."""
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._ready is not None or self._error is not None or self._stop.is_set(),
-                timeout=timeout_s,
-            )
-        return self.poll()
-
     def stats(self) -> dict[str, float]:
-        """The feed figures every :class:`~actors.weight_feed.WeightFeed` reports."""
+        """:meth:`ReadySlot.stats` and the versions held ready by each path."""
         return {
-            mn.ACTOR_WEIGHT_FETCH_S: self.last_fetch_s,
-            mn.ACTOR_WEIGHT_FETCH_FAILURES: self.failures,
-            mn.ACTOR_WEIGHT_SUPERSEDED: self.superseded,
+            **super().stats(),
             mn.ACTOR_WEIGHT_VERSIONS_COLLECTIVE: self.counts["collective"],
             mn.ACTOR_WEIGHT_VERSIONS_REDIS: self.counts["redis"],
         }
@@ -319,11 +282,7 @@ class CollectiveFeed:
         """Stop both threads and leave the group. The group's thread stops at the next header
         (a heartbeat comes every few seconds); one still blocked after ``JOIN_TIMEOUT_S`` ends
         with the process."""
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        for thread in self._threads:
-            thread.join(timeout=self.JOIN_TIMEOUT_S)
+        super().close()
         if self.receiver is not None and not self._threads[-1].is_alive():
             self.receiver.close()
 
@@ -335,49 +294,27 @@ class CollectiveFeed:
 
     # ---------------------------------------------------------------------------- internals
 
-    def _newest(self) -> int:
+    def _offer_from(self, source: str, version: int, state: State, seconds: float) -> None:
+        """:meth:`_offer`, counting a version held ready by its ``source`` (under the same lock,
+        so the count is in place when ``wait`` returns it)."""
         with self._cond:
-            return self._ready[0] if self._ready is not None else self._taken
-
-    def _start(self, version: int) -> None:
-        self._delivering = True
-
-    def _offer(self, version: int, state: State, seconds: float, source: str) -> None:
-        with self._cond:
-            self._delivering = False
-            if version <= (self._ready[0] if self._ready is not None else self._taken):
-                return
-            if self._ready is not None:
-                self.superseded += 1
-            self._ready = (version, state)
-            self.last_fetch_s = seconds
-            self.counts[source] += 1
-            self._cond.notify_all()
-
-    def _failed(self) -> None:
-        with self._cond:
-            if self._delivering:
-                self.failures += 1
-            self._delivering = False
+            if self._offer(version, state, seconds):
+                self.counts[source] += 1
 
     def _redis(self) -> None:
         """Follow Redis whenever the actor is not a member of the group."""
         last_seen = self._taken if self._taken >= 0 else None
         try:
             with VersionWatcher.of_store(self.reader, last_seen, self.poll_interval_s) as watcher:
-                while not self._stop.is_set():
+                while not self._closing.is_set():
                     if self._group_serves():
-                        self._stop.wait(0.1)
+                        self._closing.wait(0.1)
                         continue
                     version = watcher.poll(timeout_s=0.25)
                     if version is not None and version > self._newest():
                         self._fetch(watcher, version)
         except Exception as e:  # noqa: BLE001 - raised on the decode loop's thread by poll()
-            log.exception("actor: the weight feed's Redis thread stopped")
-            with self._cond:
-                self._error = e
-                self._delivering = False
-                self._cond.notify_all()
+            self._stopped(e, "the weight feed's Redis thread")
 
     def _fetch(self, watcher: VersionWatcher, version: int) -> None:
         """Fetch ``version`` from Redis unless the actor joined the group meanwhile (the group
@@ -395,19 +332,19 @@ class CollectiveFeed:
             watcher.last_seen = self._newest()
             self._failed()
             return
-        self._offer(fetched, state, time.perf_counter() - started, "redis")
+        self._offer_from("redis", fetched, state, time.perf_counter() - started)
 
     def _group(self) -> None:
         """Join, receive until the group is lost, join again."""
         receiver = self.receiver
         assert receiver is not None
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             try:
                 receiver.join()
             except CollectiveError as e:
                 self.counts["join_failures"] += 1
                 log.info("actor: %s; taking versions from Redis", e)
-                self._stop.wait(self.rejoin_s)
+                self._closing.wait(self.rejoin_s)
                 continue
             self.counts["joins"] += 1
             receiver.last_op = time.monotonic()
@@ -430,10 +367,10 @@ class CollectiveFeed:
                 self._failed()
                 self._member.clear()
                 receiver.leave()
-            self._stop.wait(pause)
+            self._closing.wait(pause)
 
     def _receive(self, receiver: CollectiveReceiver) -> None:
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             try:
                 got = receiver.receive(self._newest(), on_start=self._start)
             except CollectiveError:
@@ -444,4 +381,4 @@ class CollectiveFeed:
                 log.error("actor: refused a version from the weights group: %s", e)
                 continue
             if got is not None:
-                self._offer(*got, receiver.last_version_s, "collective")
+                self._offer_from("collective", *got, receiver.last_version_s)

@@ -22,6 +22,9 @@ An unexpected error in the feed's thread stops it and is raised by every later `
 logged and counted, and the engine keeps its weights: the feed asks for that version (or a newer
 one) again. The actor loop calls :func:`take`, which times each call with a :class:`StallMeter`.
 
+:class:`ReadySlot` is that interface, for a feed's own threads to fill: the newest ready version
+wins, and no version is handed out after a newer one.
+
 :class:`RedisWeightFeed` is the Redis path: a :class:`~actors.weight_watcher.VersionWatcher`
 notices versions and a :class:`~actors.weight_reader.WeightReader` fetches them (chunk checksums,
 deltas, ``weights_sha256``, the host cache), on one thread that owns both.
@@ -99,51 +102,58 @@ def fetch_newer(
     return Fetched(fetched, state, time.perf_counter() - started)
 
 
-class RedisWeightFeed:
-    """The Redis path of :class:`WeightFeed`: a thread watches the run's versions and fetches
-    each new one as it is announced; a version fetched before the engine took the previous one
-    replaces it. ``current`` is the version the engine holds when the feed starts; the feed
-    owns ``store`` and ``watcher`` until :meth:`close`."""
+class ReadySlot:
+    """What every :class:`WeightFeed` holds between its threads and the decode loop: the newest
+    ready version, ``poll``, ``wait``, ``delivering``, ``stats`` and ``close``.
+
+    A feed's threads call :meth:`_start` when a version's transfer begins, then :meth:`_offer`
+    with the verified state or :meth:`_failed`, and :meth:`_stopped` with an unexpected error
+    (every later ``poll`` raises it). An offer no newer than the newest version ready or handed
+    out is dropped; a newer one replaces a ready one the loop has not taken (counted as
+    superseded). ``poll`` only takes the lock, which a thread holds for a few assignments, so the
+    decode loop never waits on a transfer. ``current`` is the version the engine holds (-1:
+    none); :meth:`_spawn` starts the feed's threads, which stop once ``_closing`` is set.
+    """
 
     JOIN_TIMEOUT_S = 120.0
+    """How long :meth:`close` waits for each thread."""
 
-    def __init__(
-        self, store: WeightReader, watcher: VersionWatcher, current: int, poll_s: float = 0.2
-    ) -> None:
-        self.store, self.watcher, self.poll_s = store, watcher, poll_s
-        self._cond = threading.Condition()
+    def __init__(self, current: int) -> None:
+        # Reentrant: a feed may count an offer under the same lock (CollectiveFeed's sources).
+        self._cond = threading.Condition(threading.RLock())
         self._taken = current  # the newest version handed out
-        self._ready: Fetched | None = None
+        self._ready: Update | None = None
         self._error: BaseException | None = None
         self._delivering = False
         self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.failures = 0
         self.superseded = 0
         self.last_fetch_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="weight-feed", daemon=True)
-        self._thread.start()
 
     @property
     def delivering(self) -> bool:
+        """A version is on its way (its transfer started, not yet ready or refused)."""
         return self._delivering
 
     def poll(self) -> Update | None:
+        """The newest ready version newer than the last handed out, at once; None if none."""
         with self._cond:
             if self._error is not None:
                 raise self._error  # the thread has stopped: every later call raises too
             ready, self._ready = self._ready, None
-            if ready is None:
-                return None
-            self._taken = ready.version
-            return ready.version, ready.state
+            if ready is not None:
+                self._taken = ready[0]
+            return ready
 
     def wait(self, timeout_s: float) -> Update | None:
+        """:meth:`poll`, waiting up to ``timeout_s`` for a version."""
         with self._cond:
             self._cond.wait_for(self._settled, timeout=timeout_s)
         return self.poll()
 
     def _settled(self) -> bool:
-        """A version is ready, the thread failed, or the feed is closing (``wait`` returns)."""
+        """A version is ready, a thread failed, or the feed is closing (``wait`` returns)."""
         return self._ready is not None or self._error is not None or self._closing.is_set()
 
     def stats(self) -> dict[str, float]:
@@ -154,22 +164,77 @@ class RedisWeightFeed:
         }
 
     def close(self) -> None:
-        """Stop after the fetch in progress, if any, and join the thread."""
+        """Stop the threads after the transfers in progress, and join them (each for at most
+        ``JOIN_TIMEOUT_S``)."""
         self._closing.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(timeout=self.JOIN_TIMEOUT_S)
-        if self._thread.is_alive():
-            log.warning("actor: the weight feed did not stop within %.0f s", self.JOIN_TIMEOUT_S)
+        for thread in self._threads:
+            thread.join(timeout=self.JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning(
+                    "actor: %s did not stop within %.0f s", thread.name, self.JOIN_TIMEOUT_S
+                )
 
-    # ------------------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ for the feed's threads
+
+    def _spawn(self, *threads: tuple[str, Callable[[], None]]) -> None:
+        """Start one daemon thread per ``(name, target)``."""
+        for name, target in threads:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def _newest(self) -> int:
+        """The newest version ready or handed out: a feed fetches only newer ones."""
         with self._cond:
-            return self._ready.version if self._ready is not None else self._taken
+            return self._ready[0] if self._ready is not None else self._taken
 
     def _start(self, version: int) -> None:
         self._delivering = True
+
+    def _offer(self, version: int, state: dict[str, torch.Tensor], seconds: float) -> bool:
+        """Hold ``version`` ready (fetched in ``seconds``) unless it is no newer than
+        :meth:`_newest`; whether it was taken. Ends the delivery either way."""
+        with self._cond:
+            self._delivering = False
+            if version <= self._newest():
+                return False
+            if self._ready is not None:
+                self.superseded += 1
+            self._ready = (version, state)
+            self.last_fetch_s = seconds
+            self._cond.notify_all()
+            return True
+
+    def _failed(self) -> None:
+        """The delivery in progress, if any, failed: count it and end it."""
+        with self._cond:
+            if self._delivering:
+                self.failures += 1
+            self._delivering = False
+
+    def _stopped(self, error: BaseException, what: str) -> None:
+        """A thread stopped on ``error``: log it, and raise it from every later ``poll``."""
+        log.exception("actor: %s stopped", what)
+        with self._cond:
+            self._error = error
+            self._delivering = False
+            self._cond.notify_all()
+
+
+class RedisWeightFeed(ReadySlot):
+    """The Redis path of :class:`WeightFeed`: a thread watches the run's versions and fetches
+    each new one as it is announced; a version fetched before the engine took the previous one
+    replaces it. ``current`` is the version the engine holds when the feed starts; the feed
+    owns ``store`` and ``watcher`` until :meth:`close`."""
+
+    def __init__(
+        self, store: WeightReader, watcher: VersionWatcher, current: int, poll_s: float = 0.2
+    ) -> None:
+        super().__init__(current)
+        self.store, self.watcher, self.poll_s = store, watcher, poll_s
+        self._spawn(("weight-feed", self._run))
 
     def _run(self) -> None:
         try:
@@ -177,22 +242,12 @@ class RedisWeightFeed:
                 got = fetch_newer(
                     self.store, self.watcher, self._newest(), self.poll_s, on_start=self._start
                 )
-                with self._cond:
-                    if got is not None:
-                        if self._ready is not None:
-                            self.superseded += 1
-                        self._ready = got
-                        self.last_fetch_s = got.seconds
-                        self._cond.notify_all()
-                    elif self._delivering:
-                        self.failures += 1
-                    self._delivering = False
+                if got is not None:
+                    self._offer(got.version, got.state, got.seconds)
+                else:
+                    self._failed()
         except Exception as e:  # noqa: BLE001 - raised on the decode loop's thread by poll()
-            log.exception("actor: the weight feed stopped")
-            with self._cond:
-                self._error = e
-                self._delivering = False
-                self._cond.notify_all()
+            self._stopped(e, "the weight feed")
 
 
 def take(feed: WeightFeed, meter: StallMeter, timeout_s: float = 0.0) -> Update | None:
