@@ -2,7 +2,11 @@
 weights group, broadcasting each version to the actors that joined it while Redis keeps the
 manifests.
 
-``send(version, state)`` packs the version (floats cast to bfloat16) and returns; a thread of its
+In the learner, ``take(snapshot)`` queues the publisher's snapshot of a version
+(learner/publisher.py): published in bfloat16 on a CPU group, its buffer already is the payload
+and is broadcast as it is, held (the publisher does not refill it) until a newer version is
+sent; otherwise the sender's thread packs it and releases it at once. ``send(version, state)``
+packs a state dict itself (floats cast to bfloat16), for use without a publisher. A thread of its
 own admits joiners, broadcasts the newest queued version in buckets, writes its collective
 manifest to Redis, and sends heartbeats while idle. Versions not yet started when a newer one
 comes are skipped (a member only wants the newest); after a new epoch forms, the newest version
@@ -18,9 +22,10 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import torch
@@ -36,6 +41,7 @@ from common.weights.collective import (
     OP_NOOP,
     OP_REGROUP,
     OP_VERSION,
+    WIRE_DTYPE,
     CollectiveError,
     WeightsGroup,
     bucket_ranges,
@@ -51,6 +57,9 @@ from common.weights.collective import (
 )
 from common.weights.format import WeightsError, WeightsNonFinite, check_finite
 
+if TYPE_CHECKING:
+    from learner.publisher import Snapshot
+
 log = logging.getLogger(__name__)
 
 
@@ -62,6 +71,7 @@ class _Version:
     layout: dict[str, Any]
     state: Mapping[str, torch.Tensor] | None = None
     payload: torch.Tensor | None = None
+    lease: Snapshot | None = None  # the publisher's snapshot behind ``state`` or ``payload``
     digests: list[str] = field(default_factory=list)
     checked: bool = False  # its floats are finite
     manifest_written: bool = False
@@ -135,6 +145,54 @@ class CollectiveSender:
         snapshot: the caller may change ``state`` afterwards); False: the caller hands ``state``
         over unchanged and the sender's thread packs it. Raises ``WeightsError`` unless versions
         grow."""
+        self._claim(version)
+        item = _Version(version, wire_layout(state, self.bucket_bytes))
+        if copy:
+            item.payload = pack(state, item.layout, self.device)
+        else:
+            item.state = state
+        self._queue(item)
+
+    def take(self, snapshot: Snapshot) -> bool:
+        """Queue the publisher's ``snapshot`` of its version, without a copy on the caller's
+        thread; the sender calls ``snapshot.release()`` once it no longer reads it. The version
+        already queued again (the publisher republishing it) is released and ignored: False.
+        Raises ``WeightsError`` (the snapshot released) if the version is older."""
+        try:
+            with self._cond:
+                if snapshot.version == self._queued_version:
+                    snapshot.release()
+                    return False
+            self._claim(snapshot.version)
+            item = _Version(snapshot.version, wire_layout(snapshot.tensors, self.bucket_bytes))
+        except BaseException:
+            snapshot.release()
+            raise
+        item.lease = snapshot
+        item.payload = self._as_payload(snapshot, item.layout)
+        if item.payload is None:
+            item.state = snapshot.tensors  # packed (cast, or copied to the device) on the thread
+        self._queue(item)
+        return True
+
+    def _as_payload(self, snapshot: Snapshot, layout: dict[str, Any]) -> torch.Tensor | None:
+        """The snapshot's buffer, if it already is the payload of ``layout`` on this device (same
+        dtypes, same offsets; the publisher zeroes the padding), else None."""
+        payload, total = snapshot.payload, int(layout["total_bytes"])
+        if self.device.type != "cpu" or payload.device.type != "cpu":
+            return None
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < total:
+            return None
+        base = payload.data_ptr()
+        for name, spec in layout["tensors"].items():
+            t = snapshot.tensors[name]
+            if t.is_floating_point() and t.dtype != WIRE_DTYPE:
+                return None
+            if t.data_ptr() - base != spec["offset"] or not t.is_contiguous():
+                return None
+        return payload[:total]
+
+    def _claim(self, version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightsError(f"version must be a non-negative int, got {version!r}")
         with self._cond:
@@ -144,16 +202,14 @@ class CollectiveSender:
                     "only grow"
                 )
             self._queued_version = version
-        item = _Version(version, wire_layout(state, self.bucket_bytes))
-        if copy:
-            item.payload = pack(state, item.layout, self.device)
-        else:
-            item.state = state
+
+    def _queue(self, item: _Version) -> None:
         with self._cond:
-            if self._pending is not None:
+            replaced, self._pending = self._pending, item
+            if replaced is not None:
                 self.skipped += 1
-            self._pending = item
             self._cond.notify_all()
+        _release(replaced)
 
     def flush(self, timeout_s: float = 600.0) -> bool:
         """Wait until the queued version has been sent (or given up on); False on timeout."""
@@ -188,6 +244,11 @@ class CollectiveSender:
         self._thread.join(timeout=self.timeout_s + 10)
         self._hasher.shutdown(wait=True)
         self._checker.shutdown(wait=True)
+        if not self._thread.is_alive():
+            with self._cond:
+                held, self._pending, self._last = [self._pending, self._last], None, None
+            for item in held:
+                _release(item)
 
     def __enter__(self) -> CollectiveSender:
         return self
@@ -205,6 +266,12 @@ class CollectiveSender:
                 item, self._pending = self._pending, None
                 closing = self._closing
                 self._busy = item is not None
+                # The newest version replaces the last at once: the sender holds two at most.
+                last = self._last
+                if item is not None:
+                    self._last = item
+            if item is not None:
+                _release(last)
             try:
                 if closing:
                     self._leave()
@@ -223,9 +290,13 @@ class CollectiveSender:
         if item is not None:
             if item.payload is None:  # handed over uncopied: packed here
                 assert item.state is not None
-                item.payload = pack(item.state, item.layout, self.device)
+                try:
+                    item.payload = pack(item.state, item.layout, self.device)
+                except BaseException:
+                    self._drop(item)
+                    raise
                 item.state = None
-            self._last = item
+                _release(item)  # the payload is the sender's own
         elif regrouped and self._last is not None:
             item = self._last  # the joiners want the newest version now
         if self._group is None:
@@ -308,6 +379,10 @@ class CollectiveSender:
                 group.broadcast(bucket, self.timeout_s)
         except CollectiveError as e:
             self._lost(e)
+        except BaseException:
+            # Nothing reads the payload once this returns: it may go back to the publisher.
+            futures.wait([*hashing, *([finite] if finite is not None else [])])
+            raise
         if not item.digests:
             done = len(hashing)
             hashing += [
@@ -334,8 +409,14 @@ class CollectiveSender:
         log.error("weights group: version %d refused: %s", item.version, error)
         refused = {"format": COLLECTIVE_FORMAT, "run_id": self.run_id, "version": item.version}
         self._set_manifest(item.version, refused | {"refused": str(error)})
-        if self._last is item:
-            self._last = None
+        self._drop(item)
+
+    def _drop(self, item: _Version) -> None:
+        """``item`` is not sent again to a new epoch: released now."""
+        with self._cond:
+            if self._last is item:
+                self._last = None
+        _release(item)
 
     def _write_manifest(self, item: _Version) -> None:
         if not item.manifest_written:
@@ -366,3 +447,10 @@ class CollectiveSender:
                 log.info("weights group: members already gone at close (%s)", e)
             self._group = None
         log.info("weights group: closed at epoch %d", self._epoch)
+
+
+def _release(item: _Version | None) -> None:
+    """Give ``item``'s snapshot back to the publisher (no-op without one, or a second time)."""
+    if item is not None and item.lease is not None:
+        lease, item.lease = item.lease, None
+        lease.release()

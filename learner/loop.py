@@ -141,6 +141,16 @@ class Learner:
         state, lcfg = self.state, self.cfg.learner
         self.view = PolicyView(state.model, state.args, self.dist)
         self.view.refresh()  # a collective under FSDP: every rank gathers, rank 0 keeps it
+        # learner.weights_group: the same versions also go, as bf16 buckets, to the actors that
+        # joined the weights group (common/weights/collective.py); Redis keeps the order. The
+        # sender broadcasts the publisher's snapshot of each version: no copy of its own here.
+        self.collective = None
+        if lcfg.weights_group and (self.dist is None or self.dist.rank == 0):
+            from learner.collective_sender import CollectiveSender
+
+            self.collective = CollectiveSender.from_config(
+                lcfg, store.client, store.run_id, self.device
+            )
         self.publisher = Publisher(
             store,
             self.view,
@@ -152,18 +162,9 @@ class Learner:
             should_stop=self.stop,
             on_published=lambda version: write_version_mark(self.version_mark, version),
             optimizer=state.optimizer,  # the snapshot is taken in the background, before a step
+            on_snapshot=self.collective.take if self.collective is not None else None,
         )
         self.publisher.publish(state.version)
-        # learner.weights_group: the same versions also go, as bf16 buckets, to the actors that
-        # joined the weights group (common/weights/collective.py); Redis keeps the order.
-        self.collective = None
-        if lcfg.weights_group and (self.dist is None or self.dist.rank == 0):
-            from learner.collective_sender import CollectiveSender
-
-            self.collective = CollectiveSender.from_config(
-                lcfg, store.client, store.run_id, self.device
-            )
-            self.collective.send(state.version, self.view.state_dict())
         # Republishing re-sends the last gathered state: rank 0 alone, no collective.
         self.republisher = Republisher(
             store,
@@ -220,9 +221,7 @@ class Learner:
         if self.state.step % self.cfg.learner.publish_every == 0 and not skipped:
             self.state.version += 1
             self.view.refresh()
-            self.publisher.publish(self.state.version)
-            if self.collective is not None:
-                self.collective.send(self.state.version, self.view.state_dict())
+            self.publisher.publish(self.state.version)  # the weights group's too (on_snapshot)
 
     def log(
         self,

@@ -12,6 +12,11 @@ in flight waits in one more snapshot (slot), and a newer one replaces it before 
 own last one). A non-finite version is refused by the store, logged and counted in
 ``refused``. Redis outages are retried where the upload runs, until ``should_stop``; any other
 failure, and the death of the upload process, is raised at the next ``publish``/``flush``.
+
+Given ``on_snapshot``, each snapshot is also lent to it as a :class:`Snapshot` (the learner's
+weights group broadcasts it, learner/collective_sender.py): one copy of the weights serves both
+paths. A lent snapshot's buffer is never refilled until its borrower releases it; the upload
+process gets ``LENT_SLOTS`` more shared-memory slots for that, so neither side waits for the other.
 """
 
 from __future__ import annotations
@@ -44,7 +49,11 @@ PUBLISH_NICENESS = 10
 """Nice value of the upload thread or process: a lower priority than the learner's threads."""
 
 
-_ALIGN = 64  # bytes: each tensor of a shared-memory slot starts on a cache line
+_ALIGN = 64  # bytes: each tensor of a snapshot starts on a cache line
+
+LENT_SLOTS = 2
+"""Shared-memory slots added for ``on_snapshot``: its borrower holds at most two snapshots (the
+one it sends or sent last, and a newer one queued)."""
 
 
 def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
@@ -96,6 +105,41 @@ def _views(slot: torch.Tensor, layout: list[_Entry]) -> dict[str, torch.Tensor]:
     }
 
 
+def _new_slot(layout: list[_Entry], slot_bytes: int) -> torch.Tensor:
+    """An unfilled slot whose padding between tensors is zero (so its bytes depend on the tensors
+    alone, whoever hashes the whole buffer)."""
+    slot = torch.empty(slot_bytes, dtype=torch.uint8)
+    ends = [e.offset + e.nbytes for e in layout]
+    for end, start in zip(ends, [e.offset for e in layout[1:]] + [slot_bytes], strict=True):
+        slot[end:start].zero_()
+    return slot
+
+
+class Snapshot:
+    """One version as the publisher copied it: ``tensors``, the state dict in the publish dtype
+    (floating tensors cast), are views into one byte buffer, ``payload``, each tensor 64-byte
+    aligned and the padding zero. One lent by ``on_snapshot`` stays unchanged until
+    :meth:`release`, which its borrower calls once it is done reading."""
+
+    def __init__(
+        self,
+        version: int,
+        payload: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self.version, self.payload, self.tensors = version, payload, tensors
+        self._on_release = on_release
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """The borrower is done: the publisher may refill the buffer (a second call is a no-op)."""
+        with self._lock:
+            on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release()
+
+
 class Publisher:
     def __init__(
         self,
@@ -109,7 +153,10 @@ class Publisher:
         optimizer: torch.optim.Optimizer | None = None,
         upload: str = "process",
         latest_wins: bool = False,
+        on_snapshot: Callable[[Snapshot], None] | None = None,
     ) -> None:
+        """``on_snapshot``: called with each snapshot, lent (see :class:`Snapshot`), on the thread
+        that took it, before its upload; it must not block."""
         self.store = store
         self.model = model
         self.meta = policy_meta(model.args, tokenizer)
@@ -117,6 +164,7 @@ class Publisher:
         self.max_inflight = max_inflight
         self.should_stop = should_stop
         self.on_published = on_published
+        self.on_snapshot = on_snapshot
         self.upload = upload if max_inflight > 0 else "caller"
         """Where uploads run: ``process``, ``thread``, or ``caller`` (``max_inflight=0``)."""
         self.last_publish_s = 0.0
@@ -142,9 +190,11 @@ class Publisher:
             optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self._room = threading.Semaphore(max(1, max_inflight))
         self._child: _UploadProcess | None = None
+        self._layout, self._slot_bytes = _layout(model.state_dict(), self.dtype)
         if self.upload == "process":
-            layout, slot_bytes = _layout(model.state_dict(), self.dtype)
+            layout, slot_bytes = self._layout, self._slot_bytes
             slots = max_inflight + (1 if self.latest_wins else 0)  # + the waiting one
+            slots += LENT_SLOTS if on_snapshot is not None else 0
             need = slots * slot_bytes
             free = shm_free_bytes()
             if free is not None and need > free:
@@ -183,26 +233,51 @@ class Publisher:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A private CPU copy of the weights in the publish dtype (floating tensors only are
         cast), so the next optimizer step cannot change what is being uploaded."""
-        out: dict[str, torch.Tensor] = {}
+        return self._private().tensors
+
+    def _private(self) -> Snapshot:
+        """A snapshot in a buffer of its own, never refilled (its version: -1 until lent)."""
+        payload = _new_slot(self._layout, self._slot_bytes)
+        tensors = _views(payload, self._layout)
         with torch.no_grad():
             for name, t in self.model.state_dict().items():
-                dtype = self.dtype if t.is_floating_point() else t.dtype
-                out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
-        return out
+                tensors[name].copy_(t.detach())
+        return Snapshot(-1, payload, tensors)
 
     def _take(self, slot: int | None = None) -> Any:
         """The snapshot in the form the upload takes: a shared-memory slot's index for the
-        upload process (``slot``, or a free one), else a private copy."""
+        upload process (``slot``, or a free one), else a private :class:`Snapshot`."""
         if self._child is None:
-            return self.snapshot()
+            return self._private()
         return self._child.fill(self.model.state_dict(), slot)
+
+    def _lend(self, version: int, payload: Any) -> None:
+        """Hand the snapshot just taken (``_take``'s answer) to ``on_snapshot``. Its failure is
+        logged, never the upload's: the Redis path goes on without it."""
+        if self.on_snapshot is None:
+            return
+        if self._child is None:
+            snapshot = Snapshot(version, payload.payload, payload.tensors)
+        else:
+            child, slot = self._child, payload
+            child.hold(slot)
+            snapshot = Snapshot(
+                version, child.slots[slot], child.views[slot], lambda: child.release(slot)
+            )
+        try:
+            self.on_snapshot(snapshot)
+        except Exception:  # noqa: BLE001 - the borrower's error; the upload goes on
+            log.exception("learner: version %d: on_snapshot failed", version)
+            snapshot.release()
 
     def publish(self, version: int) -> None:
         self._raise_error()
         if self._child is not None:
             self._child.check_alive()
         if self._thread is None:
-            self._upload(version, self.snapshot())
+            snapshot = self._take()
+            self._lend(version, snapshot)
+            self._upload(version, snapshot)
             self._raise_error()
         elif self.latest_wins:
             if self._stager is not None:
@@ -219,7 +294,9 @@ class Publisher:
                 self._snapshot_taken.clear()  # set by the thread once it holds its copy
                 self._queue.put((version, None))
             else:
-                self._queue.put((version, self._take()))
+                payload = self._take()
+                self._lend(version, payload)
+                self._queue.put((version, payload))
 
     def wait_snapshot(self) -> None:
         """The optimizer's step pre-hook: block until the last version's snapshot is taken."""
@@ -275,6 +352,7 @@ class Publisher:
                         payload = self._take()
                     finally:
                         self._snapshot_taken.set()
+                    self._lend(version, payload)
                 if self._child is not None:
                     self._child.send(version, payload)  # the reply finishes this version
                     handed_over = True
@@ -313,14 +391,15 @@ class Publisher:
             self.skipped += 1
             log.info("learner: version %d replaced by %d before its upload", replaced[0], version)
             if self._child is not None:
-                slot = replaced[1]  # refilled: the upload process never saw it
+                slot = self._child.reuse(replaced[1])  # the upload process never saw it
             replaced = None  # a private copy is freed before the next one is taken
         try:
             payload = self._take(slot)
         except BaseException:
             if self._child is not None and slot is not None:
-                self._child.free.put(slot)
+                self._child.release(slot)
             raise
+        self._lend(version, payload)
         with self._pending_lock:
             self._pending = (version, payload)
         self._dispatch()
@@ -335,11 +414,11 @@ class Publisher:
             item, self._pending = self._pending, None
             self._queue.put(item)
 
-    def _upload(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def _upload(self, version: int, snapshot: Snapshot) -> None:
         started = time.perf_counter()
 
         def upload() -> bool:
-            self.store.publish(version, state, meta=self.meta, snapshot=False)
+            self.store.publish(version, snapshot.tensors, meta=self.meta, snapshot=False)
             return True
 
         try:
@@ -370,9 +449,10 @@ class Publisher:
 class _UploadProcess:
     """The upload side of a ``Publisher`` in a spawned child process.
 
-    Snapshots go through ``max_inflight`` shared-memory slots (one flat byte buffer each, laid
-    out once from the state dict); the publisher's thread fills a free slot and sends
-    ``(version, slot)`` down a pipe. The child publishes from the slot with its own
+    Snapshots go through shared-memory slots (one flat byte buffer each, laid out once from the
+    state dict); the publisher's thread fills a free slot and sends ``(version, slot)`` down a
+    pipe. A slot is free again once its upload and every borrower (``Publisher._lend``) have
+    released it. The child publishes from the slot with its own
     ``WeightWriter`` (so it also keeps the base of the next delta) and answers each version in
     order; a thread here takes the answers, frees the slots and reports to the ``Publisher``.
     """
@@ -386,13 +466,13 @@ class _UploadProcess:
         slots: int,
     ) -> None:
         self.publisher = publisher
-        self.slots = [
-            torch.empty(slot_bytes, dtype=torch.uint8).share_memory_() for _ in range(slots)
-        ]
+        self.slots = [_new_slot(layout, slot_bytes).share_memory_() for _ in range(slots)]
         self.views = [_views(slot, layout) for slot in self.slots]
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(slots):
             self.free.put(i)
+        self.holders = [0] * slots  # the publisher's own hold, and each borrower's
+        self.holders_lock = threading.Lock()
         self.sent: deque[tuple[int, int]] = deque()  # (version, slot) awaiting an answer
         self.lock = threading.Lock()
         ctx = torch.multiprocessing.get_context("spawn")
@@ -414,15 +494,39 @@ class _UploadProcess:
         self.replies.start()
 
     def fill(self, state_dict: Mapping[str, torch.Tensor], slot: int | None = None) -> int:
-        """Copy the weights into ``slot``, or into a free one (there is one: the publisher holds
-        room for it)."""
+        """Copy the weights into ``slot`` (held by the publisher alone), or into a free one
+        (there is one: the publisher holds room for it, and ``LENT_SLOTS`` for a borrower)."""
         if slot is None:
             slot = self.free.get()
+            with self.holders_lock:
+                self.holders[slot] = 1
         views = self.views[slot]
         with torch.no_grad():
             for name, t in state_dict.items():
                 views[name].copy_(t.detach())
         return slot
+
+    def hold(self, slot: int) -> None:
+        """One more holder of ``slot``: it is not refilled until each has released it."""
+        with self.holders_lock:
+            self.holders[slot] += 1
+
+    def release(self, slot: int) -> None:
+        """One holder of ``slot`` is done; the last one frees it."""
+        with self.holders_lock:
+            self.holders[slot] -= 1
+            freed = self.holders[slot] == 0
+        if freed:
+            self.free.put(slot)
+
+    def reuse(self, slot: int) -> int | None:
+        """``slot`` to refill if the publisher alone holds it, else None (released: a
+        borrower still reads it, and a free slot is taken instead)."""
+        with self.holders_lock:
+            if self.holders[slot] == 1:
+                return slot
+        self.release(slot)
+        return None
 
     def check_alive(self) -> None:
         if not self.process.is_alive():
@@ -431,7 +535,7 @@ class _UploadProcess:
     def send(self, version: int, slot: int) -> None:
         with self.lock:
             if not self.process.is_alive():
-                self.free.put(slot)
+                self.release(slot)
                 raise RuntimeError(self._died())
             self.sent.append((version, slot))
         self.conn.send((version, slot))
@@ -457,7 +561,7 @@ class _UploadProcess:
                 version, slot, outcome, detail, nbytes = reply
                 with self.lock:
                     self.sent.popleft()
-                self.free.put(slot)
+                self.release(slot)
                 if outcome == "error":
                     publisher._error = _rebuilt(detail)
                 elif outcome != "stopped":
@@ -475,7 +579,7 @@ class _UploadProcess:
                 publisher._error = RuntimeError(self._died())
                 log.error("learner: %s", self._died())
             for _, slot in lost:
-                self.free.put(slot)
+                self.release(slot)
                 publisher._done()
             return
 

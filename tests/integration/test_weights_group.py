@@ -1,21 +1,37 @@
 """The collective weights path with real processes, a real Redis and a gloo weights group on
-loopback: a learner-side ``CollectiveSender`` in this process, actors running
+loopback: a learner-side ``CollectiveSender`` in this process (fed by ``send``, or by a real
+``Publisher``'s snapshots as in the learner), actors running
 ``benchmarks.weights_collective.actor_main`` (a ``CollectiveFeed`` each) in spawned processes."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
+import redis
 import torch
 
+from actors.weight_reader import WeightReader
 from benchmarks.weights_collective import Actors, wait_members
-from common.weights.collective import WIRE_DTYPE
+from common.model import Transformer
+from common.tokenizer import CharTokenizer
+from common.weights.collective import (
+    WIRE_DTYPE,
+    bucket_ranges,
+    bucket_sha256,
+    pack,
+    read_manifest,
+    wire_layout,
+)
 from common.weights.format import WeightsError, weights_digest
 from common.weights.manifest import digest_of_digests
 from learner.collective_sender import CollectiveSender
+from learner.publisher import Publisher, Snapshot
 from learner.weight_writer import WeightWriter
 from ops.redis_server import find_free_port
+from testing.models import random_model
 
 pytestmark = pytest.mark.integration
 
@@ -180,3 +196,174 @@ def test_the_group_goes_on_when_an_actor_is_killed(redis_client, redis_server):
             wait_members(sender, 1, 30)
         finally:
             actors.close()
+
+
+# ------------------------------------------------------- fed by the publisher, as in the learner
+
+
+def publishing(
+    sender: CollectiveSender, store: WeightWriter, **kwargs
+) -> tuple[Transformer, Publisher]:
+    """A tiny policy and its publisher as the learner wires them: bf16 versions uploaded from
+    shared memory, latest wins, each snapshot lent to the sender."""
+    m = random_model(16, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    pub = Publisher(
+        store,
+        m,
+        CharTokenizer("abc"),
+        dtype=torch.bfloat16,
+        max_inflight=1,
+        upload="process",
+        latest_wins=True,
+        on_snapshot=sender.take,
+        **kwargs,
+    )
+    return m, pub
+
+
+def train(m: Transformer) -> str:
+    """A step that changes every weight; the digest of the new weights in bf16."""
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p))
+    return weights_digest(wire(m.state_dict()))
+
+
+def test_the_group_broadcasts_the_publishers_snapshot_of_each_version(redis_client, redis_server):
+    """The actor holds exactly the bytes Redis serves for each version, broadcast from the
+    publisher's shared-memory slot (no copy of the sender's own); a republished version is not
+    sent again; with the publisher's Redis unreachable the group still gets the next version."""
+    with sender_at(redis_client) as sender:
+        actors = Actors(1, redis_server.url, RUN, [sender.address], FAST)
+        try:
+            wait_members(sender, 1, 60)
+            m, pub = publishing(sender, WeightWriter(redis_client, RUN))
+            reader = WeightReader(redis_client, RUN)
+            for version in (1, 2):
+                expected = train(m)
+                pub.publish(version)
+                (h,) = held_by_actor(actors, 1).values()
+                pub.flush()
+                assert h[2] == version and h[5] == expected
+                assert h[5] == weights_digest(reader.fetch(version)[1])  # what Redis serves
+                assert (h[6]["collective"], h[6]["redis"]) == (version, 0)
+                assert pub._child is not None and sender._last is not None
+                sent = sender._last.payload
+                assert sent is not None
+                assert any(sent.data_ptr() == slot.data_ptr() for slot in pub._child.slots)
+            redis_client.flushdb()  # Redis restarted empty: the republisher puts version 2 back
+            pub.publish(2)  # the group has it already
+            pub.flush()
+            assert sender.flush(30) and sender.stats()["versions_sent"] == 2
+            assert sender.error is None
+            pub.close()
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]  # closed again: nothing listens there
+            stop = threading.Event()
+            dead = WeightWriter(redis.Redis(host="127.0.0.1", port=port), RUN)
+            m, pub = publishing(sender, dead, should_stop=stop.is_set)
+            expected = train(m)
+            pub.publish(3)  # the upload retries against nothing; the snapshot is lent at once
+            (h,) = held_by_actor(actors, 1).values()
+            assert h[2] == 3 and h[5] == expected and pub.published_version == -1
+            stop.set()
+            pub.close()
+        finally:
+            actors.close()
+
+
+class HoldingSender(CollectiveSender):
+    """Holds version 1 on the wire: once its layout and first bucket are broadcast (``on_wire``
+    set), the other buckets wait for ``go``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.on_wire, self.go = threading.Event(), threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _broadcast(self, item) -> None:
+        group = self._group
+        if item.version != 1 or group is None:
+            return super()._broadcast(item)
+        real, calls = group.broadcast, []
+
+        def held(tensor: torch.Tensor, timeout_s: float) -> None:
+            if len(calls) == 2:
+                self.on_wire.set()
+                assert self.go.wait(120)
+            calls.append(tensor.numel())
+            real(tensor, timeout_s)
+
+        group.broadcast = held  # type: ignore[method-assign]
+        try:
+            super()._broadcast(item)
+        finally:
+            group.broadcast = real  # type: ignore[method-assign]
+
+
+def bucket_digests(state: dict[str, torch.Tensor]) -> list[str]:
+    """The bucket digests a collective manifest lists for ``state`` sent in 1 KiB buckets."""
+    layout = wire_layout(state, 1024)
+    payload = pack(state, layout, torch.device("cpu"))
+    return [bucket_sha256(payload[a:b]) for a, b in bucket_ranges(payload.numel(), 1024)]
+
+
+def test_a_snapshot_on_the_wire_is_not_refilled_by_later_versions(redis_client, redis_server):
+    """Versions 2 to 6 are published and uploaded while version 1 is half broadcast, enough to
+    cycle through every shared-memory slot; then version 1's broadcast goes on, and version 6
+    follows (2 to 5 overtaken). The bytes each sent, as its collective manifest hashes them, are
+    that version's, equal to what Redis serves. (The actor is the group's member; held that
+    long, it may take versions from Redis meanwhile, so its own copies are not compared.)"""
+    with sender_at(redis_client, HoldingSender) as sender:
+        actors = Actors(1, redis_server.url, RUN, [sender.address], {**FAST, "timeout_s": 120.0})
+        try:
+            wait_members(sender, 1, 60)
+            m, pub = publishing(sender, WeightWriter(redis_client, RUN, retention=10))
+            reader = WeightReader(redis_client, RUN)
+            expected = {}
+            for version in range(1, 7):
+                train(m)
+                expected[version] = wire({k: t.clone() for k, t in m.state_dict().items()})
+                pub.publish(version)
+                pub.flush()  # uploaded: its slot is free again for the next version
+                if version == 1:
+                    assert sender.on_wire.wait(60)
+            assert sender.stats()["sent_version"] == -1  # version 1 is still on the wire
+            sender.go.set()
+            assert sender.flush(120)
+            assert sender.skipped == 4 and sender.error is None
+            for version in (1, 6):
+                manifest = read_manifest(redis_client, RUN, version, 10.0)
+                assert manifest is not None
+                assert manifest["bucket_sha256"] == bucket_digests(expected[version])
+                published = weights_digest(reader.fetch(version)[1])
+                assert published == weights_digest(expected[version])
+            for version in range(2, 6):
+                assert read_manifest(redis_client, RUN, version, 0.0) is None  # never sent
+            pub.close()
+        finally:
+            sender.go.set()
+            actors.close()
+
+
+def test_a_republished_or_older_snapshot_is_released(redis_client):
+    """``take``: the version already queued is released and ignored, an older one is released
+    and refused; neither stays held."""
+
+    released: list[int] = []
+
+    def lent(version: int) -> Snapshot:
+        """Separate tensors, not views into ``payload``: packed on the sender's thread."""
+        payload = torch.zeros(0, dtype=torch.uint8)
+        return Snapshot(
+            version, payload, wire(make_state(version)), lambda: released.append(version)
+        )
+
+    with sender_at(redis_client) as sender:
+        assert sender.take(lent(5)) is True  # packed on the sender's thread, then released
+        assert sender.flush(30) and released == [5]
+        assert sender.take(lent(5)) is False and released == [5, 5]
+        with pytest.raises(WeightsError, match="versions only grow"):
+            sender.take(lent(4))
+        assert released == [5, 5, 4]

@@ -4,13 +4,11 @@ published, and an upload process that dies or cannot reach Redis never hangs the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -18,44 +16,12 @@ import torch
 
 import learner.publisher as publisher_module
 from actors.weight_reader import WeightReader
-from common.model import Transformer
 from common.tokenizer import CharTokenizer
 from common.weights.format import WeightsError
 from learner.publisher import Publisher
 from learner.weight_writer import WeightWriter
-from testing.models import random_model
 
 RUN = "publisher-run"
-
-
-def model() -> Transformer:
-    return random_model(16, hidden_size=16, intermediate_size=32, num_hidden_layers=1).train()
-
-
-def make(client: redis.Redis, **kwargs) -> tuple[Transformer, Publisher, WeightWriter]:
-    m = model()
-    store = WeightWriter(client, RUN, chunk_bytes=1024, keyframe_every=3)
-    return m, Publisher(store, m, CharTokenizer("abc"), **kwargs), store
-
-
-@contextlib.contextmanager
-def uploads_held(pub: Publisher, store: WeightWriter) -> Iterator[None]:
-    """Every upload waits until the block exits: a gate in the store's publish on the thread,
-    the upload process stopped (SIGSTOP) in the child."""
-    if pub.upload_pid is not None:
-        os.kill(pub.upload_pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(pub.upload_pid, signal.SIGCONT)
-        return
-    gate = threading.Event()
-    real = store.publish
-    store.publish = lambda *a, **k: (gate.wait(timeout=10), real(*a, **k))[1]  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        gate.set()
 
 
 @pytest.mark.parametrize(
@@ -63,11 +29,10 @@ def uploads_held(pub: Publisher, store: WeightWriter) -> Iterator[None]:
     [(0, "thread"), (1, "thread"), (2, "thread"), (1, "process"), (2, "process")],
 )
 def test_versions_in_order_from_a_snapshot(
-    redis_client: redis.Redis, max_inflight: int, upload: str
+    redis_client: redis.Redis, max_inflight: int, upload: str, make_publisher
 ) -> None:
     marks: list[int] = []
-    m, pub, store = make(
-        redis_client,
+    m, pub, store = make_publisher(
         dtype=torch.bfloat16,
         max_inflight=max_inflight,
         on_published=marks.append,
@@ -96,8 +61,10 @@ def test_versions_in_order_from_a_snapshot(
 
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
-def test_snapshot_is_taken_before_the_next_step(redis_client: redis.Redis, upload: str) -> None:
-    m, pub, store = make(redis_client, max_inflight=1, upload=upload)
+def test_snapshot_is_taken_before_the_next_step(
+    redis_client: redis.Redis, upload: str, make_publisher, uploads_held
+) -> None:
+    m, pub, store = make_publisher(max_inflight=1, upload=upload)
     before = m.lm_head.weight.detach().clone()
     with uploads_held(pub, store):
         pub.publish(1)
@@ -109,9 +76,9 @@ def test_snapshot_is_taken_before_the_next_step(redis_client: redis.Redis, uploa
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
 def test_learner_waits_only_when_max_inflight_versions_are_in_flight(
-    redis_client: redis.Redis, upload: str
+    redis_client: redis.Redis, upload: str, make_publisher, uploads_held
 ) -> None:
-    _, pub, store = make(redis_client, max_inflight=2, upload=upload)
+    _, pub, store = make_publisher(max_inflight=2, upload=upload)
     with uploads_held(pub, store):
         pub.publish(1)
         pub.publish(2)  # two in flight: both returned without waiting for the upload
@@ -127,9 +94,11 @@ def test_learner_waits_only_when_max_inflight_versions_are_in_flight(
 
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
-def test_non_finite_weights_are_refused_and_counted(redis_client: redis.Redis, upload: str) -> None:
+def test_non_finite_weights_are_refused_and_counted(
+    redis_client: redis.Redis, upload: str, make_publisher
+) -> None:
     marks: list[int] = []
-    m, pub, store = make(redis_client, max_inflight=1, on_published=marks.append, upload=upload)
+    m, pub, store = make_publisher(max_inflight=1, on_published=marks.append, upload=upload)
     pub.publish(1)
     with torch.no_grad():
         m.lm_head.weight[0, 0] = float("nan")
@@ -146,9 +115,9 @@ def test_non_finite_weights_are_refused_and_counted(redis_client: redis.Redis, u
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
 def test_upload_error_is_raised_on_the_learner_thread(
-    redis_client: redis.Redis, upload: str
+    redis_client: redis.Redis, upload: str, make_publisher
 ) -> None:
-    _, pub, store = make(redis_client, max_inflight=1, upload=upload)
+    _, pub, store = make_publisher(max_inflight=1, upload=upload)
     pub.publish(5)
     pub.publish(3)  # versions only grow: the store refuses on the upload thread
     with pytest.raises(WeightsError, match="only grow"):
@@ -159,13 +128,17 @@ def test_upload_error_is_raised_on_the_learner_thread(
 @pytest.mark.parametrize("upload", ["thread", "process"])
 @pytest.mark.parametrize("with_optimizer", [True, False])
 def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
-    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, with_optimizer: bool, upload: str
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    with_optimizer: bool,
+    upload: str,
+    tiny_policy,
 ) -> None:
     """With the optimizer, publish only queues the version and the thread copies the weights;
     the optimizer's step pre-hook must hold the update until that copy is taken. A slow copy
     makes the race certain; without the optimizer the caller copies (negative control: the
     same slow copy then stalls ``publish`` itself)."""
-    m = model()
+    m = tiny_policy()
     optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
     store = WeightWriter(redis_client, RUN, chunk_bytes=1024)
     slow = Publisher._take
@@ -198,11 +171,11 @@ def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
 
 
 def test_a_killed_upload_process_is_an_error_on_the_learner_thread(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, make_publisher
 ) -> None:
     """The version in flight when the child dies is not published, and the learner hears of it
     (it never waits forever for an answer that cannot come)."""
-    _, pub, store = make(redis_client, max_inflight=1, upload="process")
+    _, pub, store = make_publisher(max_inflight=1, upload="process")
     pub.publish(1)
     pub.flush()
     assert pub.upload_pid is not None
@@ -218,14 +191,14 @@ def test_a_killed_upload_process_is_an_error_on_the_learner_thread(
 
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
-def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str) -> None:
+def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str, tiny_policy) -> None:
     """Redis down: the upload retries (a restart must not kill the learner) until the learner
     stops; then flush and close return and nothing is published."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     stop = threading.Event()
-    m = model()
+    m = tiny_policy()
     store = WeightWriter(redis.Redis(host="127.0.0.1", port=port), RUN)
     pub = Publisher(
         store, m, CharTokenizer("abc"), max_inflight=1, should_stop=stop.is_set, upload=upload
@@ -242,17 +215,17 @@ def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str) -> None
 
 
 def test_too_little_shared_memory_falls_back_to_a_thread(
-    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, make_publisher
 ) -> None:
     """A snapshot slot larger than the free /dev/shm would crash the learner (SIGBUS) on the
     first copy: the publisher uploads on a thread instead, and says why."""
     monkeypatch.setattr(publisher_module, "shm_free_bytes", lambda: 100)
-    _, pub, store = make(redis_client, max_inflight=1, upload="process")
+    _, pub, store = make_publisher(max_inflight=1, upload="process")
     assert pub.upload == "thread" and pub.upload_pid is None
     pub.publish(1)
     pub.close()
     assert store.latest_version() == 1
     monkeypatch.setattr(publisher_module, "shm_free_bytes", lambda: 10**12)
-    _, pub, _ = make(redis_client, max_inflight=1, upload="process")
+    _, pub, _ = make_publisher(max_inflight=1, upload="process")
     assert pub.upload == "process" and pub.upload_pid is not None
     pub.close()

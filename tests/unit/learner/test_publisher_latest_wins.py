@@ -4,11 +4,7 @@ versions reach Redis, each delta based on one of them, and the republisher still
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import threading
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -18,48 +14,11 @@ from actors.weight_reader import WeightReader
 from common.model import Transformer
 from common.tokenizer import CharTokenizer
 from common.weights.keys import weights_versions_key
-from learner.publisher import Publisher
+from learner.publisher import LENT_SLOTS, Publisher, Snapshot
 from learner.versions import Republisher
 from learner.weight_writer import WeightWriter
-from testing.models import random_model
 
 RUN = "latest-wins-run"
-
-
-def model() -> Transformer:
-    return random_model(16, hidden_size=16, intermediate_size=32, num_hidden_layers=1).train()
-
-
-def make(client: redis.Redis, **kwargs) -> tuple[Transformer, Publisher, WeightWriter]:
-    m = model()
-    store = WeightWriter(client, RUN, chunk_bytes=1024, keyframe_every=3)
-    return m, Publisher(store, m, CharTokenizer("abc"), **kwargs), store
-
-
-@contextlib.contextmanager
-def uploads_held(pub: Publisher, store: WeightWriter) -> Iterator[None]:
-    """Every upload waits until the block exits: the upload process stopped (SIGSTOP), or a
-    gate in the store's publish on the upload thread."""
-    if pub.upload_pid is not None:
-        os.kill(pub.upload_pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(pub.upload_pid, signal.SIGCONT)
-        return
-    gate = threading.Event()
-    real = store.publish
-
-    def gated(*args, **kwargs) -> None:
-        gate.wait(timeout=10)
-        real(*args, **kwargs)
-
-    store.publish = gated  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        gate.set()
-        store.publish = real  # type: ignore[method-assign]
 
 
 def returns_quickly(action, timeout_s: float = 5.0) -> None:
@@ -86,9 +45,9 @@ def step(m: Transformer, optimizer: torch.optim.Optimizer | None) -> None:
 @pytest.mark.parametrize("upload", ["thread", "process"])
 @pytest.mark.parametrize("with_optimizer", [False, True])
 def test_newest_version_replaces_a_waiting_one_and_the_skips_are_counted(
-    redis_client: redis.Redis, upload: str, with_optimizer: bool
+    redis_client: redis.Redis, upload: str, with_optimizer: bool, tiny_policy, uploads_held
 ) -> None:
-    m = model()
+    m = tiny_policy()
     optimizer = torch.optim.SGD(m.parameters(), lr=1.0) if with_optimizer else None
     store = WeightWriter(redis_client, RUN, chunk_bytes=1024, keyframe_every=10, retention=3)
     marks: list[int] = []
@@ -137,11 +96,11 @@ def test_newest_version_replaces_a_waiting_one_and_the_skips_are_counted(
 
 @pytest.mark.parametrize("upload", ["thread", "process"])
 def test_every_version_is_uploaded_when_uploads_keep_up(
-    redis_client: redis.Redis, upload: str
+    redis_client: redis.Redis, upload: str, make_publisher
 ) -> None:
     marks: list[int] = []
-    m, pub, store = make(
-        redis_client, max_inflight=1, upload=upload, latest_wins=True, on_published=marks.append
+    m, pub, store = make_publisher(
+        max_inflight=1, upload=upload, latest_wins=True, on_published=marks.append
     )
     for v in range(1, 5):
         step(m, None)
@@ -152,8 +111,10 @@ def test_every_version_is_uploaded_when_uploads_keep_up(
     assert store.latest_version() == 4
 
 
-def test_retention_keeps_the_newest_uploaded_versions(redis_client: redis.Redis) -> None:
-    m = model()
+def test_retention_keeps_the_newest_uploaded_versions(
+    redis_client: redis.Redis, tiny_policy, uploads_held
+) -> None:
+    m = tiny_policy()
     store = WeightWriter(redis_client, RUN, chunk_bytes=1024, keyframe_every=1, retention=2)
     pub = Publisher(
         store, m, CharTokenizer("abc"), max_inflight=1, upload="thread", latest_wins=True
@@ -170,9 +131,9 @@ def test_retention_keeps_the_newest_uploaded_versions(redis_client: redis.Redis)
 
 
 def test_the_republisher_puts_back_a_lost_version_and_waits_for_uploads(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, make_publisher, uploads_held
 ) -> None:
-    m, pub, store = make(redis_client, max_inflight=1, upload="thread", latest_wins=True)
+    m, pub, store = make_publisher(max_inflight=1, upload="thread", latest_wins=True)
     current = {"version": 1}  # the learner's state.version
     pub.publish(1)
     pub.flush()
@@ -195,3 +156,47 @@ def test_the_republisher_puts_back_a_lost_version_and_waits_for_uploads(
     republisher.check(2)
     pub.close()
     assert republisher.republished == 1 and store.latest_version() == 2
+
+
+@pytest.mark.parametrize("upload", ["thread", "process"])
+def test_a_lent_snapshot_is_not_refilled_until_its_borrower_releases_it(
+    redis_client: redis.Redis, upload: str, make_publisher
+) -> None:
+    """``on_snapshot`` borrows each version as the weights group does: the first one held to
+    the end, of the others only the newest (a newer one releases the one before). Versions are
+    published faster than a borrower releases them: every held snapshot keeps its version's
+    bytes, the uploads still reach Redis, and every slot is free again once all are released."""
+    held: list[Snapshot] = []
+
+    def borrow(snapshot: Snapshot) -> None:
+        if len(held) > 1:
+            held.pop().release()
+        held.append(snapshot)
+
+    m, pub, _ = make_publisher(
+        dtype=torch.bfloat16, max_inflight=1, upload=upload, latest_wins=True, on_snapshot=borrow
+    )
+    expected = {}
+    for v in range(1, 13):
+        step(m, None)
+        expected[v] = {k: t.detach().to(torch.bfloat16) for k, t in m.state_dict().items()}
+        pub.publish(v)
+        if v % 3 == 0:
+            pub.flush()  # uploads end and free their slots, for the next versions to refill
+    pub.flush()
+    assert [s.version for s in held] == [1, 12]
+    for snapshot in held:
+        assert snapshot.tensors.keys() == expected[snapshot.version].keys()
+        for name, t in snapshot.tensors.items():
+            assert torch.equal(t, expected[snapshot.version][name]), (snapshot.version, name)
+        if upload == "process":  # the borrower reads the upload's own shared-memory slot
+            assert pub._child is not None
+            assert any(snapshot.payload.data_ptr() == s.data_ptr() for s in pub._child.slots)
+    fetched = WeightReader(redis_client, RUN).fetch(12)[1]
+    assert all(torch.equal(fetched[k], t) for k, t in expected[12].items())
+    for snapshot in held:
+        snapshot.release()
+        snapshot.release()  # a second release is a no-op
+    if pub._child is not None:
+        assert pub._child.free.qsize() == len(pub._child.slots) == 2 + LENT_SLOTS
+    pub.close()
