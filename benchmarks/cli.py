@@ -1,6 +1,6 @@
 """What every benchmark script shares: its command line (the module docstring as help, ``--json``),
 how it ends (the run's seconds and load average added, the figures written as one JSON object),
-and the random-weight models it measures."""
+and the random-weight models and GRPO groups it measures."""
 
 from __future__ import annotations
 
@@ -56,20 +56,32 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1
     return "\n".join(lines)
 
 
-def random_model(
-    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **args: Any
-):
-    """A ``Transformer`` of this shape with seeded random weights (seed 0 unless ``seed`` is
-    given); other ``args`` are ``ModelArgs`` fields."""
+def random_model(*sizes: int, seed: int = 0, device: Any = "cpu", dtype: Any = None, **fields: Any):
+    """A ``Transformer`` with random weights drawn after ``torch.manual_seed(seed)``, built on
+    ``device`` in ``dtype`` (default: the default dtype; no copy in another dtype on the way).
+    Its ``ModelArgs``: ``sizes`` (vocab, hidden, intermediate, layers, heads, KV heads: all six
+    or none) and the fields in ``fields``."""
     import torch
 
     from common.model import Transformer
     from common.model_args import ModelArgs
 
-    torch.manual_seed(args.pop("seed", 0))
-    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
-    shape |= dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads)
-    return Transformer(ModelArgs(**shape, **args))
+    if sizes:
+        if len(sizes) != 6:
+            raise TypeError(f"random_model takes six sizes by position or none, got {sizes}")
+        vocab, hidden, intermediate, layers, heads, kv_heads = sizes
+        fields |= dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
+        fields |= dict(num_hidden_layers=layers, num_attention_heads=heads)
+        fields |= dict(num_key_value_heads=kv_heads)
+    args = ModelArgs(**fields)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or previous)
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return Transformer(args)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def random_groups(

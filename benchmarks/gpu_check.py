@@ -334,13 +334,6 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def build_model(shape: dict, device: torch.device, seed: int) -> Transformer:
-    """A randomly initialised fp32 model of ``shape``, built on ``device``."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return Transformer(ModelArgs(**shape))
-
-
 def params_of(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -397,7 +390,7 @@ def random_groups(plan: Plan, vocab: int, seed: int) -> list[TrajectoryGroup]:
 
 def learner_step(plan: Plan, device: torch.device, run: Run) -> tuple[dict[str, Any], Transformer]:
     """The figures, and the trained model (the weights stage publishes it)."""
-    model = build_model(plan.learner_shape, device, seed=0).train()
+    model = cli.random_model(device=device, **plan.learner_shape).train()
     cfg = LearnerConfig(
         lr=1e-5,
         precision="bf16-mixed",
@@ -544,7 +537,7 @@ def weight_sync(
     """``weight_rounds`` versions of ``source`` (the learner stage's model; a fresh one of its
     shape if that stage failed) published and fetched; medians."""
     if source is None:
-        source = build_model(plan.learner_shape, device, seed=0)
+        source = cli.random_model(device=device, **plan.learner_shape)
     dtype = torch.bfloat16
     target = copy.deepcopy(source).to(dtype)
     with torch.no_grad():
@@ -688,7 +681,7 @@ def structure(
     own samples; returned in fp32 (the engines get a copy in ``plan.dtype``)."""
     args = ModelArgs(**plan.engine_shape)
     chain = Chain.random(args.vocab_size, plan.chain_size, plan.chain_fanout, 3, TRAIN_SEED)
-    model = build_model(plan.engine_shape, device, seed=0).train()
+    model = cli.random_model(device=device, **plan.engine_shape).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.structure_lr, weight_decay=0.0)
     warm = max(1, plan.structure_steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(

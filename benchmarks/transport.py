@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.sender import GroupSender, unique_actor_id  # noqa: E402
 from benchmarks import cli  # noqa: E402
+from benchmarks._procs import Children  # noqa: E402
 from common import metric_names as mn  # noqa: E402
 from common.config.actor import ActorConfig  # noqa: E402
 from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode  # noqa: E402
@@ -171,58 +171,22 @@ def sender_main(
         sender.close(timeout_s=1.0)
 
 
-def get(results: mp.Queue, kinds: set[str], procs: list[mp.Process]) -> tuple:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            message = results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [p.name for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"{dead} failed (see the traceback above)") from None
-            continue
-        if message[0] not in kinds:
-            raise RuntimeError(f"expected one of {sorted(kinds)}, got {message!r:.200}")
-        return message
-    raise TimeoutError(f"none of {sorted(kinds)} within {TIMEOUT_S} s")
-
-
 def run_config(
     label: str, count: int, outbox_max: int, rtt_probes: int, receiver_hwm: int | None = None
 ) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
     warmup = min(count, 2 * outbox_max, 500)
     total = warmup + rtt_probes + count
-    results: mp.Queue = ctx.Queue()
-    stop = ctx.Event()
-    receiver = ctx.Process(
-        target=receiver_main,
-        args=(total, warmup + rtt_probes, 1024, receiver_hwm, results, stop),
-        name="receiver",
-        daemon=True,
-    )
-    receiver.start()
-    procs = [receiver]
-    try:
-        address = get(results, {"address"}, procs)[1]
-        sender = ctx.Process(
-            target=sender_main,
-            args=(address, label, count, warmup, rtt_probes, outbox_max, results),
-            name="sender",
-            daemon=True,
-        )
-        sender.start()
-        procs.append(sender)
+    with Children(TIMEOUT_S) as children:
+        results, stop = children.results, children.stop
+        receiver_args = (total, warmup + rtt_probes, 1024, receiver_hwm, results, stop)
+        children.start(receiver_main, *receiver_args, name="receiver")
+        address = children.get("address")[1]
+        sender_args = (address, label, count, warmup, rtt_probes, outbox_max, results)
+        children.start(sender_main, *sender_args, name="sender")
         # The consumer may finish before or after the sender has its last ack.
-        messages = {m[0]: m for m in (get(results, {"sent", "consumed"}, procs) for _ in "ab")}
+        messages = {m[0]: m for m in (children.get("sent", "consumed") for _ in "ab")}
         stop.set()
-        messages["receiver"] = get(results, {"receiver"}, procs)
-    finally:
-        stop.set()
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        messages["receiver"] = children.get("receiver")
     _, start, acked, mean_unacked, rtts, frame_bytes, resent, sender_cpu = messages["sent"]
     _, consumed, consumed_at, receiver_cpu = messages["consumed"]
     _, duplicates, acks_sent = messages["receiver"]

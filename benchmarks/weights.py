@@ -99,7 +99,6 @@ Other benchmarks share the cores: run the measured figures under a lock, e.g.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import random
 import statistics
 import sys
@@ -119,12 +118,12 @@ from actors.weight_feed import RedisWeightFeed, StallMeter, take  # noqa: E402
 from actors.weight_reader import WeightReader  # noqa: E402
 from actors.weight_watcher import VersionWatcher  # noqa: E402
 from benchmarks import cli, weights_collective  # noqa: E402
+from benchmarks._procs import Children  # noqa: E402
 from benchmarks.gpu_check import QWEN25_05B  # noqa: E402
 from benchmarks.weight_scaling import GOALS, scaling_figures, shm_root  # noqa: E402
 from common import metric_names as mn  # noqa: E402
 from common.config.run import RedisConfig  # noqa: E402
 from common.model import Transformer  # noqa: E402
-from common.model_args import ModelArgs  # noqa: E402
 from common.policy_meta import model_args_from_meta  # noqa: E402
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
 from learner.publisher import Publisher  # noqa: E402
@@ -202,6 +201,17 @@ def nbytes(state_dict: dict[str, torch.Tensor]) -> int:
 # ------------------------------------------------------------------------------ reader side
 
 
+def next_version(watcher: VersionWatcher) -> int:
+    """The next version ``watcher`` reports (it returns None on a lost connection, so poll
+    again); TimeoutError after ``TIMEOUT_S``."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        version = watcher.poll(timeout_s=1.0)
+        if version is not None:
+            return version
+    raise TimeoutError(f"no new version within {TIMEOUT_S} s")
+
+
 def reader_main(index: int, url: str, commands: mp.Queue, results: mp.Queue) -> None:
     """One actor-like reader: per command, follow a run and fetch ``versions`` versions."""
     torch.set_num_threads(1)
@@ -213,13 +223,7 @@ def reader_main(index: int, url: str, commands: mp.Queue, results: mp.Queue) -> 
             watcher.poll(timeout_s=0.0)  # subscribe now: the first announcement must not be lost
             results.put(("ready", index))
             for _ in range(versions):
-                deadline = time.monotonic() + TIMEOUT_S
-                version = None
-                while version is None and time.monotonic() < deadline:
-                    version = watcher.poll(timeout_s=1.0)
-                if version is None:
-                    results.put(("error", index, "no new version within the timeout"))
-                    return
+                version = next_version(watcher)
                 seen = time.monotonic()
                 fetched, state_dict = store.fetch(version)
                 done = time.monotonic()
@@ -231,43 +235,20 @@ def reader_main(index: int, url: str, commands: mp.Queue, results: mp.Queue) -> 
 # ------------------------------------------------------------------------------ learner side
 
 
-class Readers:
-    """``count`` reader processes, started once and reused for every configuration."""
+class Readers(Children):
+    """``count`` reader processes, started once and reused for every configuration, each
+    following the commands of its own queue."""
 
     def __init__(self, count: int, url: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.results: mp.Queue = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(count)]
-        self.procs = [
-            ctx.Process(target=reader_main, args=(i, url, q, self.results), daemon=True)
-            for i, q in enumerate(self.commands)
-        ]
-        for proc in self.procs:
-            proc.start()
-
-    def get(self, kind: str) -> tuple:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                message = self.results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.pid for p in self.procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"reader process(es) {dead} died") from None
-                continue
-            if message[0] == "error":
-                raise RuntimeError(f"reader {message[1]}: {message[2]}")
-            assert message[0] == kind, message
-            return message
-        raise TimeoutError(f"no {kind!r} from the readers within {TIMEOUT_S} s")
+        super().__init__(TIMEOUT_S)
+        self.commands: list[mp.Queue] = [self.ctx.Queue() for _ in range(count)]
+        for i, q in enumerate(self.commands):
+            self.start(reader_main, i, url, q, self.results, name=f"reader {i}")
 
     def close(self) -> None:
         for q in self.commands:
             q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        super().close()
 
 
 def run_config(
@@ -333,14 +314,7 @@ def delivery_actor(
     client = redis.Redis.from_url(url)
     store = WeightReader(client, run_id, host_cache=HostCache(cache_root))
     watcher = VersionWatcher.of_store(store, poll_interval_s=0.5)
-    deadline = time.monotonic() + TIMEOUT_S
-    first = None
-    while first is None and time.monotonic() < deadline:
-        first = watcher.poll(timeout_s=1.0)
-    if first is None:
-        results.put(("error", index, "no first version"))
-        return
-    version, state = store.fetch(first)
+    version, state = store.fetch(next_version(watcher))
     args = model_args_from_meta(store.manifest(version)["meta"])
     with torch.device("meta"):
         model = Transformer(args)
@@ -396,17 +370,6 @@ def delivery_actor(
     client.close()
 
 
-def delivery_model(shape: dict) -> Transformer:
-    """A random-weight model of ``shape`` built in bf16 (no fp32 copy on the way)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        torch.manual_seed(0)
-        return Transformer(ModelArgs(**shape))
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def learner_step(model: Transformer, gen: torch.Generator) -> None:
     """Change ``DELIVERY_ROWS_CHANGED`` of the rows of every matrix (a sparse update, so most
     versions go out as deltas)."""
@@ -423,7 +386,7 @@ def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
     processes decode: each actor's stall figures and the publisher's skipped versions."""
     mode = "quick" if quick else "full"
     run_id = "bench-delivery"
-    model = delivery_model(DELIVERY_SHAPES[mode])
+    model = cli.random_model(dtype=torch.bfloat16, **DELIVERY_SHAPES[mode])
     store = WeightWriter(client, run_id, keyframe_every=10, retention=3)
     uploaded: list[int] = []
     publisher = Publisher(
@@ -439,21 +402,17 @@ def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
     publisher.publish(1)
     publisher.flush()
     model_bytes = store.manifest(1)["total_bytes"]
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    holds = ctx.Array("i", [-1] * DELIVERY_ACTORS)
-    stop = ctx.Event()
     steps = DELIVERY_STEPS[mode]
-    with tempfile.TemporaryDirectory(prefix="specrl-bench-shm-", dir=shm_root()) as root:
-        procs = [
-            ctx.Process(target=delivery_actor, args=(i, url, run_id, root, results, holds, stop))
-            for i in range(DELIVERY_ACTORS)
-        ]
-        for proc in procs:
-            proc.start()
-        try:
-            for _ in procs:
-                _expect(results, procs, "ready")
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="specrl-bench-shm-", dir=shm_root()) as root,
+            Children(TIMEOUT_S, join_s=60.0) as children,
+        ):
+            holds = children.ctx.Array("i", [-1] * DELIVERY_ACTORS)
+            for i in range(DELIVERY_ACTORS):
+                args = (i, url, run_id, root, children.results, holds, children.stop)
+                children.start(delivery_actor, *args, name=f"delivery actor {i}")
+            children.each("ready")
             gen = torch.Generator().manual_seed(1)
             started = time.perf_counter()
             for version in range(2, steps + 2):
@@ -467,15 +426,10 @@ def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
             while min(holds[:]) < final and time.monotonic() < deadline:
                 time.sleep(0.1)
             held = list(holds[:])
-            stop.set()
-            actors = [_expect(results, procs, "done")[2] for _ in procs]
-        finally:
-            stop.set()
-            for proc in procs:
-                proc.join(timeout=60)
-                if proc.is_alive():
-                    proc.kill()
-            publisher.close()
+            children.stop.set()
+            actors = [message[2] for message in children.each("done")]
+    finally:
+        publisher.close()
     client.flushdb()
     published = steps + 1
     skipped = publisher.skipped
@@ -497,24 +451,6 @@ def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
         "delivery_upload_s_last": publisher.last_publish_s,
         "delivery_actors": actors,
     }
-
-
-def _expect(results: mp.Queue, procs: list, kind: str) -> tuple:
-    """The next message of ``kind`` from the delivery actors (an error or a death raises)."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            message = results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"delivery actor process(es) {dead} died") from None
-            continue
-        if message[0] == "error":
-            raise RuntimeError(f"delivery actor {message[1]}: {message[2]}")
-        assert message[0] == kind, message
-        return message
-    raise TimeoutError(f"no {kind!r} from the delivery actors within {TIMEOUT_S} s")
 
 
 def print_table(table: list[tuple[str, int, int, dict[str, float]]]) -> None:
@@ -564,8 +500,7 @@ def main() -> int:
         delivery = delivery_figures(server.url, client, opts.quick)
         shown = {k: v for k, v in delivery.items() if k != "delivery_actors"}
         print("delivery: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
-        readers = Readers(max(READERS), server.url)
-        try:
+        with Readers(max(READERS), server.url) as readers:
             for label in labels:
                 state_dict = make_model(label)
                 size = nbytes(state_dict)
@@ -583,9 +518,7 @@ def main() -> int:
                         flush=True,
                     )
                 del state_dict
-        finally:
-            readers.close()
-            client.close()
+        client.close()
 
     print_table(table)
     # The collective byte path against the Redis path, side by side on one model and 2 actors.
