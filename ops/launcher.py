@@ -32,7 +32,8 @@ from actors.host_cache import HostCache
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
 from common.model import DRAFT_FILE
-from common.model_args import ModelArgs
+from common.model_args import layout_from_hf_config
+from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config
 from learner.presets import PresetError, ensure_preset
 from learner.warm_start import default_model_dir, ensure_model
@@ -126,7 +127,8 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
         if not config.is_file():
             raise PreflightError(f"model.path={cfg.model.path!r}: no config.json in that directory")
         try:
-            ModelArgs.from_hf_config(json.loads(config.read_text()))
+            layout = layout_from_hf_config(json.loads(config.read_text()))
+            check_rollout_support(layout, cfg.engine.name, cfg.spec.method, cfg.spec.adapter)
         except (ValueError, KeyError, json.JSONDecodeError) as e:
             raise PreflightError(f"model.path={cfg.model.path!r}: {config}: {e}") from e
     if cfg.task.path and not Path(cfg.task.path).is_file():
