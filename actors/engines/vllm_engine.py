@@ -45,6 +45,7 @@ from actors.engines.vllm_selfdraft import (
     SelfDraft,
     SpecrlSelfDraftProposerSetup,
     adaptive_control,
+    draft_dtype,
 )
 from actors.engines.vllm_setup import (
     VLLM_CPU_SPEC_INEXACT,
@@ -166,7 +167,12 @@ class VllmEngine(RolloutEngine):
             # The policy's own draft, reloaded with the target in every swap (load_weights).
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self.selfdraft = SelfDraft.from_checkpoint(
-                model_dir, spec.adapter, spec.exit_layer, version, device
+                model_dir,
+                spec.adapter,
+                spec.exit_layer,
+                version,
+                device,
+                draft_dtype(engine.vllm_draft_dtype, device),
             )
             self._setup = SpecrlSelfDraftProposerSetup(
                 self.selfdraft,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,27 @@ class SelfDraft:
         model.tie_weights()
         self.model = model.eval()
         self.version = version
+        self.vocab_ids = self.model.draft.vocab_ids if adapter else None
+        self._head: Any = None  # the draft vocabulary's LM head rows, as a linear map
+        self._pack()
+
+    def _pack(self) -> None:
+        """Bind the draft's linear maps to the platform's GEMM: on CPU, where vLLM's backend
+        has oneDNN, the prepacked kernel vLLM's CPU backend runs the target with (about 1.7x
+        faster than ``F.linear`` at 4-8 rows on the real model); elsewhere ``F.linear``. Packed
+        weights are copies: :meth:`load` calls this again after writing the new tensors."""
+        gemm = _cpu_gemm() if self.device.type == "cpu" else None
+        with torch.no_grad():
+            head = self.model.lm_head.weight
+            if self.adapter:
+                head = self.model.draft.head_weight(head)
+            for module in self.model.modules():
+                if isinstance(module, nn.Linear) and module is not self.model.lm_head:
+                    if gemm is None:
+                        module.__dict__.pop("forward", None)
+                    else:
+                        module.forward = gemm(module.weight, module.bias)
+            self._head = gemm(head, None) if gemm is not None else partial(F.linear, weight=head)
 
     def names(self) -> set[str]:
         """The tensor names the draft reads from a published version or a checkpoint."""
@@ -148,12 +170,19 @@ class SelfDraft:
         tensors and ``draft.*``)."""
         current = self.model.state_dict()
         for name, t in self._select(tensors).items():
-            current[name].copy_(t)
+            current[name].copy_(t)  # cast to the draft's dtype
+        self._pack()
         self.version = version
 
     @classmethod
     def from_checkpoint(
-        cls, model_dir: Path, adapter: bool, exit_layer: int, version: int, device: torch.device
+        cls,
+        model_dir: Path,
+        adapter: bool,
+        exit_layer: int,
+        version: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ) -> SelfDraft:
         """The draft of the checkpoint at ``model_dir`` (only the tensors it needs are read)."""
         model_dir = Path(model_dir)
@@ -177,7 +206,7 @@ class SelfDraft:
                         or (layer is not None and int(layer) < layers)
                     ):
                         tensors[name] = f.get_tensor(name)
-        return cls(args, tensors, adapter, exit_layer, version, device)
+        return cls(args, tensors, adapter, exit_layer, version, device, dtype)
 
     # ------------------------------------------------------------------ drafting
 
@@ -195,22 +224,24 @@ class SelfDraft:
         temperature: float,
         top_p: float,
     ) -> torch.Tensor:
-        """Processed log q [B, V] (whole vocabulary) at each row's position ``last`` [B] of the
-        residual stream h [B, T, H] after the exit; the adapter writes its KV at every one of
-        ``positions`` [B, T] first."""
+        """Processed log q [B, V_draft] over the draft's vocabulary (the token ids
+        ``vocab_ids``; the whole vocabulary when None) at each row's position ``last`` [B] of
+        the residual stream h [B, T, H] after the exit; the adapter writes its KV at every one
+        of ``positions`` [B, T] first."""
         if self.adapter:
             h = self.model.draft_hidden(h, positions, cache)
         h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [B, H]
         if not self.adapter:
-            return processed_logprobs(self.model.head(h[:, None])[:, 0], temperature, top_p)
-        weight = self.model.draft.head_weight(self.model.lm_head.weight)
-        q_draft = processed_logprobs(F.linear(h, weight).float(), temperature, top_p)
-        ids = self.model.draft.vocab_ids
-        if ids is None:
-            return q_draft
-        q = q_draft.new_full((q_draft.shape[0], self.args.vocab_size), float("-inf"))
-        q[:, ids] = q_draft
-        return q
+            h = self.model.model.norm(h)
+        return processed_logprobs(self._head(h).float(), temperature, top_p)
+
+    def full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the draft's vocabulary [..., V_draft] as [..., V] (zero outside)."""
+        if self.vocab_ids is None:
+            return q
+        out = q.new_zeros((*q.shape[:-1], self.args.vocab_size))
+        out[..., self.vocab_ids] = q
+        return out
 
 
 @dataclass
@@ -445,16 +476,46 @@ class SpecrlSelfDraftProposer:
                 pos = pos + 1
                 h = draft.layers(out[-1][:, None], pos, cache)
                 positions, last = pos, torch.zeros_like(last)
+            # Sampled over the draft's vocabulary, then mapped to the model's token ids.
             logq = draft.logprobs(h, positions, last, cache, self.temperature, self.top_p)
             token, _ = sample_tokens(logq, self.generator)
-            out.append(token)
+            out.append(token if draft.vocab_ids is None else draft.vocab_ids[token])
             qs.append(logq)
         proposed = torch.stack(out, dim=1).tolist()
         for rid, d in zip(ids, proposed, strict=True):
             self._rows[rid].written = self._rows[rid].written + d[:-1]
         if self.temperature == 0.0:
             return proposed, None
-        return proposed, torch.stack(qs, dim=1).exp().contiguous()
+        return proposed, draft.full_vocab(torch.stack(qs, dim=1).exp()).contiguous()
+
+
+def draft_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``engine.vllm_draft_dtype`` on ``device`` (``auto``: see the option)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if fast else torch.float32
+
+
+def _cpu_gemm():
+    """``make(weight [N, K], bias)`` -> a linear map through vLLM's prepacked oneDNN GEMM, or
+    None where the installed vLLM has no oneDNN kernel (a GPU build)."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None):
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            return partial(F.linear, weight=weight, bias=bias)
+        handler = ops.create_onednn_mm(weight.detach().t(), 32)
+        return partial(ops.onednn_mm, handler, bias=bias)
+
+    return make
 
 
 def adaptive_control(method: str, k: int, draft: SelfDraft | None) -> DraftLength:
@@ -475,5 +536,6 @@ __all__ = [
     "StaleDraftError",
     "StepTimer",
     "adaptive_control",
+    "draft_dtype",
     "pending",
 ]

@@ -66,10 +66,34 @@ def resolve_dtype(dtype: str, model_dir: Path, on_gpu: bool) -> str:
 
 
 def attach_proposer(worker) -> Any:
-    """Runs on the (in-process) worker: give the proposer the runner; return it to the engine."""
+    """Runs on the (in-process) worker: give the proposer the runner (and
+    :func:`plain_steps_without_drafts`); return it to the engine."""
     runner = worker.model_runner
     runner.drafter.runner = runner
+    plain_steps_without_drafts(runner)
     return runner.drafter
+
+
+def plain_steps_without_drafts(runner) -> None:
+    """A step in which no request has drafts samples through vLLM's plain sampler.
+
+    With a speculative config, vLLM 0.32 sends every step through its rejection sampler, drafts
+    or not (``gpu_model_runner``: ``use_spec_decode`` is the config, not the step). With no
+    drafts that sampler only samples the bonus token from the same logits as the plain
+    sampler, yet it also draws its recovery noise over the whole vocabulary and rebuilds the
+    log-probs: on the real model on CPU that made a step with ``k = 0`` 10% dearer than a plain
+    engine's step, so an adaptive draft length could not fall back to plain speed. The output
+    has the same shape either way ([rows, 1], no placeholders): the runner's later bookkeeping,
+    which still sees the step's metadata, is unchanged.
+    """
+    sample = runner._sample
+
+    def _sample(logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+        return sample(logits, spec_decode_metadata)
+
+    runner._sample = _sample
 
 
 def check_options(

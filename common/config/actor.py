@@ -191,6 +191,12 @@ class EngineConfig:
     vllm_dtype: str = "auto"
     """vLLM: weight dtype. ``auto``: from the checkpoint (on a GPU vLLM's choice: bf16 for an
     fp32 checkpoint; on CPU the checkpoint's dtype as saved)."""
+    vllm_draft_dtype: str = "auto"
+    """vLLM with ``spec=early_exit``: dtype of the self-draft's copy of its layers (``float32``,
+    ``bfloat16``, ``float16``). ``auto``: bfloat16 where the device has bf16 matrix
+    instructions (a GPU that supports it, a CPU with AVX512-BF16 or AMX), else float32. Only the
+    draft's acceptance depends on it: q is handed to the rejection sampler as computed, so the
+    output stays an exact sample of the target."""
     vllm_enforce_eager: bool | None = None
     """vLLM: eager mode. Unset: CUDA graphs on a GPU, eager on CPU."""
     vllm_tensor_parallel_size: int = 1
@@ -211,6 +217,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         require_choice("engine.name", self.name, ENGINE_NAMES)
         require_choice("engine.torch_dtype", self.torch_dtype, TORCH_DTYPES)
+        require_choice("engine.vllm_draft_dtype", self.vllm_draft_dtype, TORCH_DTYPES)
         require_at_least(
             "engine", self, max_rows=0, vllm_max_model_len=16, vllm_tensor_parallel_size=1
         )

@@ -59,32 +59,39 @@ def acceptance(engine: VllmEngine, n: int = 4) -> float:
     return engine.stats()["spec/acceptance_rate"]
 
 
-def test_sampling_through_the_self_draft_is_exact_and_uses_its_q(tmp_path):
-    # An enumerable model (vocabulary 6, 3 tokens) with an adapter over 5 of the 6 tokens whose
-    # drafts differ from the model (perturbed): every completion's probability is known.
+PROMPT, NO_EOS, TEMPERATURE = [1, 4, 5, 4], 99, 0.7
+"""The enumerable checks' prompt, an EOS id outside the vocabulary, and the temperature."""
+
+
+def enumerable_engine(path, seed: int) -> tuple[VllmEngine, dict[tuple[int, ...], float]]:
+    """An engine drafting with an enumerable model (vocabulary 6, 3 tokens) whose adapter covers
+    5 of the 6 tokens and drafts differently from the model (perturbed), and the exact log-prob
+    of every completion of PROMPT."""
     spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
     model = with_adapter(peaky_model(6, 1, 6.0), spec, ADAPTER_VOCAB)
-    prompt, no_eos, temperature = [1, 4, 5, 4], 99, 0.7
-    exact = exact_sequence_logprobs(model, prompt, 3, temperature, 1.0, no_eos)
-    save_pretrained(model, tmp_path)
+    save_pretrained(model, path)
+    config = EngineConfig(vllm_max_model_len=32)
     engine = VllmEngine(
-        tmp_path,
-        no_eos,
-        EngineConfig(vllm_max_model_len=32),
-        spec=spec,
-        inflight="keep",
-        temperature=temperature,
-        seed=5,
+        path, NO_EOS, config, spec=spec, inflight="keep", temperature=TEMPERATURE, seed=seed
     )
+    return engine, exact_sequence_logprobs(model, PROMPT, 3, TEMPERATURE, 1.0, NO_EOS)
+
+
+def other_model() -> dict[tuple[int, ...], float]:
+    """The exact completions' log-probs of another model: a negative control."""
+    return exact_sequence_logprobs(peaky_model(6, 2, 6.0), PROMPT, 3, TEMPERATURE, 1.0, NO_EOS)
+
+
+def test_sampling_through_the_self_draft_is_exact_and_uses_its_q(tmp_path):
+    engine, exact = enumerable_engine(tmp_path, seed=5)
     out = []
     for _ in range(15):
-        out += engine.generate([prompt], 100, 3)[0]
+        out += engine.generate([PROMPT], 100, 3)[0]
     stats = engine.stats()
     assert stats["spec/draft_tokens"] > 1000 and 0.05 < stats["spec/acceptance_rate"] < 0.99
     assert rollouts_pvalue(exact, out) > 0.01
     # Negative control 1: the same samples against another model's distribution fail.
-    other = exact_sequence_logprobs(peaky_model(6, 2, 6.0), prompt, 3, temperature, 1.0, no_eos)
-    assert rollouts_pvalue(other, out) < 0.01
+    assert rollouts_pvalue(other_model(), out) < 0.01
     # Negative control 2: the rejection sampler reads the q the proposer hands it: a wrong one
     # (q at temperature 3 while the drafts are drawn at 0.7) makes the output inexact.
     proposer = engine.proposer
@@ -92,14 +99,73 @@ def test_sampling_through_the_self_draft_is_exact_and_uses_its_q(tmp_path):
 
     def wrong_q(ids, contexts, k):
         proposed, q = draft(ids, contexts, k)
-        flat = q.pow(1 / 3.0 * temperature)
+        flat = q.pow(1 / 3.0 * TEMPERATURE)
         return proposed, (flat / flat.sum(-1, keepdim=True)).contiguous()
 
     proposer._draft = wrong_q
     bad = []
     for _ in range(15):
-        bad += engine.generate([prompt], 100, 3)[0]
+        bad += engine.generate([PROMPT], 100, 3)[0]
     assert rollouts_pvalue(exact, bad) < 0.01
+
+
+def test_a_step_without_drafts_samples_through_the_plain_sampler_exactly(tmp_path):
+    # With a speculative config vLLM sends every step through its rejection sampler; a step
+    # whose requests have no drafts (k = 0: what an adaptive length picks when drafting does
+    # not pay) takes the plain sampler instead (vllm_setup.plain_steps_without_drafts).
+    engine, exact = enumerable_engine(tmp_path, seed=7)
+    runner = engine.proposer.runner
+    calls = {"n": 0}
+    forward = runner.rejection_sampler.forward
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return forward(*args, **kwargs)
+
+    runner.rejection_sampler.forward = counted
+    engine.generate([PROMPT], 4, 3)
+    assert calls["n"] > 0 and engine.stats()["spec/draft_tokens"] > 0  # drafts: rejection
+    engine.proposer.k = 0  # no request drafts in any step
+    calls["n"] = 0
+    out = []
+    for _ in range(15):
+        out += engine.generate([PROMPT], 100, 3)[0]
+    assert calls["n"] == 0 and engine.stats()["spec/draft_tokens"] == 0
+    assert rollouts_pvalue(exact, out) > 0.01
+    assert rollouts_pvalue(other_model(), out) < 0.01
+
+
+def test_the_packed_draft_follows_each_load(monkeypatch):
+    # On CPU the draft's linear maps run through prepacked oneDNN copies of its weights: a load
+    # must repack them, or the draft would keep drafting from the previous version.
+    from actors.engines import vllm_selfdraft
+    from actors.engines.vllm_selfdraft import SelfDraft
+    from actors.paged_cache import PagedKVCache
+
+    if vllm_selfdraft._cpu_gemm() is None:
+        pytest.skip("this vLLM build has no oneDNN GEMM")
+    old, new = drafting_model(0), drafting_model(1)
+    cpu = torch.device("cpu")
+    packed = SelfDraft(old.args, old.state_dict(), True, 0, 0, cpu)
+    assert "forward" in vars(packed.model.model.layers[0].mlp.up_proj)  # the packed kernel
+
+    def logq(draft: SelfDraft) -> torch.Tensor:
+        cache = PagedKVCache(draft.args, 16, cpu, torch.float32)
+        for row in (0, 1):
+            cache.reserve(row, 8)
+        bound = cache.bind([0, 1])
+        tokens = torch.tensor([[1, 5, 6, 7], [1, 9, 3, 2]])
+        positions = torch.arange(4).expand(2, 4)
+        h = draft.layers(tokens, positions, bound)
+        return draft.logprobs(h, positions, torch.tensor([3, 3]), bound, 1.0, 1.0)
+
+    before = logq(packed)
+    packed.load(1, new.state_dict())
+    monkeypatch.setattr(vllm_selfdraft, "_cpu_gemm", lambda: None)  # F.linear throughout
+    reference = SelfDraft(new.args, new.state_dict(), True, 0, 1, cpu)
+    assert "forward" not in vars(reference.model.model.layers[0].mlp.up_proj)
+    assert torch.allclose(logq(packed), logq(reference), atol=1e-4)
+    assert not torch.allclose(before, logq(reference), atol=1e-2)
 
 
 def test_draft_reloads_in_the_swap_and_a_stale_draft_loses_acceptance(tmp_path):

@@ -56,6 +56,7 @@ def test_defaults_and_overrides():
         ("spec.ngram_sources=everything", "'everything'"),
         ("engine.name=tgi", "'tgi'"),
         ("engine.torch_dtype=int8", "'int8'"),
+        ("engine.vllm_draft_dtype=int8", "'int8'"),
         ("learner.precision=fp8", "'fp8'"),
         ("learner.model_impl=jax", "'jax'"),
         ("learner.publish_upload=cloud", "'cloud'"),
