@@ -28,7 +28,6 @@ its current version otherwise.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -49,7 +48,7 @@ from common.weights.format import (
     WeightsNonFinite,
     dtype_name,
 )
-from common.weights.manifest import digest_of_digests
+from common.weights.manifest import digest_of_digests, parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -284,13 +283,7 @@ def read_manifest(
     while True:
         raw = client.get(key)
         if raw is not None:
-            try:
-                manifest = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise WeightsCorrupt(f"version {version}: collective manifest is not JSON") from e
-            if not isinstance(manifest, dict):
-                raise WeightsCorrupt(f"version {version}: collective manifest is not an object")
-            return manifest
+            return parse_manifest(raw, f"version {version}: collective manifest")
         if time.monotonic() >= deadline:
             return None
         time.sleep(pause)

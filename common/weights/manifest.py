@@ -5,6 +5,7 @@ suffices on both sides."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,18 @@ def sha256_of(data: memoryview) -> bytes:
 def digest_of_digests(chunk_sha256: list[str]) -> str:
     """sha256 over the concatenated chunk digests: one checksum for the whole version."""
     return hashlib.sha256(b"".join(bytes.fromhex(h) for h in chunk_sha256)).hexdigest()
+
+
+def parse_manifest(raw: bytes | str, what: str) -> dict[str, Any]:
+    """A manifest as stored in Redis, parsed; raises ``WeightsCorrupt`` naming ``what`` unless it
+    is a JSON object."""
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightsCorrupt(f"{what} is not valid JSON: {e}") from e
+    if not isinstance(manifest, dict):
+        raise WeightsCorrupt(f"{what} is not a JSON object")
+    return manifest
 
 
 def check_manifest(run_id: str, version: int, manifest: dict[str, Any] | None) -> dict[str, Any]:

@@ -10,7 +10,6 @@ complete is docs/design.md §6.1.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Self
@@ -20,9 +19,8 @@ import torch
 
 from common.config.run import RedisConfig
 from common.weights.connection import portable_kwargs
-from common.weights.format import WeightsCorrupt
 from common.weights.keys import weights_latest_key, weights_manifest_key
-from common.weights.manifest import check_manifest
+from common.weights.manifest import check_manifest, parse_manifest
 
 
 @dataclass(frozen=True)
@@ -110,13 +108,7 @@ class WeightStore:
         raw = self.client.get(weights_manifest_key(self.run_id, version))
         if raw is None:
             return None
-        try:
-            manifest = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WeightsCorrupt(f"manifest of version {version} is not valid JSON: {e}") from e
-        if not isinstance(manifest, dict):
-            raise WeightsCorrupt(f"manifest of version {version} is not a JSON object")
-        return manifest
+        return parse_manifest(raw, f"manifest of version {version}")
 
     def checked_manifest(self, version: int) -> dict[str, Any]:
         """The manifest of ``version`` once it is one a reader can use (``check_manifest``)."""

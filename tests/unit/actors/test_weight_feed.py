@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -68,42 +70,47 @@ def writer(redis_client: redis.Redis) -> WeightWriter:
     return store
 
 
-def start_feed(client: redis.Redis) -> tuple[ScriptedReader, RedisWeightFeed]:
-    """A feed on version 1 (what the engine holds), with a quick fallback poll of ``latest``."""
+@contextmanager
+def running_feed(client: redis.Redis) -> Iterator[tuple[ScriptedReader, RedisWeightFeed]]:
+    """A feed on version 1 (what the engine holds), with a quick fallback poll of ``latest``;
+    closed with its watcher on the way out (closing twice is harmless)."""
     reader = ScriptedReader(client, RUN)
     watcher = VersionWatcher.of_store(reader, last_seen=1, poll_interval_s=0.05)
-    return reader, RedisWeightFeed(reader, watcher, current=1, poll_s=0.05)
+    feed = RedisWeightFeed(reader, watcher, current=1, poll_s=0.05)
+    try:
+        yield reader, feed
+    finally:
+        feed.close()
+        watcher.close()
 
 
 def test_generate_keeps_decoding_while_a_slow_fetch_runs_and_swaps_after_it(
     redis_client: redis.Redis, writer: WeightWriter
 ) -> None:
-    reader, feed = start_feed(redis_client)
-    reader.delay_s = 1.0  # the fetch of version 2 takes at least a second
     engine = TorchEngine(random_model(VOCAB, seed=1), NO_EOS, 0, version=1)
     meter = StallMeter()
     polls: list[float] = []
     swaps: list[float] = []
-
-    def source():
-        polls.append(time.perf_counter())
-        update = take(feed, meter)
-        if update is not None:
-            swaps.append(time.perf_counter())
-        return update
-
-    publish = threading.Timer(0.2, writer.publish, args=(2, state(2)))
-    publish.start()
-    deadline = time.monotonic() + 30.0
     last = []
-    try:
-        with meter.running(feed):
-            while engine.version < 2 and time.monotonic() < deadline:
-                last = engine.generate([[1, 2, 3]], 2, 24, weight_source=source)[0]
-    finally:
-        publish.join()
-        feed.close()
-        feed.watcher.close()
+    with running_feed(redis_client) as (reader, feed):
+        reader.delay_s = 1.0  # the fetch of version 2 takes at least a second
+
+        def source():
+            polls.append(time.perf_counter())
+            update = take(feed, meter)
+            if update is not None:
+                swaps.append(time.perf_counter())
+            return update
+
+        publish = threading.Timer(0.2, writer.publish, args=(2, state(2)))
+        publish.start()
+        deadline = time.monotonic() + 30.0
+        try:
+            with meter.running(feed):
+                while engine.version < 2 and time.monotonic() < deadline:
+                    last = engine.generate([[1, 2, 3]], 2, 24, weight_source=source)[0]
+        finally:
+            publish.join()
     [(version, started, ended)] = reader.fetched
     assert version == 2 and engine.version == 2
     during = [t for t in polls if started < t < ended]
@@ -122,40 +129,31 @@ def test_a_refused_version_keeps_the_weights_and_the_next_good_one_arrives(
     chunk = bytearray(redis_client.get(weights_chunk_key(RUN, 2, 0)))
     chunk[-1] ^= 0xFF  # the checksum no longer matches
     redis_client.set(weights_chunk_key(RUN, 2, 0), bytes(chunk))
-    reader, feed = start_feed(redis_client)
-    try:
+    with running_feed(redis_client) as (reader, feed):
         wait_until(lambda: feed.stats()[mn.ACTOR_WEIGHT_FETCH_FAILURES] >= 1)
         assert reader.started[0] == 2 and reader.fetched == []
         assert feed.poll() is None  # nothing to swap in: the engine keeps version 1
         writer.publish(3, state(3))
         update = feed.wait(timeout_s=5.0)
         assert update is not None and update[0] == 3 and same(update[1], state(3))
-    finally:
-        feed.close()
-        feed.watcher.close()
 
 
 def test_redis_away_during_a_fetch_is_retried(
     redis_client: redis.Redis, writer: WeightWriter
 ) -> None:
-    reader, feed = start_feed(redis_client)
-    reader.raise_first = [redis.ConnectionError("Redis went away")]
-    try:
+    with running_feed(redis_client) as (reader, feed):
+        reader.raise_first = [redis.ConnectionError("Redis went away")]
         writer.publish(2, state(2))
         update = feed.wait(timeout_s=5.0)
         assert update is not None and update[0] == 2 and same(update[1], state(2))
         assert feed.stats()[mn.ACTOR_WEIGHT_FETCH_FAILURES] == 1
         assert reader.started == [2, 2]
-    finally:
-        feed.close()
-        feed.watcher.close()
 
 
 def test_a_newer_version_replaces_one_not_taken_yet(
     redis_client: redis.Redis, writer: WeightWriter
 ) -> None:
-    reader, feed = start_feed(redis_client)
-    try:
+    with running_feed(redis_client) as (reader, feed):
         writer.publish(2, state(2))
         wait_until(lambda: [v for v, _, _ in reader.fetched] == [2])
         writer.publish(3, state(3))
@@ -165,37 +163,34 @@ def test_a_newer_version_replaces_one_not_taken_yet(
         assert update is not None and update[0] == 3 and same(update[1], state(3))
         assert feed.stats()[mn.ACTOR_WEIGHT_SUPERSEDED] == 1
         assert feed.poll() is None
-    finally:
-        feed.close()
-        feed.watcher.close()
 
 
 def test_an_unexpected_error_is_raised_on_the_loop_and_close_joins_the_thread(
     redis_client: redis.Redis, writer: WeightWriter
 ) -> None:
-    reader, feed = start_feed(redis_client)
-    reader.raise_first = [RuntimeError("a bug in the fetch")]
-    writer.publish(2, state(2))
-    with pytest.raises(RuntimeError, match="a bug in the fetch"):
-        feed.wait(timeout_s=5.0)
-    feed.close()
-    feed.watcher.close()
-    assert "weight-feed" not in {t.name for t in threading.enumerate()}
+    with running_feed(redis_client) as (reader, feed):
+        reader.raise_first = [RuntimeError("a bug in the fetch")]
+        writer.publish(2, state(2))
+        with pytest.raises(RuntimeError, match="a bug in the fetch"):
+            feed.wait(timeout_s=5.0)
+        feed.close()
+        feed.watcher.close()
+        assert "weight-feed" not in {t.name for t in threading.enumerate()}
 
 
 def test_close_waits_for_the_fetch_in_progress_and_joins(
     redis_client: redis.Redis, writer: WeightWriter
 ) -> None:
-    reader, feed = start_feed(redis_client)
-    reader.delay_s = 0.5
-    writer.publish(2, state(2))
-    wait_until(lambda: reader.started == [2])
-    assert feed.delivering
-    feed.close()
-    feed.watcher.close()
-    assert [v for v, _, _ in reader.fetched] == [2]  # finished, then stopped
-    assert "weight-feed" not in {t.name for t in threading.enumerate()}
-    assert not feed.delivering
+    with running_feed(redis_client) as (reader, feed):
+        reader.delay_s = 0.5
+        writer.publish(2, state(2))
+        wait_until(lambda: reader.started == [2])
+        assert feed.delivering
+        feed.close()
+        feed.watcher.close()
+        assert [v for v, _, _ in reader.fetched] == [2]  # finished, then stopped
+        assert "weight-feed" not in {t.name for t in threading.enumerate()}
+        assert not feed.delivering
 
 
 def test_stall_meter_counts_blocked_time_during_deliveries_only() -> None:
