@@ -119,9 +119,10 @@ class SelfDraft:
 
     def _pack(self) -> None:
         """Bind the draft's linear maps to the platform's GEMM: on CPU, where vLLM's backend
-        has oneDNN, the prepacked kernel vLLM's CPU backend runs the target with (about 1.7x
-        faster than ``F.linear`` at 4-8 rows on the real model); elsewhere ``F.linear``. Packed
-        weights are copies: :meth:`load` calls this again after writing the new tensors."""
+        has oneDNN, the prepacked kernel vLLM's CPU backend runs the target with (faster than
+        ``F.linear`` at decoding's few rows: the proposer's share of a self-draft row's time in
+        ``benchmarks/engines.py --only real``); elsewhere ``F.linear``. Packed weights are
+        copies: :meth:`load` calls this again after writing the new tensors."""
         gemm = _cpu_gemm() if self.device.type == "cpu" else None
         with torch.no_grad():
             head = self.model.lm_head.weight

@@ -81,8 +81,8 @@ def plain_steps_without_drafts(runner) -> None:
     or not (``gpu_model_runner``: ``use_spec_decode`` is the config, not the step). With no
     drafts that sampler only samples the bonus token from the same logits as the plain
     sampler, yet it also draws its recovery noise over the whole vocabulary and rebuilds the
-    log-probs: on the real model on CPU that made a step with ``k = 0`` 10% dearer than a plain
-    engine's step, so an adaptive draft length could not fall back to plain speed. The output
+    log-probs: on CPU that makes a step with ``k = 0`` dearer than a plain engine's step, so an
+    adaptive draft length could not fall back to plain speed. The output
     has the same shape either way ([rows, 1], no placeholders): the runner's later bookkeeping,
     which still sees the step's metadata, is unchanged.
     """
