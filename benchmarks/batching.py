@@ -210,7 +210,6 @@ def main() -> int:
     torch.set_num_threads(1)
     device = torch.device(opts.device)
     info = provenance()
-    info["command"] = "python benchmarks/batching.py " + " ".join(sys.argv[1:])
     started = time.perf_counter()
 
     work = next(w for w in workloads(False) if w.label == "scratchpad")

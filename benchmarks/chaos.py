@@ -494,7 +494,6 @@ def main() -> int:
     result |= {
         "wall_s": round(time.monotonic() - started, 1),
         "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
-        "command": "python benchmarks/chaos.py" + (" --quick" if args.quick else ""),
     }
     result["checks"] = checks(result)
     result["passed"] = all(result["checks"].values())

@@ -1,6 +1,7 @@
 """What every benchmark script shares: its command line (the module docstring as help, ``--json``),
-how it ends (the run's seconds and load average added, the figures written as one JSON object),
-and the random-weight models and GRPO groups it measures."""
+how it ends (the run's seconds and load average added, the figures written as one JSON object
+with the commit, worktree state and command that made them), and the random-weight models and
+GRPO groups it measures."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROVENANCE_KEYS = ("commit", "dirty", "command")
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -35,10 +42,53 @@ def finish(figures: dict[str, Any], path: Path | None, started: float | None = N
 
 
 def write_json(figures: dict[str, Any], path: Path | None) -> None:
-    """``figures`` as one indented JSON object in ``path`` (its folder made), if a path is given."""
+    """``figures`` as one indented JSON object in ``path`` (its folder made), if a path is given,
+    with ``commit``, ``dirty`` and ``command`` (:func:`provenance`) added where the caller has
+    not set them."""
     if path is not None:
+        for key, value in provenance().items():
+            figures.setdefault(key, value)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Where figures come from: ``commit`` (``git rev-parse HEAD``, None outside a checkout),
+    ``dirty`` (tracked files changed since it, per ``git status --porcelain``; None when git
+    cannot tell) and ``command``, the command line as run (``argv``, default ``sys.argv``)."""
+    head = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": head or None,
+        "dirty": None if status is None or not head else bool(status),
+        "command": command_line(sys.argv if argv is None else argv),
+    }
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """``argv`` as typed from the repository root: ``python benchmarks/x.py ...`` for a script,
+    ``python -m benchmarks.x ...`` when the script runs as a module."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        head = ["python", "-m", spec.name.removesuffix(".__main__")]
+    else:
+        script = Path(argv[0]) if argv and argv[0] else Path("-")
+        if script.resolve().is_relative_to(ROOT):
+            script = script.resolve().relative_to(ROOT)
+        head = ["python", str(script)]
+    return shlex.join([*head, *argv[1:]])
+
+
+def _git(*args: str) -> str | None:
+    """``git args`` in the repository: its stripped output, None if git fails or is missing."""
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
 
 
 def target(name: str, value: float, goal: float) -> dict[str, Any]:

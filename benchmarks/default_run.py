@@ -57,7 +57,7 @@ def main() -> int:
         summary = json.loads((Path(cwd) / "runs" / "readme-default" / "summary.json").read_text())
     figures = {k: summary[k] for k in KEYS if k in summary}
     figures |= {
-        "command": "specrl run run.name=readme-default " + " ".join(opts.overrides),
+        "run_command": " ".join(["specrl run run.name=readme-default", *opts.overrides]),
         "command_seconds": round(seconds, 1),
         "cpu_count": os.cpu_count(),
     }

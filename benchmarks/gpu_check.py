@@ -354,7 +354,6 @@ def environment(plan: Plan, device: torch.device, mode: str) -> dict[str, Any]:
         "imports_blocked": [n for n in ABSENT_ON_DEVICE if sys.modules.get(n, 0) is None],
         "engine_dtype": dtype_name(plan.dtype),
         "plan": {k: v for k, v in asdict(plan).items() if k != "dtype"},
-        "command": " ".join(sys.argv),
     }
     figures["engine_shape_checked_against"] = check_engine_shape(plan)
     return figures

@@ -491,7 +491,6 @@ def report(results: list[dict], opts: argparse.Namespace, machine: dict, seconds
             "layouts": {f"{r['actors']}_actors": r for r in results},
             "best_layout_async_over_best_layout_sync_samples_per_s": best_ratio,
             "machine": machine,
-            "command": " ".join(["python", *sys.argv]),
             "quick": opts.quick,
             "seconds": round(seconds, 1),
         }

@@ -371,15 +371,10 @@ def goal_notes(
 
 
 def provenance() -> dict[str, object]:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip()
-
+    """The command, commit and worktree state (:func:`cli.provenance`), the machine and versions."""
     cpu = cli.cpu_model()
     return {
-        "command": "python benchmarks/rollout.py " + " ".join(sys.argv[1:]),
-        "commit": git("rev-parse", "HEAD"),
-        "worktree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        **cli.provenance(),
         "machine": f"{os.cpu_count()} CPUs, {cpu}, {platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -211,6 +211,14 @@ TABLE_HEAD = [
 # ------------------------------------------------------------------ RL: end to end, draft drift
 
 E2E_STEPS = 20
+# Copied from each RL run's summary.json (ops/run_summary.py) as real_e2e_{spec}_{key}.
+RL_SUMMARY_KEYS = (
+    "actor_tokens_per_s",
+    "trained_tokens_per_s",
+    "groups_dropped_stale",
+    "learner_wait_frac",
+    "spec_acceptance_rate",
+)
 
 
 def _rl_run(label: str, steps: int, extra: list[str]) -> tuple[float, dict, Path]:
@@ -265,7 +273,7 @@ def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, obje
         wall, summary, run_dir = _rl_run(label, steps, extra)
         walls[label] = wall
         flat[f"real_e2e_{label}_wall_s"] = round(wall, 1)
-        for key in ("actor_tokens_per_s", "learner_wait_frac", "spec_acceptance_rate"):
+        for key in RL_SUMMARY_KEYS:
             if key in summary:
                 flat[f"real_e2e_{label}_{key}"] = summary[key]
     flat["real_e2e_speedup"] = round(walls["none"] / walls["default"], 3)

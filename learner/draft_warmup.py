@@ -203,7 +203,13 @@ def turn_end_ids(tokenizer: Tokenizer) -> set[int]:
     try:
         ids = hf.apply_chat_template(messages, tokenize=True)
         ids = [int(i) for i in (ids if isinstance(ids, list) else ids["input_ids"])]
-    except Exception:  # noqa: BLE001 - a template that cannot render this adds no ids
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render this adds no ids
+        log.warning(
+            "the chat template did not render a two-message chat (%s: %s): the draft will not "
+            "be taught to propose the end of a turn, so acceptance there will be lower",
+            type(exc).__name__,
+            exc,
+        )
         return set()
     reply = tokenizer.encode("42")
     for start in range(len(ids) - len(reply), -1, -1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -153,3 +154,80 @@ def test_random_model_takes_sizes_or_fields_and_builds_in_the_asked_dtype() -> N
     assert torch.get_default_dtype() == torch.float32  # restored
     with pytest.raises(TypeError, match="six sizes by position or none"):
         cli.random_model(64, 32)
+
+
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+
+
+def test_write_json_adds_commit_dirty_and_command_unless_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = Path(cli.__file__).parent / "example.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--json", "out dir/x.json"])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # run as a script
+    out = tmp_path / "x.json"
+    cli.write_json({"figure": 1.5}, out)
+    written = json.loads(out.read_text())
+    assert written["figure"] == 1.5
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=cli.ROOT, capture_output=True, text=True, check=True
+    )
+    assert written["commit"] == head.stdout.strip()
+    assert isinstance(written["dirty"], bool)
+    assert written["command"] == "python benchmarks/example.py --json 'out dir/x.json'"
+
+    cli.write_json({"commit": "abc", "dirty": None, "command": "by hand"}, out)
+    assert json.loads(out.read_text()) == {"commit": "abc", "dirty": None, "command": "by hand"}
+
+
+def test_every_committed_result_says_where_it_comes_from() -> None:
+    paths = sorted(RESULTS.glob("*.json"))
+    assert paths
+    for path in paths:
+        figures = json.loads(path.read_text())
+        missing = [k for k in cli.PROVENANCE_KEYS if k not in figures]
+        assert not missing, (path.name, missing)
+        assert figures["commit"] and figures["command"], path.name
+        assert figures["dirty"] in (True, False, None), path.name
+
+
+def test_every_benchmark_writes_its_json_through_cli() -> None:
+    # cli.write_json adds the provenance; a script that writes its figures itself would not.
+    for path in sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py")):
+        if path.name == "cli.py":
+            continue
+        text = path.read_text()
+        assert "json.dump(" not in text, path.name
+        for line in text.splitlines():
+            if ".write_text(json.dumps" in line:
+                assert "rank" in line, (path.name, line)  # learner.py's per-rank scratch files
+
+
+def test_scratchpad_rl_reads_a_run_into_the_committed_format(tmp_path: Path) -> None:
+    from benchmarks import scratchpad_rl
+    from common import metric_names as mn
+
+    rows = [
+        {
+            mn.LEARNER_STEP: i + 1,
+            mn.LEARNER_VERSION: i + 1,
+            mn.LEARNER_REWARD_MEAN: 0.1 * (i % 3),
+            mn.LEARNER_GROUPS: 16,
+            mn.LEARNER_WALL_S: 2.0 * (i + 1),
+            mn.ACTOR_TOKENS_PER_S: 100.0,
+            mn.SPEC_ACCEPTANCE_RATE: 0.5,
+        }
+        for i in range(10)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("task:\n  partial_credit: 0.5\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"wall_s": 21.5}))
+    out = scratchpad_rl.figures(tmp_path)
+    assert out["steps"] == 10 and out["wall_s"] == 21.5 and out["groups_trained"] == 160
+    quarters = out["reward_by_quarter"]
+    assert [q["steps"] for q in quarters] == [[1, 2], [3, 5], [6, 7], [8, 10]]
+    assert quarters[0]["reward_mean"] == 0.05 and quarters[0]["standard_error"] == 0.05
+    committed = json.loads((RESULTS / "scratchpad_rl_15min.json").read_text())
+    by_hand = {"command", "commit", "dirty", "machine", "provenance_note"}
+    assert set(out) == set(committed) - by_hand
+    assert set(quarters[0]) == set(committed["reward_by_quarter"][0])

@@ -11,6 +11,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from learner.draft_warmup import (
     restricted_kl_sum,
     sample_group,
     tokens_per_verify,
+    turn_end_ids,
     warm_draft,
 )
 from learner.warm_start import default_model_dir, warm_start
@@ -170,3 +172,31 @@ def test_bad_input_is_refused_before_sampling(tiny_dir, tmp_path, capsys):
     assert not (tiny_dir / DRAFT_FILE).exists()
     with pytest.raises(WarmDraftError, match="--holdout"):
         warm_draft(load_config([f"model.path={tiny_dir}"]), WarmDraftOptions(holdout=1.0))
+
+
+class _ChatTokenizer:
+    """A tokenizer whose chat template renders ``rendered`` (or raises it, if an exception)."""
+
+    def __init__(self, rendered: object) -> None:
+        def apply_chat_template(messages: list[dict], tokenize: bool) -> list[int]:
+            if isinstance(rendered, Exception):
+                raise rendered
+            return rendered
+
+        self._tokenizer = SimpleNamespace(
+            chat_template="{{ messages }}", apply_chat_template=apply_chat_template
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return [42] if text == "42" else [7]
+
+
+def test_turn_end_ids_are_what_follows_the_reply() -> None:
+    assert turn_end_ids(_ChatTokenizer([1, 9, 7, 2, 42, 5, 3])) == {5, 3}
+
+
+def test_a_chat_template_that_fails_is_logged_not_silent(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="learner.draft_warmup"):
+        assert turn_end_ids(_ChatTokenizer(ValueError("no such variable"))) == set()
+    assert "chat template did not render" in caplog.text
+    assert "ValueError: no such variable" in caplog.text
