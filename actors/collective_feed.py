@@ -6,8 +6,11 @@ member (common/weights/collective.py).
 the group and receives broadcast versions (each checked against its collective manifest in Redis
 before it is offered), the other follows Redis (``VersionWatcher``, ``WeightReader``) whenever the
 actor is not a member: before it joins, when it cannot, and after the group is lost or the
-learner left. A version that fails its checks is logged and counted, and the feed keeps what it
-has. ``CollectiveReceiver`` is one membership of the group.
+learner left; and also while it is a member, once Redis ``latest`` has been ahead of the version
+it holds for ``fallback_s`` (a version the sender failed to deliver: counted as
+``actor/weight_group_fallbacks``). Joining takes the run's group secret from Redis and proves it
+to the sender (common/weights/collective.py). A version that fails its checks is logged and
+counted, and the feed keeps what it has. ``CollectiveReceiver`` is one membership of the group.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ from common.weights.collective import (
     WeightsGroup,
     bucket_ranges,
     bucket_sha256,
+    check_device,
     check_received,
     hash_threads,
+    join_proof,
     read_manifest,
+    read_secret,
     slots,
     store_client,
     views,
@@ -77,7 +83,9 @@ class CollectiveReceiver:
         self.join_timeout_s, self.timeout_s = join_timeout_s, timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.device = torch.device(device)
+        check_device(self.device)
         self.store: dist.TCPStore | None = None
+        self._secret = ""
         self.group: WeightsGroup | None = None
         self.last_version_s = 0.0
         self.last_op = time.monotonic()
@@ -90,20 +98,29 @@ class CollectiveReceiver:
         return self.group.epoch if self.group is not None else 0
 
     def join(self) -> None:
-        """Take a ticket and build the epoch the sender answers with (``CollectiveError`` if no
-        sender answers within ``join_timeout_s``)."""
+        """Take a ticket, prove the run's secret (read from Redis) and build the epoch the
+        sender answers with, then prove the secret over it (``CollectiveError`` if no sender
+        answers within ``join_timeout_s``, or it refuses the ticket)."""
         self.leave()
+        secret = read_secret(self.client, self.run_id)
         store = store_client(self.address, self.join_timeout_s)
         try:
             ticket = store.add(JOINS, 1)
+            store.set(f"proof/{ticket}", join_proof(secret, self.run_id, ticket))
             key = f"ticket/{ticket}"
             store.wait([key], timedelta(seconds=self.join_timeout_s))
             answer = json.loads(store.get(key))
+            if "refused" in answer:
+                raise CollectiveError(
+                    f"the weights group at {self.address} refused ticket {ticket}: "
+                    f"{answer['refused']}"
+                )
             epoch, rank, size = int(answer["epoch"]), int(answer["rank"]), int(answer["size"])
         except (RuntimeError, OSError, ValueError, KeyError, TypeError) as e:
             raise CollectiveError(f"could not join the weights group at {self.address}: {e}") from e
-        self.group = WeightsGroup(store, epoch, rank, size, self.device, self.join_timeout_s)
-        self.store = store
+        group = WeightsGroup(store, epoch, rank, size, self.device, self.join_timeout_s)
+        group.authenticate(secret, self.run_id, self.join_timeout_s)
+        self.group, self.store, self._secret = group, store, secret
 
     def leave(self) -> None:
         """Drop the group (its sockets close: the sender sees this member gone)."""
@@ -132,9 +149,9 @@ class CollectiveReceiver:
             raise CollectiveLeft("the learner closed the weights group")
         if op == OP_REGROUP:
             self.group = None
-            self.group = WeightsGroup(
-                self.store, a, group.rank, b, self.device, self.join_timeout_s
-            )
+            regrouped = WeightsGroup(self.store, a, group.rank, b, self.device, self.join_timeout_s)
+            regrouped.authenticate(self._secret, self.run_id, self.join_timeout_s)
+            self.group = regrouped
             return None
         if op != OP_VERSION:
             raise CollectiveError(f"weights group: unknown operation {op}")
@@ -185,7 +202,9 @@ class CollectiveFeed(ReadySlot):
     """A :class:`~actors.weight_feed.WeightFeed` whose versions come from the weights group at
     ``address`` while the actor is a member, else from Redis through ``reader`` (``address``
     None: Redis only). ``current``: the version the engine holds (-1: none); ``rejoin_s``: the
-    pause before joining again after a failed join or after the learner left."""
+    pause before joining again after a failed join or after the learner left; ``fallback_s``:
+    how long Redis ``latest`` may be ahead of a member's newest version before the member
+    fetches it from Redis."""
 
     JOIN_TIMEOUT_S = 5.0
     SILENT_S = 3 * HEARTBEAT_S
@@ -201,6 +220,7 @@ class CollectiveFeed(ReadySlot):
         timeout_s: float = 60.0,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         poll_interval_s: float = 1.0,
+        fallback_s: float = 30.0,
         device: str | torch.device = "cpu",
     ) -> None:
         super().__init__(current)
@@ -208,9 +228,19 @@ class CollectiveFeed(ReadySlot):
         self.address = address
         self.rejoin_s = rejoin_s
         self.poll_interval_s = poll_interval_s
+        self.fallback_s = fallback_s
         self._member = threading.Event()
         self.counts = dict.fromkeys(
-            ("collective", "redis", "refused", "joins", "join_failures", "group_losses"), 0
+            (
+                "collective",
+                "redis",
+                "refused",
+                "joins",
+                "join_failures",
+                "group_losses",
+                "fallbacks",
+            ),
+            0,
         )
         self.receiver = (
             CollectiveReceiver(
@@ -240,6 +270,7 @@ class CollectiveFeed(ReadySlot):
             join_timeout_s=cfg.actor.weights_group_join_timeout_s,
             rejoin_s=cfg.actor.weights_group_join_timeout_s,
             timeout_s=cfg.learner.weights_group_timeout_s,
+            fallback_s=cfg.actor.weights_group_fallback_s,
             device=cfg.actor.device,
         )
 
@@ -265,12 +296,13 @@ class CollectiveFeed(ReadySlot):
             **super().stats(),
             mn.ACTOR_WEIGHT_VERSIONS_COLLECTIVE: self.counts["collective"],
             mn.ACTOR_WEIGHT_VERSIONS_REDIS: self.counts["redis"],
+            mn.ACTOR_WEIGHT_GROUP_FALLBACKS: self.counts["fallbacks"],
         }
 
     def group_stats(self) -> dict[str, float]:
         """Versions by path (``collective``, ``redis``), ``refused`` by the group's checks,
-        ``joins``, ``join_failures``, ``group_losses``, ``member`` (0/1), ``epoch`` and the
-        newest ``version`` held."""
+        ``joins``, ``join_failures``, ``group_losses``, ``fallbacks`` (fetches from Redis as a
+        member), ``member`` (0/1), ``epoch`` and the newest ``version`` held."""
         return {
             **self.counts,
             "member": int(self.member),
@@ -302,26 +334,49 @@ class CollectiveFeed(ReadySlot):
                 self.counts[source] += 1
 
     def _redis(self) -> None:
-        """Follow Redis whenever the actor is not a member of the group."""
+        """Follow Redis whenever the actor is not a member of the group; as a member, follow
+        Redis ``latest`` too and fetch from Redis once it has been ahead of the newest version
+        held for ``fallback_s``."""
         last_seen = self._taken if self._taken >= 0 else None
+        latest = -1  # the newest version Redis announced
+        behind_since: float | None = None  # since when, as a member, Redis has been ahead
         try:
             with VersionWatcher.of_store(self.reader, last_seen, self.poll_interval_s) as watcher:
                 while not self._closing.is_set():
-                    if self._group_serves():
-                        self._closing.wait(0.1)
-                        continue
                     version = watcher.poll(timeout_s=0.25)
-                    if version is not None and version > self._newest():
-                        self._fetch(watcher, version)
+                    if version is not None:
+                        latest = max(latest, version)
+                    if latest <= self._newest():
+                        behind_since = None
+                        continue
+                    fallback = False
+                    if self._group_serves():
+                        now = time.monotonic()
+                        if behind_since is None:
+                            behind_since = now
+                        if now - behind_since < self.fallback_s:
+                            continue
+                        fallback = True
+                        log.warning(
+                            "actor: Redis has had version %d for %.1f s and the weights group "
+                            "has not brought it; fetching it from Redis",
+                            latest,
+                            now - behind_since,
+                        )
+                    behind_since = None
+                    if not self._fetch(watcher, latest, fallback):
+                        latest = -1  # the watcher reports it again at its next check
         except Exception as e:  # noqa: BLE001 - raised on the decode loop's thread by poll()
             self._stopped(e, "the weight feed's Redis thread")
 
-    def _fetch(self, watcher: VersionWatcher, version: int) -> None:
+    def _fetch(self, watcher: VersionWatcher, version: int, fallback: bool = False) -> bool:
         """Fetch ``version`` from Redis unless the actor joined the group meanwhile (the group
-        brings versions then; the watcher reports this one again should the actor leave)."""
-        if self._group_serves():
+        brings versions then; the watcher reports this one again should the actor leave), or,
+        ``fallback``, as a member whose group did not bring it in time (counted). Whether it
+        was fetched."""
+        if not fallback and self._group_serves():
             watcher.last_seen = self._newest()
-            return
+            return False
         self._start(version)
         started = time.perf_counter()
         try:
@@ -331,8 +386,11 @@ class CollectiveFeed(ReadySlot):
             log.warning("actor: cannot load version %d from Redis (%s)", version, e)
             watcher.last_seen = self._newest()
             self._failed()
-            return
+            return False
+        if fallback:
+            self.counts["fallbacks"] += 1
         self._offer_from("redis", fetched, state, time.perf_counter() - started)
+        return True
 
     def _group(self) -> None:
         """Join, receive until the group is lost, join again."""

@@ -74,6 +74,11 @@ _ACTOR_METRICS = {
         "Versions fetched from Redis by an actor of the weights group (before joining, or "
         "while the group could not serve).",
     ),
+    mn.ACTOR_WEIGHT_GROUP_FALLBACKS: (
+        "weight_group_fallbacks",
+        "Versions a member of the weights group fetched from Redis because the group had not "
+        "brought them within actor.weights_group_fallback_s.",
+    ),
 }
 _ACTOR_GAUGES = frozenset(
     {

@@ -26,17 +26,29 @@ ACTOR_TOKENS_PER_S = "actor/tokens_per_s"
 ACTOR_WAIT_S = "actor/wait_s"
 ACTOR_WEIGHT_FETCH_S = "actor/weight_fetch_s"
 # The weight feed (actors/weight_feed.py): decode-loop time blocked on weights while a version
-# is being delivered, the loop's time during deliveries, their ratio; versions that failed, and
-# versions a newer one replaced before the engine took them.
+# is being delivered (taking it from the feed, and the engine loading it, in-flight verification
+# included), the loop's time during deliveries, their ratio; the engine's load seconds of all
+# versions taken (the load share of the stall, and loads outside the decode loop); versions that
+# failed, and versions a newer one replaced before the engine took them.
 ACTOR_DECODE_STALL_S = "actor/decode_stall_s"
 ACTOR_DECODE_S_DURING_DELIVERY = "actor/decode_s_during_delivery"
 ACTOR_DECODE_STALL_FRAC = "actor/decode_stall_frac"
+ACTOR_WEIGHT_LOAD_S = "actor/weight_load_s"
 ACTOR_WEIGHT_FETCH_FAILURES = "actor/weight_fetch_failures"
 ACTOR_WEIGHT_SUPERSEDED = "actor/weight_superseded"
+# The host cache (actors/host_cache.py): cached copies refused (not this user's alone, a symlink,
+# or bytes that do not hash to the manifest's weights_sha256); Redis served those fetches.
+ACTOR_HOST_CACHE_REFUSED = "actor/host_cache_refused"
 # With actor.weights_group: versions received through the learner's weights group, and through
 # Redis (before joining, or where the group cannot serve).
 ACTOR_WEIGHT_VERSIONS_COLLECTIVE = "actor/weight_versions_collective"
 ACTOR_WEIGHT_VERSIONS_REDIS = "actor/weight_versions_redis"
+# Fetches from Redis by a member of the weights group whose group had not brought the version
+# Redis announced within actor.weights_group_fallback_s (the sender failed to deliver it).
+ACTOR_WEIGHT_GROUP_FALLBACKS = "actor/weight_group_fallbacks"
+# Prompts an engine refused as too long for it (vLLM: longer than engine.vllm_max_model_len
+# minus one new token), per batch: never generated; the rest of the batch was served.
+ACTOR_PROMPTS_TOO_LONG = "actor/prompts_too_long"
 
 # Speculative decoding, per batch (from the engine's counters).
 SPEC_ACCEPTANCE_POS_PREFIX = "spec/acceptance_pos"
@@ -115,11 +127,28 @@ LEARNER_VERSION = "learner/version"
 LEARNER_WAIT_S = "learner/wait_s"
 LEARNER_WALL_S = "learner/wall_s"
 LEARNER_WAL_SKIPPED = "learner/wal_skipped"
+# The weights group's sender (learner.weights_group, learner/collective_sender.py): actors in the
+# current epoch, the epoch, versions broadcast and the newest, versions skipped for a newer one,
+# refused as non-finite, epochs lost, the last broadcast's seconds, joins refused for a missing
+# or wrong proof of the run's secret, sender errors (a version it failed to send: members fetch
+# it from Redis) and the version of the last error (-1: none).
+LEARNER_WEIGHTS_GROUP_MEMBERS = "learner/weights_group_members"
+LEARNER_WEIGHTS_GROUP_EPOCH = "learner/weights_group_epoch"
+LEARNER_WEIGHTS_GROUP_VERSIONS_SENT = "learner/weights_group_versions_sent"
+LEARNER_WEIGHTS_GROUP_SENT_VERSION = "learner/weights_group_sent_version"
+LEARNER_WEIGHTS_GROUP_SKIPPED = "learner/weights_group_skipped"
+LEARNER_WEIGHTS_GROUP_REFUSED = "learner/weights_group_refused"
+LEARNER_WEIGHTS_GROUP_LOSSES = "learner/weights_group_losses"
+LEARNER_WEIGHTS_GROUP_SEND_S = "learner/weights_group_send_s"
+LEARNER_WEIGHTS_GROUP_JOINS_REFUSED = "learner/weights_group_joins_refused"
+LEARNER_WEIGHTS_GROUP_ERRORS = "learner/weights_group_errors"
+LEARNER_WEIGHTS_GROUP_ERROR_VERSION = "learner/weights_group_error_version"
 
 # The learner's ZeroMQ receiver and intake.
 RECEIVER_ACKS_SENT = "receiver/acks_sent"
 RECEIVER_BAD_FRAMES = "receiver/bad_frames"
 RECEIVER_BAD_FRAMES_PREFIX = "receiver/bad_frames/"
+RECEIVER_DISCONNECTS = "receiver/disconnects"
 RECEIVER_DUPLICATES = "receiver/duplicates"
 RECEIVER_HANDOVER_DROPPED = "receiver/handover_dropped"
 RECEIVER_HEARTBEATS = "receiver/heartbeats"

@@ -31,7 +31,8 @@ MSG_ACK: Final[str] = "ack"
 MSG_HEARTBEAT: Final[str] = "heartbeat"
 
 # Machine-readable ``ProtocolError.reason`` values (counters are keyed by them):
-#   oversize        frame, string, array, map or count beyond a DecodeLimits bound
+#   oversize        frame, string, array, map or count beyond a DecodeLimits bound, or nesting
+#                   deeper than the decoder's stack (a valid frame nests 4 deep)
 #   not_msgpack     undecodable, truncated or trailing bytes
 #   not_map         the top-level value is not a map
 #   wrong_version   ``"v"`` missing or not PROTOCOL_VERSION
@@ -81,6 +82,15 @@ class DecodeLimits:
     """Longest string (ids, stat names) in characters; also bounds map keys."""
     max_ack_seqs: int = 4096
     max_stats_entries: int = 256
+    socket_frame_bytes: int = 0
+    """Largest frame a receiving socket reads (libzmq's MAXMSGSIZE; 0: ``max_frame_bytes``). A
+    frame above ``max_frame_bytes`` but within this is read and refused as ``oversize``, so it is
+    counted; libzmq closes a connection that announces a larger one, before allocating it."""
+
+    @property
+    def socket_bytes(self) -> int:
+        """The receiving socket's frame bound: ``socket_frame_bytes``, or ``max_frame_bytes``."""
+        return max(self.max_frame_bytes, self.socket_frame_bytes)
 
     @property
     def max_objects(self) -> int:
@@ -101,6 +111,8 @@ class DecodeLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_stats_entries < 0:
             raise ValueError(f"max_stats_entries must be >= 0, got {self.max_stats_entries}")
+        if self.socket_frame_bytes < 0:
+            raise ValueError(f"socket_frame_bytes must be >= 0, got {self.socket_frame_bytes}")
 
 
 # encode() checks the limit-independent invariants (types, lengths, finiteness, signs) so a
@@ -293,6 +305,8 @@ def _unpack(frame: bytes, limits: DecodeLimits) -> Any:
         )
     except ProtocolError:
         raise
+    except msgpack.StackError as e:
+        raise ProtocolError("oversize", "nested deeper than the decoder's stack") from e
     except UnicodeDecodeError as e:
         raise ProtocolError("bad_field", f"invalid UTF-8 string: {e.reason}") from e
     except ValueError as e:

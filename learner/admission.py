@@ -92,11 +92,14 @@ def wire_limits(
     vocab_size: int, admission: Admission, max_frame_bytes: int
 ) -> tuple[DecodeLimits, int]:
     """Decode limits for the learner's socket, derived from what a valid group of this run can
-    hold, and the frame bound they imply (the smaller of ``max_frame_bytes`` and that).
+    hold, and the largest frame its socket reads (``max_frame_bytes``).
 
     Both the token and the completion bounds are twice the admitted ones, so a group that is a
     little too long or too large (a misconfigured actor) still decodes and is *refused* (acked,
-    so its actor stops resending it); anything beyond is an oversize frame."""
+    so its actor stops resending it); anything beyond is an oversize frame. The decode bound on
+    a frame's bytes is the smaller of ``max_frame_bytes`` and twice a valid group's size; the
+    socket reads frames up to ``max_frame_bytes`` all the same, so one between the two bounds is
+    read, refused as ``oversize`` and counted, not dropped unseen with its connection."""
     max_tokens = 2 * admission.max_seq_tokens
     max_completions = 2 * admission.group_size
     base = DecodeLimits(vocab_size=vocab_size)
@@ -112,5 +115,6 @@ def wire_limits(
         max_frame_bytes=frame_bytes,
         max_completions=max_completions,
         max_tokens=max_tokens,
+        socket_frame_bytes=max(frame_bytes, max_frame_bytes),
     )
-    return limits, frame_bytes
+    return limits, limits.socket_bytes

@@ -8,11 +8,15 @@ and is broadcast as it is, held (the publisher does not refill it) until a newer
 sent; otherwise the sender's thread packs it and releases it at once. ``send(version, state)``
 packs a state dict itself (floats cast to bfloat16), for use without a publisher. A thread of its
 own admits joiners, broadcasts the newest queued version in buckets, writes its collective
-manifest to Redis, and sends heartbeats while idle. Versions not yet started when a newer one
-comes are skipped (a member only wants the newest); after a new epoch forms, the newest version
+manifest to Redis, and sends heartbeats while idle. Only joiners that prove they know the run's
+group secret (kept in Redis by the sender, common/weights/collective.py) are admitted, and every
+epoch checks each rank's proof again over the group before a version is sent. Versions not yet
+started when a newer one comes are skipped (a member only wants the newest); after a new epoch forms, the newest version
 is sent again, so a joiner gets it at once. A member that fails an operation ends the epoch; the
 next forms from whoever asks again. Versions still go to Redis through the publisher for actors
-outside the group.
+outside the group, and for members the sender fails (they fall back to Redis when Redis is ahead
+of them for long: actors/collective_feed.py). ``metrics()`` exports the sender's counters and its
+errors as ``learner/weights_group_*`` (metrics.jsonl, Prometheus).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import torch
 
+from common import metric_names as mn
 from common.config.learner import LearnerConfig
 from common.weights.collective import (
     COLLECTIVE_FORMAT,
@@ -41,15 +46,21 @@ from common.weights.collective import (
     OP_NOOP,
     OP_REGROUP,
     OP_VERSION,
+    PROOF_WAIT_S,
+    SECRET_TTL_S,
     WIRE_DTYPE,
     CollectiveError,
     WeightsGroup,
     bucket_ranges,
     bucket_sha256,
+    check_device,
     collective_manifest_key,
+    group_secret_key,
     hash_threads,
     new_manifest,
+    new_secret,
     pack,
+    proof_matches,
     slots,
     store_server,
     views,
@@ -61,6 +72,9 @@ if TYPE_CHECKING:
     from learner.publisher import Snapshot
 
 log = logging.getLogger(__name__)
+
+MAX_WAITING = 256
+"""Tickets kept waiting for their proof at most (older ones are refused)."""
 
 
 @dataclass
@@ -91,20 +105,31 @@ class CollectiveSender:
         connect_timeout_s: float = 10.0,
         heartbeat_s: float = HEARTBEAT_S,
         device: str | torch.device = "cpu",
+        allow_remote: bool = False,
+        proof_wait_s: float = PROOF_WAIT_S,
     ) -> None:
-        """``timeout_s`` bounds one broadcast, ``connect_timeout_s`` the forming of an epoch."""
+        """``timeout_s`` bounds one broadcast, ``connect_timeout_s`` the forming of an epoch;
+        ``allow_remote``: the store may listen on a host that is not loopback;
+        ``proof_wait_s``: how long a ticket's proof of the secret may take to come."""
         if bucket_bytes < 64:
             raise ValueError(f"bucket_bytes must be >= 64, got {bucket_bytes}")
         self.client, self.run_id, self.address = client, run_id, address
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.proof_wait_s = proof_wait_s
         self.device = torch.device(device)
-        self.store = store_server(address, max(timeout_s, connect_timeout_s))
+        check_device(self.device)
+        self.store = store_server(address, max(timeout_s, connect_timeout_s), allow_remote)
         self.store.add(JOINS, 0)
+        # The run's group secret: joiners read it from Redis and prove they know it.
+        self.secret = new_secret()
+        self._secret_due = 0.0
+        self._refresh_secret()
         self._group: WeightsGroup | None = None
         self._epoch = 0
         self._tickets = 0
+        self._waiting: dict[int, float] = {}  # ticket -> when its proof is given up on
         self._pending: _Version | None = None
         self._last: _Version | None = None  # the newest version sent: sent again to a new epoch
         self._queued_version = -1
@@ -119,6 +144,9 @@ class CollectiveSender:
         self.group_losses = 0
         self.last_send_s = 0.0
         self.sent_version = -1
+        self.joins_refused = 0
+        self.errors = 0
+        self.error_version = -1  # the version being sent when the last error came (-1: none)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="weights-group-sender", daemon=True)
         self._thread.start()
@@ -136,6 +164,7 @@ class CollectiveSender:
             bucket_bytes=cfg.weights_group_bucket_mb * 2**20,
             timeout_s=cfg.weights_group_timeout_s,
             device=device,
+            allow_remote=cfg.weights_group_allow_remote,
         )
 
     # ----------------------------------------------------------------------------- the caller
@@ -234,7 +263,15 @@ class CollectiveSender:
             "refused": self.refused,
             "group_losses": self.group_losses,
             "last_send_s": self.last_send_s,
+            "joins_refused": self.joins_refused,
+            "errors": self.errors,
+            "error_version": self.error_version,
         }
+
+    def metrics(self) -> dict[str, float]:
+        """:meth:`stats` under the learner's metric names (metrics.jsonl and Prometheus)."""
+        stats = self.stats()
+        return {name: stats[key] for key, name in _METRICS.items()}
 
     def close(self) -> None:
         """Tell the members the learner leaves, then stop (members fall back to Redis)."""
@@ -278,14 +315,32 @@ class CollectiveSender:
                     return
                 self._step(item)
             except Exception as e:  # noqa: BLE001 - the thread must outlive one bad version
+                # Counted and exported (metrics()); members the version did not reach fetch it
+                # from Redis once Redis has been ahead of them for long (collective_feed.py).
                 log.exception("weights group: sender error")
+                self.errors += 1
+                self.error_version = item.version if item is not None else -1
                 self.error = e
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _refresh_secret(self) -> None:
+        """Put the group secret in Redis again (its time to live renewed; back after a Redis
+        restart), at most once per heartbeat."""
+        now = time.monotonic()
+        if now < self._secret_due:
+            return
+        try:
+            self.client.set(group_secret_key(self.run_id), self.secret, ex=SECRET_TTL_S)
+            self._secret_due = now + min(self.heartbeat_s, SECRET_TTL_S / 4)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("weights group: secret not written to Redis (%s); joins wait", e)
+            self._secret_due = now + 1.0
+
     def _step(self, item: _Version | None) -> None:
+        self._refresh_secret()
         regrouped = self._admit()
         if item is not None:
             if item.payload is None:  # handed over uncopied: packed here
@@ -306,13 +361,41 @@ class CollectiveSender:
         else:
             self._header([OP_NOOP, 0, 0, 0])
 
-    def _admit(self) -> bool:
-        """Form a new epoch for actors that took a ticket since the last; True if one formed."""
+    def _proven(self) -> list[int]:
+        """The tickets taken since the last call or still waiting whose proof of the secret is
+        in the store and right; tickets with a wrong proof, or none in ``proof_wait_s``, are
+        refused (answered so, never admitted)."""
         count = self.store.add(JOINS, 0)
-        if count == self._tickets:
+        now = time.monotonic()
+        for ticket in range(self._tickets + 1, count + 1):
+            self._waiting[ticket] = now + self.proof_wait_s
+        self._tickets = max(self._tickets, count)
+        proven, refused = [], []
+        # A flood of tickets without proofs must not make each round slow: the oldest go.
+        for ticket in sorted(self._waiting)[: max(0, len(self._waiting) - MAX_WAITING)]:
+            refused.append((ticket, "too many joins waiting for their proof"))
+            del self._waiting[ticket]
+        for ticket, deadline in sorted(self._waiting.items()):
+            key = f"proof/{ticket}"
+            if self.store.check([key]):
+                ok = proof_matches(self.secret, self.run_id, ticket, self.store.get(key))
+                (proven if ok else refused).append((ticket, "wrong proof of the run's secret"))
+            elif now >= deadline:
+                refused.append((ticket, "no proof of the run's secret"))
+        for ticket, reason in refused:
+            self.joins_refused += 1
+            log.warning("weights group: ticket %d refused: %s", ticket, reason)
+            self.store.set(f"ticket/{ticket}", json.dumps({"refused": reason}))
+        for ticket, _ in proven + refused:
+            self._waiting.pop(ticket, None)
+        return [ticket for ticket, _ in proven]
+
+    def _admit(self) -> bool:
+        """Form a new epoch for actors that took a ticket (and proved the secret) since the last;
+        True if one formed."""
+        tickets = self._proven()
+        if not tickets:
             return False
-        tickets = list(range(self._tickets + 1, count + 1))
-        self._tickets = count
         epoch = self._epoch + 1
         first = self._group.size if self._group is not None else 1
         if self._group is not None:
@@ -330,13 +413,13 @@ class CollectiveSender:
         self._group = None  # the old epoch's sockets close; its members moved on or failed
         self._epoch = epoch
         try:
-            self._group = WeightsGroup(
-                self.store, epoch, 0, size, self.device, self.connect_timeout_s
-            )
+            group = WeightsGroup(self.store, epoch, 0, size, self.device, self.connect_timeout_s)
+            group.authenticate(self.secret, self.run_id, self.connect_timeout_s)
         except CollectiveError as e:
             self.group_losses += 1
             log.warning("weights group: %s", e)
             return False
+        self._group = group
         log.info("weights group: epoch %d formed with %d actor(s)", epoch, size - 1)
         return True
 
@@ -447,6 +530,22 @@ class CollectiveSender:
                 log.info("weights group: members already gone at close (%s)", e)
             self._group = None
         log.info("weights group: closed at epoch %d", self._epoch)
+
+
+_METRICS = {
+    "members": mn.LEARNER_WEIGHTS_GROUP_MEMBERS,
+    "epoch": mn.LEARNER_WEIGHTS_GROUP_EPOCH,
+    "versions_sent": mn.LEARNER_WEIGHTS_GROUP_VERSIONS_SENT,
+    "sent_version": mn.LEARNER_WEIGHTS_GROUP_SENT_VERSION,
+    "skipped": mn.LEARNER_WEIGHTS_GROUP_SKIPPED,
+    "refused": mn.LEARNER_WEIGHTS_GROUP_REFUSED,
+    "group_losses": mn.LEARNER_WEIGHTS_GROUP_LOSSES,
+    "last_send_s": mn.LEARNER_WEIGHTS_GROUP_SEND_S,
+    "joins_refused": mn.LEARNER_WEIGHTS_GROUP_JOINS_REFUSED,
+    "errors": mn.LEARNER_WEIGHTS_GROUP_ERRORS,
+    "error_version": mn.LEARNER_WEIGHTS_GROUP_ERROR_VERSION,
+}
+"""``stats()`` key -> learner metric name."""
 
 
 def _release(item: _Version | None) -> None:

@@ -7,6 +7,7 @@ are :class:`common.prometheus.MetricsServer`'s.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,57 @@ _LEARNER_METRICS = {
         "unauthenticated_refused",
         "Connections refused by CurveZMQ authentication.",
     ),
+    mn.RECEIVER_DISCONNECTS: (
+        "connections_closed",
+        "Trajectory connections ended: the peer closed or lost it, or the learner's socket closed "
+        "it (a frame over learner.max_frame_bytes, never read; a refused handshake).",
+    ),
+    mn.RECEIVER_HANDOVER_DROPPED: (
+        "frames_handover_dropped",
+        "Frames left on a connection that the actor's reconnect took over (it resends them).",
+    ),
     mn.LEARNER_VERSION: ("version", "Newest published policy version."),
     mn.LEARNER_STEP: ("step", "Optimizer steps taken."),
     mn.LEARNER_REWARD_MEAN: ("reward_mean", "Mean reward of the last step's batch."),
     mn.ACTOR_TOKENS_PER_S: ("actor_tokens_per_s", "Generated tokens/s, sum over live actors."),
     mn.ACTOR_LIVE: ("live_actors", "Actors heard from recently."),
     mn.RECEIVER_QUEUE_SIZE: ("queue_depth", "Groups received, not yet trained on."),
+    # learner.weights_group: the sender's figures (learner/collective_sender.py).
+    mn.LEARNER_WEIGHTS_GROUP_MEMBERS: ("weights_group_members", "Actors in the weights group."),
+    mn.LEARNER_WEIGHTS_GROUP_EPOCH: ("weights_group_epoch", "Current epoch of the weights group."),
+    mn.LEARNER_WEIGHTS_GROUP_VERSIONS_SENT: (
+        "weights_group_versions_sent",
+        "Versions broadcast to the weights group.",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_SENT_VERSION: (
+        "weights_group_sent_version",
+        "Newest version broadcast to the weights group (-1: none).",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_SKIPPED: (
+        "weights_group_skipped",
+        "Versions a newer one replaced before their broadcast started.",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_REFUSED: (
+        "weights_group_refused",
+        "Versions the sender refused (a non-finite float).",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_LOSSES: ("weights_group_losses", "Epochs of the weights group lost."),
+    mn.LEARNER_WEIGHTS_GROUP_SEND_S: (
+        "weights_group_send_seconds",
+        "Seconds the last broadcast took.",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_JOINS_REFUSED: (
+        "weights_group_joins_refused",
+        "Joins refused for a missing or wrong proof of the run's secret.",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_ERRORS: (
+        "weights_group_errors",
+        "Sender errors (a version it failed to send; members fetch it from Redis).",
+    ),
+    mn.LEARNER_WEIGHTS_GROUP_ERROR_VERSION: (
+        "weights_group_error_version",
+        "The version being sent at the sender's last error (-1: none).",
+    ),
 }
 _LEARNER_GAUGES = frozenset(
     [
@@ -59,6 +105,11 @@ _LEARNER_GAUGES = frozenset(
         mn.ACTOR_TOKENS_PER_S,
         mn.ACTOR_LIVE,
         mn.RECEIVER_QUEUE_SIZE,
+        mn.LEARNER_WEIGHTS_GROUP_MEMBERS,
+        mn.LEARNER_WEIGHTS_GROUP_EPOCH,
+        mn.LEARNER_WEIGHTS_GROUP_SENT_VERSION,
+        mn.LEARNER_WEIGHTS_GROUP_SEND_S,
+        mn.LEARNER_WEIGHTS_GROUP_ERROR_VERSION,
     ]
 )
 # Cumulative totals by reason (``{prefix}{reason}``) -> counter name, help.
@@ -69,6 +120,22 @@ _LEARNER_BY_REASON = {
         "Well-formed groups refused by admission (acked as refused, never trained), by reason.",
     ),
 }
+_BY_REASON = tuple(_LEARNER_BY_REASON)
+
+
+# Every frame received and not trained on: the reason it carries in ``frames_refused``, for
+# each total that counts such frames (the bad-frame and refusal reasons are added by prefix).
+_NOT_TRAINED = {
+    mn.LEARNER_DROPPED_STALE: "stale",
+    mn.LEARNER_REJECTED_GROUPS: "wrong_group_size",
+    mn.RECEIVER_DUPLICATES: "duplicate",
+    mn.RECEIVER_HANDOVER_DROPPED: "handover",
+    mn.LEARNER_WAL_SKIPPED: "wal_skipped",
+}
+_FRAMES_REFUSED_DOC = (
+    "Frames received and never trained on, by reason: each bad-frame reason (oversize, ...), "
+    "each admission refusal, stale (beyond max_staleness), duplicate, handover, wal_skipped."
+)
 
 
 class LearnerExporter(MetricsServer):
@@ -92,6 +159,9 @@ class LearnerExporter(MetricsServer):
             registry=self.registry,
         )
         self._groups_trained = 0.0
+        # Every counter's newest total, from the step records and the live receiver alike.
+        self._totals: dict[str, float] = {}
+        self._totals_lock = threading.Lock()
         self._busy_s = 0.0
         self._wait_s = 0.0
 
@@ -145,11 +215,34 @@ class LearnerExporter(MetricsServer):
             self._snapshot.refresh = lambda: self._set_totals(source())
 
     def _set_totals(self, metrics: Mapping[str, Any]) -> None:
+        """The counters and gauges in ``metrics`` (a step record or the live receiver's).
+
+        A counter shows the larger of its value here and the one it had: each total only grows,
+        so the larger is the newer, and a step record read before a live scrape lowers nothing.
+        """
         snap = self._snapshot
-        snap.set_known(_LEARNER_METRICS, metrics, _LEARNER_GAUGES)
-        for key, value in metrics.items():
-            if not is_number(value):
-                continue
+        with self._totals_lock:
+            for key, value in metrics.items():
+                if is_number(value) and _is_total(key):
+                    self._totals[key] = max(self._totals.get(key, 0.0), float(value))
+            totals = dict(self._totals)
+        snap.set_known(_LEARNER_METRICS, {**metrics, **totals}, _LEARNER_GAUGES)
+        not_trained: dict[str, float] = {}
+        for key, value in totals.items():
             for prefix, (name, doc) in _LEARNER_BY_REASON.items():
                 if key.startswith(prefix):
                     snap.set("counter", name, doc, value, {"reason": key[len(prefix) :]})
+            reason = _NOT_TRAINED.get(key) or (
+                key.rsplit("/", 1)[1] if key.startswith(_BY_REASON) else None
+            )
+            if reason is not None:
+                not_trained[reason] = not_trained.get(reason, 0.0) + value
+        for reason, value in not_trained.items():
+            snap.set("counter", "frames_refused", _FRAMES_REFUSED_DOC, value, {"reason": reason})
+
+
+def _is_total(key: str) -> bool:
+    """Whether ``key`` is a cumulative total the exporter shows (a counter, not a gauge)."""
+    if key in _LEARNER_GAUGES:
+        return False
+    return key in _LEARNER_METRICS or key in _NOT_TRAINED or key.startswith(_BY_REASON)

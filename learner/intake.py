@@ -110,6 +110,7 @@ class Intake(SocketThread):
         self._acks_sent = 0
         self._heartbeats = 0
         self._unauthenticated = 0
+        self._disconnects = 0
         self._handover_dropped = 0
         self._bad_by_reason: dict[str, int] = dict.fromkeys(
             PROTOCOL_ERROR_REASONS + RECEIVER_REJECT_REASONS, 0
@@ -158,6 +159,15 @@ class Intake(SocketThread):
         "_unauthenticated",
         "Handshakes refused (CURVE only): unlisted keys, wrong learner key, no CURVE.",
     )
+    disconnects = guarded(
+        "_disconnects",
+        "Connections ended: closed or lost by the peer, or closed by libzmq (a frame over the "
+        "socket's bound, which is never read, or a refused handshake).",
+    )
+    handover_dropped = guarded(
+        "_handover_dropped",
+        "Frames left on a connection an actor's reconnect took over (it resends them).",
+    )
     duplicates = guarded("_duplicates", "Groups received again (acked again, not queued).")
     acks_sent = guarded("_acks_sent", "Seqs acked as accepted (a duplicate's each time).")
 
@@ -196,6 +206,7 @@ class Intake(SocketThread):
                 mn.RECEIVER_ACKS_SENT: float(self._acks_sent),
                 mn.RECEIVER_HEARTBEATS: float(self._heartbeats),
                 mn.RECEIVER_UNAUTHENTICATED: float(self._unauthenticated),
+                mn.RECEIVER_DISCONNECTS: float(self._disconnects),
                 mn.RECEIVER_HANDOVER_DROPPED: float(self._handover_dropped),
                 mn.RECEIVER_QUEUE_SIZE: float(len(self._queue)),
             }

@@ -126,7 +126,12 @@ class Learner:
             cfg, limits, frame_bytes, admission, self.wal_dir, lambda: state.version
         )
         self.exporter.watch(
-            lambda: {**self.receiver.stats(), mn.LEARNER_WAL_SKIPPED: self.readmission.skipped}
+            lambda: {
+                **self.receiver.stats(),
+                mn.LEARNER_WAL_SKIPPED: self.readmission.skipped,
+                mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
+                **self._group_metrics(),
+            }
         )
         self.skipped_steps = 0
         self.trainer = TrainerState(step=state.step, version=state.version)
@@ -171,6 +176,11 @@ class Learner:
             lambda: self.publisher.publish(state.version),
             busy=lambda: self.publisher.inflight > 0,
         )
+
+    def _group_metrics(self) -> dict[str, float]:
+        """The weights group sender's counters and errors (``learner/weights_group_*``); none
+        without ``learner.weights_group`` (or on ranks > 0)."""
+        return self.collective.metrics() if self.collective is not None else {}
 
     def _open_logs(self, run_dir: Path) -> None:
         """metrics.jsonl, the Prometheus exporter and, with ``run.ledger``, the ledger of every
@@ -251,6 +261,7 @@ class Learner:
             mn.LEARNER_PUBLISH_REFUSED: self.publisher.refused,
             mn.LEARNER_PUBLISH_SKIPPED_VERSIONS: self.publisher.skipped,
             mn.LEARNER_WALL_S: times.published - self.wall_start,
+            **self._group_metrics(),
         }
         self.exporter.update(self.last, batch.staleness)
         if state.step % self.cfg.learner.metrics_every == 0 or state.step == self.cfg.run.steps:

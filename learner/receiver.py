@@ -6,6 +6,12 @@ Authentication: with ``curve`` the link is CurveZMQ; with ``authorized_keys`` to
 admits only clients whose public key is a ``*.key`` certificate in that directory (re-read when
 the directory changes, so revoking a key is deleting its file). Every refused handshake is
 counted as ``receiver/unauthenticated`` and logged.
+
+Size: the socket reads frames up to ``DecodeLimits.socket_bytes`` (``learner.max_frame_bytes``),
+so a frame over the decode bound but within it is read and counted as an ``oversize`` bad frame
+(its length is checked before its bytes are copied out of libzmq); libzmq closes a connection
+that announces a larger frame without reading it, and every closed connection is counted
+(``receiver/disconnects``), as the frame itself never reaches the learner.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ _REFUSED_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (wrong learner key or no CURVE)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
 }
+# A connection ended: the peer closed it or vanished, or libzmq closed it (a frame larger than
+# the socket's MAXMSGSIZE, a ZMTP error); the monitor cannot tell which.
+_DISCONNECTED = zmq.EVENT_DISCONNECTED
 # Acks are ~60-byte frames, at most one per actor per batch; a ROUTER drops replies beyond its
 # send HWM (and each dropped ack costs the actor a resend timeout), so give them room.
 _ACK_HWM = 4096
@@ -150,7 +159,7 @@ class GroupReceiver(Intake):
         # Bound here so a bind error raises in the caller and bound_address is ready on return.
         sock = bind_router(
             self._bind_address,
-            max_frame_bytes=self._limits.max_frame_bytes,
+            max_frame_bytes=self._limits.socket_bytes,
             hwm=self._hwm,
             sndhwm=_ACK_HWM,
             context=self._context,
@@ -158,10 +167,10 @@ class GroupReceiver(Intake):
             curve_public_key=self._curve.public if self._curve else None,
         )
         self._bound_address = bound_endpoint(sock)
-        monitor = None
+        events = _DISCONNECTED
         if self._curve is not None:
-            monitor = sock.get_monitor_socket(functools.reduce(operator.or_, _REFUSED_EVENTS))
-        self._spawn(sock, monitor)
+            events |= functools.reduce(operator.or_, _REFUSED_EVENTS)
+        self._spawn(sock, sock.get_monitor_socket(events))
         return self
 
     def close(self) -> None:
@@ -205,7 +214,9 @@ class GroupReceiver(Intake):
             if sock not in events:
                 continue
             acks: dict[bytes, PendingAck] = {}
-            for parts in itertools.islice(ready(sock.recv_multipart), _MAX_BATCH):
+            # copy=False: a frame's length is checked before its bytes are copied out of libzmq.
+            receive = functools.partial(sock.recv_multipart, copy=False)
+            for parts in itertools.islice(ready(receive), _MAX_BATCH):
                 if self._handle(parts, acks):
                     break
             if acks:
@@ -235,10 +246,10 @@ class GroupReceiver(Intake):
         with self._cond:
             self._acks_sent += sum(len(p.seqs) for p in acks.values())
 
-    def _handle(self, parts: list[bytes], acks: dict[bytes, PendingAck]) -> bool:
+    def _handle(self, parts: list[zmq.Frame], acks: dict[bytes, PendingAck]) -> bool:
         """Process one ROUTER message, adding any ack it earns to ``acks``; True if the queue
         is now full (stop reading)."""
-        identity = parts[0]
+        identity = parts[0].bytes
         if identity.startswith(b"\x00"):
             # libzmq renames a connection that a reconnecting peer took its identity from
             # (ROUTER_HANDOVER) to a NUL-led id; frames still buffered on that old connection
@@ -250,8 +261,14 @@ class GroupReceiver(Intake):
         if len(parts) != 2:
             self._reject(identity, "bad_envelope", f"{len(parts) - 1} frames")
             return False
+        size, bound = len(parts[1]), self._limits.max_frame_bytes
+        if size > bound:
+            # Read (it is within the socket's bound) only to be counted: never copied or decoded.
+            self._reject(identity, "oversize", f"{size} > {bound} bytes")
+            return False
+        frame = parts[1].bytes
         try:
-            msg = decode(parts[1], self._limits)
+            msg = decode(frame, self._limits)
         except ProtocolError as e:
             # I/O boundary: count, log, keep serving; the sender resends anything unacked.
             self._reject(identity, e.reason, e.detail)
@@ -265,10 +282,14 @@ class GroupReceiver(Intake):
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(msg)
             return False
-        return self._on_group(msg, parts[1], acks.setdefault(identity, PendingAck()))
+        return self._on_group(msg, frame, acks.setdefault(identity, PendingAck()))
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         for event in ready(lambda flags: recv_monitor_message(monitor, flags)):
+            if event["event"] == _DISCONNECTED:
+                with self._cond:
+                    self._disconnects += 1
+                continue
             reason = _REFUSED_EVENTS.get(event["event"])
             if reason is None:
                 continue

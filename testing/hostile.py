@@ -1,5 +1,6 @@
 """Poisoned but well-formed frames: what a hostile or badly broken actor can send that passes (or
-nearly passes) the wire codec, each with the learner's expected verdict.
+nearly passes) the wire codec, each with the learner's expected verdict; and frames far over the
+learner's bounds (``oversized_frames``), which its socket must still read and count.
 
 Shared by ``benchmarks/chaos.py`` (fault kind ``poisoned_frames``) and the tests of the learner's
 admission (``tests/integration/test_hostile_frames.py``, ``tests/unit/learner/test_admission.py``).
@@ -29,6 +30,7 @@ class Poison:
     reason: str
     """The refusal reason or the bad-frame reason the learner counts it under."""
     seq: int
+    """The frame's seq (-1: it has none)."""
 
 
 SHAPE = {"version": 0, "prompt_len": 4, "completion_len": 4, "reward": None}
@@ -107,6 +109,32 @@ def poisoned_frames(
     seq = next(seqs)
     nested = {"v": 1, "type": "group", "completions": [["ab"] * 1000 for _ in range(32)]}
     out.append(Poison("nested_strings", msgpack.packb(nested), "bad", "oversize", seq))
+    return out
+
+
+MiB = 1 << 20
+
+
+def oversized_frames(actor_id: str, first_seq: int = 0) -> list[Poison]:
+    """Frames over the learner's decode bounds, every one ``bad`` for ``oversize``: too deep,
+    too many map keys, too long an actor id, too many completions, and multi-MiB bombs (each
+    within the 64 MiB ``learner.max_frame_bytes``, so the learner's socket reads and counts it;
+    over the decode bound of any run whose valid groups are smaller)."""
+    seqs = iter(range(first_seq, first_seq + 100))
+    envelope = {"v": 1, "type": "group", "actor_id": actor_id}
+    out = [Poison("nested_100000_deep", b"\x91" * 100_000 + b"\xc0", "bad", "oversize", -1)]
+    keys = {**envelope, **{f"k{i}": 0 for i in range(200_000)}}
+    out.append(Poison("200000_map_keys", msgpack.packb(keys), "bad", "oversize", -1))
+    seq = next(seqs)
+    g = valid_group(actor_id, seq, 1)
+    out.append(Poison("1MB_actor_id", _rewire(g, actor_id="a" * MiB), "bad", "oversize", seq))
+    seq = next(seqs)
+    g = valid_group(actor_id, seq, 1025)
+    out.append(Poison("1025_completions", encode(g), "bad", "oversize", seq))
+    for mib in (16, 63):
+        seq = next(seqs)
+        bomb = msgpack.packb({**envelope, "seq": seq, "prompt_ids": bytes(mib * MiB - 64)})
+        out.append(Poison(f"{mib}MiB_bomb", bomb, "bad", "oversize", seq))
     return out
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.config.checks import (
@@ -14,6 +14,7 @@ from common.config.checks import (
     require_positive,
 )
 from common.config.modes import (
+    AUTO_SPEC_METHOD,
     ENGINE_NAMES,
     EXIT_METHODS,
     INFLIGHT_MODES,
@@ -27,10 +28,13 @@ from common.config.modes import (
 @dataclass
 class SpecConfig:
     method: str = "none"
-    """Self-speculative drafting in the torch engine: ``none`` (plain decoding), ``early_exit``
-    (the first ``exit_layer`` layers + final norm + LM head draft; the full model verifies),
-    ``ngram`` (drafts looked up in the prompt, the GRPO group and earlier completions),
-    ``hybrid`` (n-gram drafts where a match exists, the early exit elsewhere)."""
+    """Self-speculative drafting: ``none`` (plain decoding), ``early_exit`` (the first
+    ``exit_layer`` layers + final norm + LM head draft; the full model verifies), ``ngram``
+    (drafts looked up in the prompt, the GRPO group and earlier completions), ``hybrid`` (n-gram
+    drafts where a match exists, the early exit elsewhere; torch engine only), ``auto`` (the
+    early exit with as much as the engine runs beside it: ``hybrid`` on the torch engine,
+    ``early_exit`` on vLLM; resolved when the config is loaded, so every process and the saved
+    ``config.yaml`` see the concrete method)."""
     k: int = 4
     """Draft tokens proposed per verification forward pass: the most, with ``adaptive``."""
     exit_layer: int = 1
@@ -78,10 +82,17 @@ class SpecConfig:
         require_positive("spec", self, "adapter_lr")
         require(
             not self.adapter or self.uses_early_exit,
-            f"spec.adapter drafts with the early exit: spec.method must be early_exit or hybrid, "
-            f"got {self.method!r}",
+            "spec.adapter drafts with the early exit: spec.method must be early_exit, hybrid or "
+            f"auto, got {self.method!r}",
         )
         require_ordered("spec", self, "ngram_min_n", "ngram_max_n")
+
+    def for_engine(self, engine: str) -> SpecConfig:
+        """This config with ``method=auto`` resolved for ``engine`` (:data:`AUTO_SPEC_METHOD`);
+        itself when the method is concrete."""
+        if self.method != "auto":
+            return self
+        return replace(self, method=AUTO_SPEC_METHOD[engine])
 
     @property
     def uses_early_exit(self) -> bool:
@@ -153,6 +164,11 @@ class ActorConfig:
     weights_group_join_timeout_s: float = 10.0
     """How long one attempt to join the weights group may take; the actor keeps to Redis
     meanwhile and tries again after as long."""
+    weights_group_fallback_s: float = 30.0
+    """A member of the weights group fetches a version from Redis once Redis ``latest`` has been
+    ahead of the version it holds for this long (the sender failed to deliver it, or is stuck):
+    counted as ``actor/weight_group_fallbacks``. Longer than a broadcast normally takes, so a
+    version on its way through the group is not fetched twice."""
 
     def __post_init__(self) -> None:
         require(
@@ -167,7 +183,13 @@ class ActorConfig:
         check_port("actor.metrics_port", self.metrics_port)
         require(-1 <= self.seed < 2**32, f"actor.seed must be -1 or in [0, 2**32), got {self.seed}")
         require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
-        require_positive("actor", self, "weights_group_join_timeout_s")
+        require_positive("actor", self, "weights_group_join_timeout_s", "weights_group_fallback_s")
+        require(
+            not (self.weights_group and self.device.startswith("cuda")),
+            "actor.weights_group on a CUDA device (NCCL) has not been run on a GPU yet and is "
+            "refused: run the actor on CPU for the weights group, or leave actor.weights_group "
+            "off (versions then come through Redis)",
+        )
 
 
 @dataclass

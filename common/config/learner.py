@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from common.config.checks import (
@@ -15,6 +16,18 @@ from common.config.modes import MODEL_IMPLS, PRECISIONS, PUBLISH_DTYPES, PUBLISH
 
 LEARNER_PROFILES: tuple[str, ...] = ("auto", "manual", "off")
 """``learner.profile``: how the memory settings meet the device's memory."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names the loopback interface: ``localhost`` or a loopback IP literal
+    (``[::1]`` too); any other name counts as not loopback (it is not resolved here)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -62,11 +75,18 @@ class LearnerConfig:
     ``thread`` (a thread of the learner)."""
     weights_group: bool = False
     """Also broadcast each published version to the actors that join the learner's weights group
-    (``learner/collective_sender.py``; gloo on CPU, NCCL on CUDA), in bfloat16; Redis keeps the
-    manifests and serves the actors outside the group."""
+    (``learner/collective_sender.py``; gloo, on CPU only: a learner on CUDA, where the group
+    would use NCCL, refuses to start with it until a GPU has run that path), in bfloat16; Redis
+    keeps the manifests and serves the actors outside the group."""
     weights_group_address: str = "127.0.0.1:29650"
-    """``HOST:PORT`` of the weights group's rendezvous store: the learner hosts it, actors with
-    ``actor.weights_group`` join it (a host they can reach, for actors on other machines)."""
+    """``HOST:PORT`` of the weights group's rendezvous store: the learner hosts it, listening on
+    that host only, and actors with ``actor.weights_group`` join it. A host that is not loopback
+    (for actors on other machines) needs ``weights_group_allow_remote``."""
+    weights_group_allow_remote: bool = False
+    """Let the weights group's store listen on a host that is not loopback. The store and the
+    broadcasts are not encrypted, and anyone who reaches the store can read and write its keys
+    (joins are still admitted only with a proof of the run's secret, kept in Redis): use it on a
+    network you trust only."""
     weights_group_bucket_mb: int = 256
     """MiB of a version broadcast at a time."""
     weights_group_timeout_s: float = 60.0
@@ -99,9 +119,10 @@ class LearnerConfig:
     """Largest |reward| the learner admits; a group with a larger (or, in float32, non-finite)
     reward is refused. Bounds the GRPO statistics well inside float32."""
     max_frame_bytes: int = 64 * 1024 * 1024
-    """Upper bound on one trajectory frame. The learner uses the smaller of this and twice the
-    largest frame a valid group of this run can be (group size x context), so a peer cannot make
-    it read or queue more than that per frame."""
+    """Largest trajectory frame the learner's socket reads; a larger one closes its connection
+    (counted in ``connections_closed``). A frame over twice what a valid group of this run can be
+    (group size x context) is read, refused by its length before it is decoded, and counted as
+    ``oversize``."""
     recv_buffer_bytes: int = 64 * 1024 * 1024
     """Bytes of frames queued per actor connection before the learner's socket stops reading it
     (the receive high-water mark is this over the frame bound, at least 2 frames)."""
@@ -165,6 +186,12 @@ class LearnerConfig:
         require(
             bool(host) and port.isdigit() and 0 < int(port) < 65536,
             f"learner.weights_group_address must be HOST:PORT, got {self.weights_group_address!r}",
+        )
+        require(
+            not self.weights_group or self.weights_group_allow_remote or is_loopback_host(host),
+            f"learner.weights_group_address {self.weights_group_address!r} is not a loopback "
+            "host: the weights group's store and broadcasts are not encrypted; set "
+            "learner.weights_group_allow_remote=true to serve actors over a network you trust",
         )
         require_at_least("learner", self, weights_group_bucket_mb=1)
         require_positive("learner", self, "weights_group_timeout_s")

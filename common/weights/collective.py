@@ -3,12 +3,19 @@ the actors that joined its weights group, and Redis keeps the manifest (docs/des
 
 The weights group is a torch.distributed process group of its own, never the learner's training
 group: rank 0 is the learner's sender (``learner.collective_sender``), ranks 1..n the actors'
-receivers (``actors.collective_feed``). Gloo on CPU, NCCL on CUDA. The sender hosts a
-``TCPStore`` at ``host:port`` for the rendezvous and the membership:
+receivers (``actors.collective_feed``). Gloo on CPU; CUDA devices (NCCL) are refused until a GPU
+has run the group (``check_device``). The sender hosts a
+``TCPStore`` at ``host:port`` for the rendezvous and the membership, listening on that host only
+(a loopback host unless ``learner.weights_group_allow_remote``):
 
-- an actor joins by taking a ticket (``joins``, a counter) and waiting for the sender's answer
-  under ``ticket/{n}``: an epoch, a rank and the group's size; every member of an epoch builds
-  the group from the store under ``epoch/{e}/``;
+- an actor joins by taking a ticket (``joins``, a counter), proving it knows the run's group
+  secret (an HMAC of its ticket under ``proof/{n}``; the sender keeps the secret in Redis under
+  ``weights:{run}:group_secret``, where actors, who hold Redis credentials, read it) and waiting
+  for the sender's answer under ``ticket/{n}``: an epoch, a rank and the group's size, or a
+  refusal for a ticket without a valid proof; every member of an epoch builds the group from the
+  store under ``epoch/{e}/``, and then every rank proves the secret again over the group itself
+  (an HMAC of the epoch and its rank, all-gathered) before any version is sent, so a peer that
+  took a member's place in the rendezvous is found and the epoch dropped;
 - new joiners make a new epoch: the sender announces it to the current members (a ``REGROUP``
   header), who rebuild with their ranks, and the new ones take the next ranks;
 - a member that fails an operation (a peer gone, a timeout) drops the group, and the sender
@@ -27,10 +34,15 @@ its current version otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import hmac
+import ipaddress
 import logging
 import math
 import os
+import secrets
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +53,7 @@ import redis
 import torch
 import torch.distributed as dist
 
+from common.config.learner import is_loopback_host
 from common.weights.format import (
     DTYPE_NAMES,
     WeightsCorrupt,
@@ -66,6 +79,17 @@ _ALIGN = 64
 
 OP_NOOP, OP_VERSION, OP_REGROUP, OP_LEAVE = 0, 1, 2, 3
 JOINS = "joins"
+SECRET_TTL_S = 120
+"""The group secret's time to live in Redis; the sender refreshes it every heartbeat, so it goes
+away soon after the learner does."""
+PROOF_WAIT_S = 10.0
+"""How long the sender waits for a ticket's proof before it refuses the ticket."""
+NCCL_UNTESTED = (
+    "the weights group on CUDA (NCCL) has not been run on a GPU yet and is refused: its "
+    "failure handling (a timed-out broadcast raising, the sender re-forming the group) is only "
+    "tested with gloo on CPU; run the learner and actors on CPU for the weights group, or leave "
+    "learner.weights_group/actor.weights_group off (versions then go through Redis)"
+)
 
 _DTYPES = {dtype_name(d): d for d in DTYPE_NAMES}
 
@@ -94,6 +118,60 @@ def parse_address(address: str) -> tuple[str, int]:
 def backend_for(device: torch.device) -> str:
     """``nccl`` for a CUDA device, else ``gloo``."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a device whose backend has not been run (``CollectiveError``): NCCL until a GPU
+    has run the group's failure paths (docs/design.md §6.7)."""
+    if backend_for(device) == "nccl":
+        raise CollectiveError(NCCL_UNTESTED)
+
+
+# ---------------------------------------------------------------------------------- secret
+
+
+def group_secret_key(run_id: str) -> str:
+    """Where the sender keeps the run's group secret in Redis (actors read it to join)."""
+    return f"weights:{run_id}:group_secret"
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def read_secret(client: redis.Redis, run_id: str) -> str:
+    """The run's group secret from Redis (``CollectiveError`` where there is none: no sender, or
+    it has not written it yet)."""
+    try:
+        raw = client.get(group_secret_key(run_id))
+    except redis.RedisError as e:
+        raise CollectiveError(f"cannot read the weights group's secret from Redis: {e}") from e
+    if not raw:
+        raise CollectiveError("no weights group secret in Redis (no sender for this run)")
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _mac(secret: str, message: str) -> str:
+    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def join_proof(secret: str, run_id: str, ticket: int) -> str:
+    """What a joiner writes under ``proof/{ticket}``: an HMAC of its ticket under the secret."""
+    return _mac(secret, f"specrl-weights-group/join/{run_id}/{ticket}")
+
+
+def proof_matches(secret: str, run_id: str, ticket: int, proof: bytes | str | None) -> bool:
+    """Whether ``proof`` is ``ticket``'s proof under ``secret`` (compared in constant time)."""
+    if proof is None:
+        return False
+    got = proof.decode(errors="replace") if isinstance(proof, bytes) else str(proof)
+    return hmac.compare_digest(got, join_proof(secret, run_id, ticket))
+
+
+def epoch_proof(secret: str, run_id: str, epoch: int, rank: int) -> bytes:
+    """Rank ``rank``'s proof of the secret in ``epoch`` (32 bytes), all-gathered over the group."""
+    message = f"specrl-weights-group/epoch/{run_id}/{epoch}/{rank}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
 
 
 # ----------------------------------------------------------------------------------- layout
@@ -304,14 +382,57 @@ def store_client(address: str, timeout_s: float) -> dist.TCPStore:
         raise CollectiveError(f"no weights group at {address}: {e}") from e
 
 
-def store_server(address: str, timeout_s: float) -> dist.TCPStore:
-    """The sender's store, listening on ``address``'s port."""
+def store_server(address: str, timeout_s: float, allow_remote: bool = False) -> dist.TCPStore:
+    """The sender's store, listening on ``address``'s host and port only.
+
+    ``TCPStore`` binds every interface given a port, so the listening socket is bound here, to
+    the host's address, and handed over (``master_listen_fd``; the store owns it then). A host
+    that is not loopback (or resolves to an address that is not) is refused unless
+    ``allow_remote``: the store has no authentication of its own, and whoever reaches it can
+    read and write its keys."""
     host, port = parse_address(address)
+    if not allow_remote and not is_loopback_host(host):
+        raise CollectiveError(
+            f"weights group address {address!r} is not a loopback host; the group's store and "
+            "broadcasts are not encrypted: set learner.weights_group_allow_remote=true to serve "
+            "actors on other machines over a network you trust"
+        )
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise CollectiveError(f"cannot host the weights group at {address}: {e}") from e
+    if not allow_remote:
+        for info in infos:
+            if not ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback:
+                raise CollectiveError(
+                    f"weights group host {host!r} resolves to {info[4][0]}, not loopback; set "
+                    "learner.weights_group_allow_remote=true to allow it"
+                )
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError as e:
+        sock.close()
+        raise CollectiveError(f"cannot host the weights group at {address}: {e}") from e
+    fd = sock.detach()
     try:
         return dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_td(timeout_s),
+            master_listen_fd=fd,
+            use_libuv=True,
         )
     except (RuntimeError, OSError) as e:
+        with contextlib.suppress(OSError):  # unless the store closed it already
+            os.close(fd)
         raise CollectiveError(f"cannot host the weights group at {address}: {e}") from e
 
 
@@ -333,14 +454,10 @@ class WeightsGroup:
         connect_timeout_s: float,
     ) -> None:
         self.epoch, self.rank, self.size, self.device = epoch, rank, size, device
+        check_device(device)
         prefixed = dist.PrefixStore(f"epoch/{epoch}/", store)
         try:
-            if backend_for(device) == "nccl":
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = _td(connect_timeout_s)
-                self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-            else:
-                self.pg = dist.ProcessGroupGloo(prefixed, rank, size, _td(connect_timeout_s))
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, _td(connect_timeout_s))
             return
         except (RuntimeError, OSError) as e:
             failure = str(e)
@@ -348,10 +465,30 @@ class WeightsGroup:
             f"weights group epoch {epoch} did not form (rank {rank} of {size}): {failure}"
         )
 
-    def broadcast(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        """Rank 0's ``tensor`` into every rank's (in place); ``CollectiveError`` on failure."""
+    def authenticate(self, secret: str, run_id: str, timeout_s: float) -> None:
+        """Every rank proves it knows ``secret`` to every other, over the group itself: each
+        broadcasts an HMAC of the epoch and its rank. ``CollectiveError`` if a rank's proof is
+        wrong (a peer that took a member's place in the store's rendezvous) or the exchange
+        fails."""
+        wrong = []
+        for rank in range(self.size):
+            want = epoch_proof(secret, run_id, self.epoch, rank)
+            t = torch.frombuffer(bytearray(want), dtype=torch.uint8).to(self.device)
+            if rank != self.rank:
+                t.zero_()
+            self.broadcast(t, timeout_s, root=rank)
+            if not hmac.compare_digest(t.cpu().numpy().tobytes(), want):
+                wrong.append(rank)
+        if wrong:
+            raise CollectiveError(
+                f"weights group epoch {self.epoch}: rank(s) {wrong} do not know the run's secret"
+            )
+
+    def broadcast(self, tensor: torch.Tensor, timeout_s: float, root: int = 0) -> None:
+        """Rank ``root``'s ``tensor`` into every rank's (in place); ``CollectiveError`` on
+        failure."""
         options = dist.BroadcastOptions()
-        options.rootRank = 0
+        options.rootRank = root
         options.rootTensor = 0
         options.timeout = _td(timeout_s)
         try:

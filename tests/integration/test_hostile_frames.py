@@ -1,6 +1,7 @@
-"""No single frame may crash the learner or poison the policy: poisoned but well-formed frames
-against a real ``specrl-learner`` process (real Redis, real sockets), then a valid group that must
-still be acked and trained."""
+"""No single frame may crash the learner or poison the policy: poisoned but well-formed frames,
+and frames far over its bounds (16 and 63 MiB among them), against a real ``specrl-learner``
+process (real Redis, real sockets), then a valid group that must still be acked and trained.
+Every one of them is counted on /metrics."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from learner.checkpoint import latest_checkpoint
 from learner.wal import _LEN
 from ops.ledger import read_ledger
 from testing.hostile import (
+    oversized_frames,
     poisoned_frames,
     refused_seqs,
     replies,
@@ -66,7 +68,7 @@ def assert_policy_finite(run_dir: Path) -> None:
     assert not bad, f"non-finite tensors in the trained policy: {bad[:5]}"
 
 
-def test_poisoned_frames_are_refused_counted_live_and_a_valid_group_still_trains(
+def test_poisoned_and_oversized_frames_are_refused_counted_live_and_a_valid_group_still_trains(
     tmp_path, redis_server, model_dir
 ):
     pipeline = Pipeline.make(
@@ -75,7 +77,11 @@ def test_poisoned_frames_are_refused_counted_live_and_a_valid_group_still_trains
         model_dir,
         ["run.steps=1", "learner.groups_per_step=1", f"actor.group_size={GROUP_SIZE}"],
     )
-    poisons = poisoned_frames(HOSTILE, GROUP_SIZE, context_of(model_dir), latest_version=0)
+    # The oversized ones first: libzmq used to drop each with its connection, unseen; now they
+    # are read, counted and the connection serves the rest.
+    poisons = oversized_frames(HOSTILE, first_seq=1000) + poisoned_frames(
+        HOSTILE, GROUP_SIZE, context_of(model_dir), latest_version=0
+    )
     refused = {p.seq: p.reason for p in poisons if p.verdict == "refused"}
     try:
         learner = pipeline.start_learner()
@@ -105,11 +111,21 @@ def test_poisoned_frames_are_refused_counted_live_and_a_valid_group_still_trains
                     r: metrics.get(("specrl_learner_bad_frames_total", (("reason", r),)))
                     for r in want_bad
                 }
-                if shown_refused == want_refused and shown_bad == want_bad:
+                shown_all = {
+                    r: metrics.get(("specrl_learner_frames_refused_total", (("reason", r),)))
+                    for r in want_refused + want_bad
+                }
+                if (
+                    shown_refused == want_refused
+                    and shown_bad == want_bad
+                    and shown_all == want_refused + want_bad
+                ):
                     break
-                assert time.monotonic() - sent_at < 1.0, (shown_refused, shown_bad)
+                assert time.monotonic() - sent_at < 1.0, (shown_refused, shown_bad, shown_all)
                 time.sleep(0.05)
             assert metrics.get(("specrl_learner_step", ()), 0) == 0  # no step yet
+            # Read and refused on the one connection: the socket dropped none of them.
+            assert metrics[("specrl_learner_connections_closed_total", ())] == 0
 
             # A valid group sent afterwards is acked as accepted and trained.
             good = valid_group(HOSTILE, 10_000, GROUP_SIZE)

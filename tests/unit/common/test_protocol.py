@@ -212,7 +212,7 @@ BAD_FRAMES: list[tuple[str, bytes, DecodeLimits, str]] = [
     ("reserved byte", b"\xc1", LIMITS, "not_msgpack"),
     ("truncated", GOOD[:-5], LIMITS, "not_msgpack"),
     ("trailing bytes", GOOD + b"\x00", LIMITS, "not_msgpack"),
-    ("deep nesting", b"\x91" * 5000 + b"\x00", LIMITS, "not_msgpack"),
+    ("deep nesting", b"\x91" * 5000 + b"\x00", LIMITS, "oversize"),
     ("array at top", pack([1, 2]), LIMITS, "not_map"),
     ("int at top", pack(5), LIMITS, "not_map"),
     ("version 2", with_field(v=2), LIMITS, "wrong_version"),
@@ -325,6 +325,16 @@ def test_decode_limits_validated() -> None:
         DecodeLimits(vocab_size=0)
     with pytest.raises(ValueError, match="max_str_len"):
         DecodeLimits(vocab_size=10, max_str_len=4)
+    with pytest.raises(ValueError, match="socket_frame_bytes"):
+        DecodeLimits(vocab_size=10, socket_frame_bytes=-1)
+
+
+def test_the_socket_bound_is_never_below_the_frame_bound() -> None:
+    assert DecodeLimits(vocab_size=10, max_frame_bytes=8192).socket_bytes == 8192
+    wide = DecodeLimits(vocab_size=10, max_frame_bytes=8192, socket_frame_bytes=1 << 20)
+    assert wide.socket_bytes == 1 << 20
+    narrow = DecodeLimits(vocab_size=10, max_frame_bytes=8192, socket_frame_bytes=4096)
+    assert narrow.socket_bytes == 8192
 
 
 # ------------------------------------------------------------------ fuzzing

@@ -5,24 +5,37 @@ tests/integration/test_weights_group.py)."""
 from __future__ import annotations
 
 import copy
+import threading
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
+from common.config.actor import ActorConfig
+from common.config.learner import LearnerConfig
 from common.weights.collective import (
     WIRE_DTYPE,
+    CollectiveError,
+    WeightsGroup,
     bucket_ranges,
     bucket_sha256,
+    check_device,
     check_received,
+    join_proof,
     new_manifest,
+    new_secret,
     pack,
     parse_address,
+    proof_matches,
     slots,
+    store_server,
     views,
     wire_layout,
 )
 from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite
 from common.weights.manifest import digest_of_digests
+from ops.redis_server import find_free_port
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -140,3 +153,86 @@ def test_addresses_are_checked():
     for bad in ("127.0.0.1", ":80", "host:0", "host:port", "host:70000"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             parse_address(bad)
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses this process listens on at ``port``."""
+    return {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
+
+
+def test_a_host_that_is_not_loopback_is_refused_unless_allowed():
+    port = find_free_port()
+    for host in ("10.1.2.3", "0.0.0.0", "example.org"):
+        with pytest.raises(CollectiveError, match="not a loopback host"):
+            store_server(f"{host}:{port}", 5.0)
+        with pytest.raises(ValueError, match="weights_group_allow_remote"):
+            LearnerConfig(weights_group=True, weights_group_address=f"{host}:{port}")
+    assert listening(port) == set()  # nothing was opened
+    for host in ("127.0.0.1", "localhost", "[::1]"):
+        LearnerConfig(weights_group=True, weights_group_address=f"{host}:{port}")
+    LearnerConfig(
+        weights_group=True, weights_group_address="10.1.2.3:1", weights_group_allow_remote=True
+    )
+    store = store_server(f"localhost:{port}", 5.0)
+    assert listening(port) and listening(port) <= {"127.0.0.1", "::1"}
+    del store
+    # Allowed explicitly, it listens where it is told, every interface included.
+    store = store_server(f"0.0.0.0:{port}", 5.0, allow_remote=True)
+    assert listening(port) == {"0.0.0.0"}
+    del store
+
+
+def test_the_nccl_path_is_refused_until_a_gpu_has_run_it():
+    with pytest.raises(CollectiveError, match="not been run on a GPU"):
+        check_device(torch.device("cuda"))
+    check_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match="not been run on a GPU"):
+        ActorConfig(weights_group=True, device="cuda:0")
+    ActorConfig(weights_group=False, device="cuda:0")
+
+
+def test_join_proofs_are_bound_to_the_secret_and_the_ticket():
+    secret = new_secret()
+    proof = join_proof(secret, "run", 3)
+    assert proof_matches(secret, "run", 3, proof.encode())
+    assert not proof_matches(secret, "run", 4, proof)  # another ticket
+    assert not proof_matches(secret, "other", 3, proof)  # another run
+    assert not proof_matches(new_secret(), "run", 3, proof)  # another secret
+    assert not proof_matches(secret, "run", 3, None)
+
+
+def form_and_authenticate(secrets: list[str]) -> list[BaseException | None]:
+    """Ranks 0..n-1 of one gloo group in threads, each proving its own ``secrets[rank]``;
+    what each raised."""
+    port = find_free_port()
+    store = store_server(f"127.0.0.1:{port}", 20.0)
+    outcome: list[BaseException | None] = [None] * len(secrets)
+
+    def rank_main(rank: int) -> None:
+        client = store if rank == 0 else dist.TCPStore("127.0.0.1", port, is_master=False)
+        try:
+            group = WeightsGroup(client, 1, rank, len(secrets), torch.device("cpu"), 20.0)
+            group.authenticate(secrets[rank], "run", 20.0)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outcome[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(secrets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcome
+
+
+def test_every_rank_of_an_epoch_proves_the_secret_over_the_group():
+    secret = new_secret()
+    assert form_and_authenticate([secret, secret, secret]) == [None, None, None]
+    outcome = form_and_authenticate([secret, secret, new_secret()])
+    assert all(isinstance(e, CollectiveError) for e in outcome), outcome
+    # The proper ranks find rank 2 out; rank 2 finds that the others do not share its secret.
+    assert all("rank(s) [2] do not know the run's secret" in str(e) for e in outcome[:2])
+    assert "rank(s) [0, 1] do not know" in str(outcome[2])

@@ -57,14 +57,18 @@ def test_length_is_prompt_plus_longest_completion() -> None:
 
 
 def test_wire_limits_bound_frames_to_what_a_valid_group_can_be() -> None:
-    limits, frame_bytes = wire_limits(50, ADMISSION, 64 << 20)
-    assert limits.max_frame_bytes == frame_bytes < 1 << 20
+    limits, socket_bytes = wire_limits(50, ADMISSION, 64 << 20)
+    frame_bytes = limits.max_frame_bytes
+    assert frame_bytes < 1 << 20
+    # The socket still reads frames up to the configured bound, to refuse and count them.
+    assert limits.socket_bytes == socket_bytes == 64 << 20
     # The largest admissible group fits, with its stats map full.
     biggest = valid_group("a", 0, 4, prompt_len=32, completion_len=32)
     biggest.stats = {f"{'s' * 200}{i:03d}": 1.0 for i in range(limits.max_stats_entries)}
     assert len(encode(biggest, limits)) <= frame_bytes
-    # The configured bound wins when it is smaller.
-    assert wire_limits(50, ADMISSION, 8192)[1] == 8192
+    # The configured bound wins when it is smaller, for decoding and the socket alike.
+    limits, socket_bytes = wire_limits(50, ADMISSION, 8192)
+    assert limits.max_frame_bytes == socket_bytes == 8192
 
 
 def test_decoding_many_tiny_objects_stops_early_with_bounded_memory() -> None:
