@@ -45,9 +45,15 @@ _ACTOR_METRICS = {
     mn.VERIFY_SALVAGED_TOKENS: ("verify_salvaged_tokens", "In-flight tokens kept by verification."),
     mn.VERIFY_WASTED_TOKENS: ("verify_wasted_tokens", "In-flight tokens discarded."),
     mn.VERIFY_FORWARD_TOKENS: ("verify_forward_tokens", "Tokens re-run by delayed verification."),
+    mn.ACTOR_PROMPTS_TOO_LONG: (
+        "prompts_too_long",
+        "Prompts the engine refused as longer than it serves (vLLM: engine.vllm_max_model_len "
+        "minus one new token); the rest of their batch was served.",
+    ),
     mn.ACTOR_DECODE_STALL_S: (
         "decode_stall_seconds",
-        "Decode-loop time blocked taking weights while a version was being delivered.",
+        "Decode-loop time blocked on weights while a version was being delivered: taking it, "
+        "the engine's load and the verification of rollouts in flight.",
     ),
     mn.ACTOR_DECODE_S_DURING_DELIVERY: (
         "decode_seconds_during_delivery",
@@ -55,7 +61,17 @@ _ACTOR_METRICS = {
     ),
     mn.ACTOR_DECODE_STALL_FRAC: (
         "decode_stall_frac",
-        "Share of the decode loop's time during deliveries spent blocked taking weights.",
+        "Share of the decode loop's time during deliveries spent blocked on weights (taking, "
+        "loading, verifying rollouts in flight).",
+    ),
+    mn.ACTOR_WEIGHT_LOAD_S: (
+        "weight_load_seconds",
+        "Seconds the engine spent loading versions (mid-rollout swaps included).",
+    ),
+    mn.ACTOR_HOST_CACHE_REFUSED: (
+        "host_cache_refused",
+        "Host-cache copies refused (not this user's alone, a symlink, or bytes that do not hash "
+        "to the manifest); Redis served those fetches.",
     ),
     mn.ACTOR_WEIGHT_FETCH_FAILURES: (
         "weight_fetch_failures",
@@ -98,6 +114,7 @@ _ACTOR_SUMS = frozenset(
         mn.VERIFY_SALVAGED_TOKENS,
         mn.VERIFY_WASTED_TOKENS,
         mn.VERIFY_FORWARD_TOKENS,
+        mn.ACTOR_PROMPTS_TOO_LONG,
     ]
 )
 _ACTOR_TOTALS = {key: entry for key, entry in _ACTOR_METRICS.items() if key not in _ACTOR_SUMS}

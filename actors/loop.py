@@ -21,7 +21,7 @@ from actors.engines.torch_engine import TorchEngine
 from actors.exporter import ActorExporter
 from actors.sender import GroupSender, unique_actor_id
 from actors.spool import Spool, orphans
-from actors.weight_feed import RedisWeightFeed, StallMeter, WeightFeed, take
+from actors.weight_feed import RedisWeightFeed, StallMeter, WeightFeed, meter_loads, take
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
@@ -338,6 +338,14 @@ class ActorPhases:
     ledger: MetricsWriter | None
     actor_id: str
     stop: StopFlag
+    reader: WeightReader | None = None
+    """The run's weight reader, for its host-cache figures (``actor/host_cache_refused``)."""
+
+    def __post_init__(self) -> None:
+        # The engine takes in each version on this thread, the decode loop's: its load and the
+        # delayed verification of the rows in flight block decoding, so the stall meter counts
+        # them beside take() (actors/weight_feed.py).
+        meter_loads(self.engine, self.stall, self.feed)
 
     def fetch(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
         """A newer weights version the feed holds ready, if any (waiting up to ``timeout_s`` for
@@ -360,7 +368,7 @@ class ActorPhases:
         """Phase 1: pick up the newest weights (waiting up to ``timeout_s`` for one)."""
         update = self.fetch(timeout_s)
         if update is not None:
-            self.engine.load_weights(*update)
+            self.engine.load_weights(*update)  # metered (meter_loads in __post_init__)
 
     def generate_and_send(self, sender: GroupSender) -> int:
         """Phases 2 and 3: generate G completions for each prompt of a batch, each group scored
@@ -416,6 +424,7 @@ class ActorPhases:
             **sender.stats(),
             **self.feed.stats(),
             **self.stall.figures(),
+            **(self.reader.stats() if self.reader is not None else {}),
             mn.ACTOR_WAIT_S: stats.wait_s,
             mn.ACTOR_REWARD_MEAN: stats.reward_sum / max(stats.completions, 1),
         }
@@ -516,6 +525,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         ledger,
         actor_id,
         stop,
+        store,
     )
     try:
         with group_sender(cfg, actor_id, limits, spool, cfg.actor.outbox_max) as sender:

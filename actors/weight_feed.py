@@ -20,7 +20,8 @@ A feed has this interface (:class:`WeightFeed`), whatever carries the bytes:
 An unexpected error in the feed's thread stops it and is raised by every later ``poll`` or
 ``wait``. A version that fails its checks, has expired or cannot be read while Redis is away is
 logged and counted, and the engine keeps its weights: the feed asks for that version (or a newer
-one) again. The actor loop calls :func:`take`, which times each call with a :class:`StallMeter`.
+one) again. The actor loop calls :func:`take`, which times each call with a :class:`StallMeter`,
+and meters the engine's loads of what it took with :func:`meter_loads`.
 
 :class:`ReadySlot` is that interface, for a feed's own threads to fill: the newest ready version
 wins, and no version is handed out after a newer one.
@@ -33,6 +34,7 @@ deltas, ``weights_sha256``, the host cache), on one thread that owns both.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -257,33 +259,68 @@ def take(feed: WeightFeed, meter: StallMeter, timeout_s: float = 0.0) -> Update 
         return feed.wait(timeout_s) if timeout_s > 0 else feed.poll()
 
 
+SWAP_METHODS = ("load_weights", "_swap")
+"""Where an engine takes in a version on the decode thread: ``load_weights`` (between
+``generate`` calls), and ``_swap``, which both engines (``actors/engines/torch_swap.py``,
+``actors/engines/vllm_engine.py``) call when their weight source hands them a version mid-call:
+the load, then the rows in flight aborted or verified against the new weights (delayed
+verification's forward runs there)."""
+
+
+def meter_loads(engine: object, meter: StallMeter, feed: WeightFeed) -> None:
+    """Count ``engine``'s weight loads (:data:`SWAP_METHODS`) in ``meter`` as time the decode
+    loop is blocked on weights (:meth:`StallMeter.loading`). Wrapped on the instance, so the
+    engines need not know the meter; an engine without those methods is refused (its loads would
+    go uncounted)."""
+    missing = [name for name in SWAP_METHODS if not callable(getattr(engine, name, None))]
+    if missing:
+        raise TypeError(f"{type(engine).__name__} has no {', '.join(missing)}: cannot meter it")
+    for name in SWAP_METHODS:
+        method = getattr(engine, name)
+
+        @functools.wraps(method)
+        def metered(*args, _method=method, **kwargs):
+            with meter.loading(feed):
+                return _method(*args, **kwargs)
+
+        setattr(engine, name, metered)
+
+
 class StallMeter:
     """How long the decode loop is blocked on weights while a version is being delivered.
 
     Measured from inside the loop: :meth:`running` spans the loop, :meth:`blocked` each call
-    that takes weights. At each of those points the meter reads the feed's ``delivering``; a
-    stretch of the loop between two points belongs to a delivery when the feed was delivering at
-    either end. ``stall_s`` sums the blocked stretches of deliveries, ``loop_s`` all their
-    stretches; ``stall_s / loop_s`` is the stall fraction (0 before any delivery).
+    that takes weights from the feed, :meth:`loading` each time the engine takes one in (its
+    load, and the rows in flight verified or aborted: :func:`meter_loads`). At each of those
+    points the meter reads the feed's ``delivering``; a stretch of the loop between two points
+    belongs to a delivery when the feed was delivering at either end, and a load always does
+    (for the loop a delivery ends when the engine holds the version). ``stall_s`` sums the
+    blocked stretches of deliveries (taking and loading), ``loop_s`` all their stretches;
+    ``stall_s / loop_s`` is the stall fraction (0 before any delivery). ``load_s`` sums every
+    load's seconds, also those outside the loop (the first version, the synchronous mode's idle
+    wait).
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.stall_s = 0.0
         self.loop_s = 0.0
+        self.load_s = 0.0
         self._mark: float | None = None  # the last point, while the loop runs
         self._delivering = False  # the feed's state at the last point
         self._blocked = False
+        self._loading = False
 
-    def _point(self, feed: WeightFeed) -> None:
+    def _point(self, feed: WeightFeed) -> float:
         now, delivering = self.clock(), feed.delivering
         if self._mark is not None:
-            if delivering or self._delivering:
+            if delivering or self._delivering or self._loading:
                 self.loop_s += now - self._mark
                 if self._blocked:
                     self.stall_s += now - self._mark
             self._mark = now
         self._delivering = delivering
+        return now
 
     @contextlib.contextmanager
     def running(self, feed: WeightFeed) -> Iterator[None]:
@@ -296,15 +333,26 @@ class StallMeter:
             self._mark = None
 
     @contextlib.contextmanager
-    def blocked(self, feed: WeightFeed) -> Iterator[None]:
-        """The loop waits on ``feed`` inside this block."""
-        self._point(feed)
-        self._blocked = True
+    def blocked(self, feed: WeightFeed, loading: bool = False) -> Iterator[None]:
+        """The loop waits on ``feed`` inside this block (``loading``: the engine takes in a
+        version, see :meth:`loading`). A block inside another counts as part of the outer one."""
+        if self._blocked:
+            yield
+            return
+        started = self._point(feed)
+        self._blocked, self._loading = True, loading
         try:
             yield
         finally:
-            self._point(feed)
-            self._blocked = False
+            ended = self._point(feed)
+            if loading:
+                self.load_s += ended - started
+            self._blocked = self._loading = False
+
+    def loading(self, feed: WeightFeed) -> contextlib.AbstractContextManager[None]:
+        """The engine takes in a version inside this block: blocked, and part of a delivery
+        whatever the feed is doing."""
+        return self.blocked(feed, loading=True)
 
     @property
     def frac(self) -> float:
@@ -315,4 +363,5 @@ class StallMeter:
             mn.ACTOR_DECODE_STALL_S: self.stall_s,
             mn.ACTOR_DECODE_S_DURING_DELIVERY: self.loop_s,
             mn.ACTOR_DECODE_STALL_FRAC: self.frac,
+            mn.ACTOR_WEIGHT_LOAD_S: self.load_s,
         }

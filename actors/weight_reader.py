@@ -5,14 +5,16 @@ verified end to end (see :meth:`WeightReader.fetch`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any, Self
 
 import redis
 import torch
 
-from actors.host_cache import HostCache
+from actors.host_cache import CacheRefused, HostCache
 from actors.weight_chunks import read_chunks
+from common import metric_names as mn
 from common.config.run import RedisConfig
 from common.weights.deltas import apply_delta
 from common.weights.format import (
@@ -25,6 +27,8 @@ from common.weights.format import (
 )
 from common.weights.manifest import check_against_manifest, chunk_list
 from common.weights.store import HeldVersion, WeightStore
+
+logger = logging.getLogger(__name__)
 
 
 class WeightReader(WeightStore):
@@ -40,6 +44,8 @@ class WeightReader(WeightStore):
     ) -> None:
         super().__init__(client, run_id, **settings)
         self.host_cache = host_cache
+        self.cache_refused = 0  # host-cache reads refused (see _from_host_cache)
+        self._warned: set[str] = set()
         self._fetched: HeldVersion | None = None  # what the next delta we read may apply to
 
     @classmethod
@@ -69,30 +75,83 @@ class WeightReader(WeightStore):
         held = self._fetched
         if held is not None and held.version == version and held.digest == digest:
             return version, held.state
-        cache = self.host_cache
-        state = self._from_host_cache(version, manifest) if cache is not None else None
+        state, refused = self._from_host_cache(version, manifest)
         if state is None:
-            lock = cache.lock(self.run_id, version) if cache is not None else None
-            with lock if lock is not None else contextlib.nullcontext():
-                # Another process of this host may have fetched it while we waited.
-                state = self._from_host_cache(version, manifest) if cache is not None else None
+            with contextlib.ExitStack() as stack:
+                locked = self._host_lock(stack, version, refused)
+                # Another process of this host may have fetched it while we waited (a copy
+                # refused a moment ago is not hashed twice: put() replaces it).
+                if locked and not refused:
+                    state, _ = self._from_host_cache(version, manifest)
                 if state is None:
                     state, raw = self._build(version, manifest)
-                    if cache is not None:
-                        cache.put(self.run_id, version, digest, raw)
+                    if locked:
+                        self._host_put(version, digest, raw)
         self._fetched = HeldVersion(version, digest, state, int(manifest["keyframe"]))
         return version, state
 
+    def stats(self) -> dict[str, float]:
+        """``actor/host_cache_refused``: host-cache reads refused so far (see
+        :meth:`_from_host_cache`; each was fetched from Redis instead)."""
+        return {mn.ACTOR_HOST_CACHE_REFUSED: self.cache_refused}
+
+    def _refuse(self, why: str, count: bool = True) -> None:
+        """Count a refused host-cache read (``count``; not the lock or write of the same fetch)
+        and log why, once per reason."""
+        self.cache_refused += count
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.warning("%s; fetching from Redis instead", why)
+
+    def _host_lock(self, stack: contextlib.ExitStack, version: int, refused: bool) -> bool:
+        """Take the host's fetch lock of ``version`` on ``stack``; False without a cache or
+        where its directory is refused (counted unless this fetch's read was, ``refused``)."""
+        if self.host_cache is None:
+            return False
+        try:
+            stack.enter_context(self.host_cache.lock(self.run_id, version))
+        except CacheRefused as e:
+            self._refuse(str(e), count=not refused)
+            return False
+        return True
+
+    def _host_put(self, version: int, digest: str, raw: torch.Tensor | bytes) -> None:
+        assert self.host_cache is not None
+        try:
+            self.host_cache.put(self.run_id, version, digest, raw)
+        except CacheRefused as e:
+            self._refuse(str(e), count=False)
+
     def _from_host_cache(
         self, version: int, manifest: Mapping[str, Any]
-    ) -> dict[str, torch.Tensor] | None:
-        assert self.host_cache is not None
-        buf = self.host_cache.get(self.run_id, version, manifest["weights_sha256"])
-        if buf is None:
-            return None
-        # Written only after this host's fetcher verified it: check the layout, not the bytes.
-        state = tensors_from_safetensors(version, buf)
-        return check_against_manifest(version, state, manifest["tensors"])
+    ) -> tuple[dict[str, torch.Tensor] | None, bool]:
+        """``version``'s state from the host cache, verified like a Redis read, and whether a
+        cached copy was refused (None, False: no cache, or no copy there)."""
+        if self.host_cache is None:
+            return None, False
+        digest = manifest["weights_sha256"]
+        try:
+            buf = self.host_cache.get(self.run_id, version, digest)
+            if buf is None:
+                return None, False
+            # The end-to-end check a delta gets: the mapped bytes, hashed once as they are
+            # first read, must be the manifest's weights. A copy swapped or changed after the
+            # fetcher wrote it is refused here.
+            state = tensors_from_safetensors(version, buf)
+            state = check_against_manifest(version, state, manifest["tensors"])
+            got = weights_digest(state)
+            if got != digest:
+                raise WeightsCorrupt(
+                    f"version {version}: weights hash to {got[:12]}…, manifest weights_sha256 "
+                    f"says {digest[:12]}…"
+                )
+        except CacheRefused as e:
+            self._refuse(str(e))
+            return None, True
+        except WeightsCorrupt as e:
+            self._refuse(f"host weight cache: copy of version {version} refused: {e}")
+            return None, True
+        return state, False
 
     def _chain(
         self, version: int, manifest: dict[str, Any]
@@ -110,7 +169,7 @@ class WeightReader(WeightStore):
             if base is None or base["weights_sha256"] != m["base_sha256"]:
                 raise WeightsCorrupt(f"version {v}: its base {m['base']} is not the one it names")
             if self.host_cache is not None:
-                cached = self._from_host_cache(m["base"], base)
+                cached, _ = self._from_host_cache(m["base"], base)
                 if cached is not None:  # another process of this host built the base already
                     held = HeldVersion(m["base"], base["weights_sha256"], cached, base["keyframe"])
                     break

@@ -1,10 +1,12 @@
 """The actor's weight feed against a real Redis: versions are fetched and verified on the feed's
 thread while the engine keeps decoding, the swap comes once the weights are in memory, failures
 keep the old weights, a newer version replaces a ready one, and close joins the thread; the stall
-meter counts only blocked time during deliveries."""
+meter counts only blocked time during deliveries, the engine's loads and in-flight verification
+included."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -17,11 +19,14 @@ import torch
 
 from actors.engines.torch_engine import TorchEngine
 from actors.exporter import ActorExporter
-from actors.weight_feed import RedisWeightFeed, StallMeter, take
+from actors.loop import ActorPhases, ActorStats
+from actors.weight_feed import RedisWeightFeed, StallMeter, meter_loads, take
 from actors.weight_reader import WeightReader
 from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
 from common.config import load_config
+from common.tasks import task_from_config
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from common.weights.keys import weights_chunk_key
 from learner.weight_writer import WeightWriter
 from testing.models import random_model
@@ -223,6 +228,99 @@ def test_stall_meter_counts_blocked_time_during_deliveries_only() -> None:
     figures = meter.figures()
     assert figures[mn.ACTOR_DECODE_STALL_S] == pytest.approx(0.5)
     assert figures[mn.ACTOR_DECODE_S_DURING_DELIVERY] == pytest.approx(2.4)
+
+
+class SlowSwapEngine(TorchEngine):
+    """A real torch engine whose load between calls, and delayed verification of the rows in
+    flight at a swap, each take at least ``SLOW_S`` (a weight copy to an accelerator, a long
+    verification forward)."""
+
+    def load_weights(self, version, state_dict) -> None:
+        time.sleep(SLOW_S)
+        super().load_weights(version, state_dict)
+
+    def _verify(self, rows, old_models, bonus):
+        time.sleep(SLOW_S)
+        return super()._verify(rows, old_models, bonus)
+
+
+SLOW_S = 0.2
+
+
+def test_the_stall_meter_counts_the_engines_load_and_inflight_verification(
+    redis_client: redis.Redis, writer: WeightWriter, tmp_path
+) -> None:
+    cfg = load_config(["actor.metrics_port=-1"])
+    engine = SlowSwapEngine(random_model(VOCAB, seed=1), NO_EOS, 0, version=1)
+    with running_feed(redis_client) as (reader, feed):
+        meter = StallMeter()
+        phases = ActorPhases(  # the actor loop's phases, as run() builds them
+            cfg,
+            engine,
+            feed,
+            meter,
+            ActorStats(),
+            ActorExporter.start(cfg, tmp_path, "a"),
+            task_from_config(cfg.task),
+            lambda text: [1, 2, 3],
+            random.Random(0),
+            CharTokenizer(BUILTIN_ALPHABET),
+            None,
+            "a",
+            lambda: False,  # type: ignore[arg-type]
+            reader,
+        )
+
+        def ready(version: int) -> None:
+            writer.publish(version, state(version))
+            wait_until(lambda: [v for v, _, _ in reader.fetched][-1:] == [version])
+            wait_until(lambda: not feed.delivering)  # held ready: taking it is instant
+
+        # Phase 1 between batches: take() is instant, the engine's load is not.
+        ready(2)
+        with meter.running(feed):
+            phases.sync_weights()
+        assert engine.version == 2
+        assert meter.load_s >= SLOW_S, meter.figures()
+        # Nothing was being delivered: the load is all the meter counted, as blocked.
+        assert meter.stall_s == meter.loop_s == pytest.approx(meter.load_s)
+        # Mid-generate: the swap's delayed verification of the rows in flight blocks decoding.
+        ready(3)
+        load_s, stall_s = meter.load_s, meter.stall_s
+        with meter.running(feed):
+            engine.generate([[1, 2, 3]], 2, 8, weight_source=phases.weight_source)
+        assert engine.version == 3
+        assert engine.stats()[mn.VERIFY_INFLIGHT_TOKENS] > 0  # it did verify rows in flight
+        assert meter.load_s - load_s >= SLOW_S, meter.figures()
+        assert meter.stall_s - stall_s >= SLOW_S, meter.figures()
+        figures = meter.figures()
+        assert figures[mn.ACTOR_WEIGHT_LOAD_S] == meter.load_s
+        assert figures[mn.ACTOR_DECODE_STALL_FRAC] > 0.5  # no fetch ran: the loads are the windows
+        assert reader.stats() == {mn.ACTOR_HOST_CACHE_REFUSED: 0}
+
+
+def test_a_nested_load_counts_once_and_loads_outside_the_loop_count_only_as_load() -> None:
+    now = [0.0]
+    meter = StallMeter(clock=lambda: now[0])
+    feed = SimpleNamespace(delivering=False)
+    with meter.loading(feed):  # type: ignore[arg-type]  # the first version: no loop yet
+        now[0] = 1.0
+    assert (meter.load_s, meter.stall_s, meter.loop_s) == (1.0, 0.0, 0.0)
+    with meter.running(feed):  # type: ignore[arg-type]
+        now[0] = 2.0
+        with meter.loading(feed):  # type: ignore[arg-type]  # vLLM's swap calls load_weights
+            now[0] = 2.5
+            with meter.loading(feed):  # type: ignore[arg-type]
+                now[0] = 3.0
+            now[0] = 3.5
+        now[0] = 5.0
+    assert meter.load_s == pytest.approx(2.5)
+    assert meter.stall_s == pytest.approx(1.5) and meter.loop_s == pytest.approx(1.5)
+
+
+def test_meter_loads_refuses_an_engine_it_cannot_meter() -> None:
+    with pytest.raises(TypeError, match="_swap"):
+        meter_loads(SimpleNamespace(load_weights=print), StallMeter(), SimpleNamespace())
 
 
 def test_the_stall_and_feed_figures_reach_the_actor_exporter(tmp_path) -> None:

@@ -1,19 +1,25 @@
 """One fetch per host: real processes share a version through the host cache, Redis sends it
-once, and no process ever reads a half-written cache file."""
+once, and no process ever reads a half-written cache file. A reader trusts only directories
+and files of its own user that no one else may write, never follows a symlink, and hashes what
+it maps: a refused copy is counted and the version fetched from Redis."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
+import stat
 import time
 from pathlib import Path
 
+import pytest
 import redis
 import torch
 
-from actors.host_cache import HostCache
+from actors.host_cache import CacheRefused, HostCache
 from actors.weight_reader import WeightReader
-from common.weights.format import weights_digest
+from common import metric_names as mn
+from common.weights.format import serialize_state_dict, tensors_from_safetensors, weights_digest
 from learner.weight_writer import WeightWriter
 from ops.redis_server import RedisServer
 
@@ -87,7 +93,8 @@ class InPlaceCache(HostCache):
 
     def put(self, run_id: str, version: int, digest: str, data: torch.Tensor | bytes) -> bool:
         final = self.path(run_id, version, digest)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        for directory in (final.parent.parent, final.parent):  # the checks a reader makes
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(final, "wb") as f:
             for i in range(0, len(data), 256 * 1024):
                 f.write(data[i : i + 256 * 1024])
@@ -165,3 +172,122 @@ def test_remove_run_deletes_only_that_runs_copies(tmp_path: Path) -> None:
     assert cache.get("run-a", 1, digest) is None
     assert cache.get("run-b", 1, digest) is not None
     assert cache.remove_run("run-a") == 0  # nothing left: no error
+
+
+# ----------------------------------------------------------------- what a reader trusts
+
+TRUST = "trust-run"
+
+
+def ones() -> dict[str, torch.Tensor]:
+    return {"w": torch.ones(4, 4)}  # sums to 16
+
+
+def cached_reader(url: str, root: Path) -> WeightReader:
+    return WeightReader(redis.Redis.from_url(url), TRUST, host_cache=HostCache(root))
+
+
+def published(redis_client: redis.Redis) -> str:
+    """Version 1 (``ones``) published; its weights_sha256."""
+    WeightWriter(redis_client, TRUST).publish(1, ones())
+    return WeightReader(redis_client, TRUST).checked_manifest(1)["weights_sha256"]
+
+
+def test_the_cache_creates_its_directories_and_files_for_this_user_alone(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    digest = published(redis_client)
+    reader = cached_reader(redis_server.url, tmp_path)
+    assert reader.fetch(1)[1]["w"].sum() == 16
+    cache = HostCache(tmp_path)
+    file = cache.path(TRUST, 1, digest)
+    for directory in (cache.root, file.parent):
+        st = directory.lstat()
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+        assert st.st_uid == os.getuid()
+    assert stat.S_IMODE(file.lstat().st_mode) == 0o600 and reader.cache_refused == 0
+
+
+def test_a_cache_directory_others_may_write_is_not_used(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    published(redis_client)
+    root = HostCache(tmp_path).root
+    root.mkdir()
+    root.chmod(0o777)  # pre-created by someone else, open to every user
+    reader = cached_reader(redis_server.url, tmp_path)
+    before = egress(redis_client)
+    version, state = reader.fetch(1)
+    assert version == 1 and state["w"].sum() == 16  # fetched from Redis instead
+    assert egress(redis_client) - before > 64  # the bytes did come from Redis
+    assert reader.stats() == {mn.ACTOR_HOST_CACHE_REFUSED: 1}
+    assert list(root.iterdir()) == []  # nothing written into it
+    assert stat.S_IMODE(root.lstat().st_mode) == 0o777  # and left as it was
+    with pytest.raises(CacheRefused, match="mode 0777"):
+        HostCache(tmp_path).put(TRUST, 1, "ab" * 32, b"x")
+    # A directory of another user, even 0700, is refused too (needs root to make one).
+    if os.getuid() == 0:
+        root.chmod(0o700)
+        os.chown(root, 12345, 12345)
+        with pytest.raises(CacheRefused, match="belongs to uid 12345"):
+            HostCache(tmp_path).get(TRUST, 1, "ab" * 32)
+    # A symlink in place of the directory (to one of ours, 0700) is not followed.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / root.name).symlink_to(elsewhere)
+    with pytest.raises(CacheRefused, match="not a directory"):
+        HostCache(linked).get(TRUST, 1, "ab" * 32)
+
+
+def swap_in(path: Path, state: dict[str, torch.Tensor], mode: int = 0o600) -> None:
+    """Replace the file at ``path`` by ``state``'s safetensors bytes (by rename, as an attacker
+    or a stray process of this user could)."""
+    tmp = path.with_name("swap.tmp")
+    tmp.write_bytes(serialize_state_dict(state))
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
+def test_a_copy_swapped_under_its_digest_name_is_refused_and_fetched_from_redis(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    digest = published(redis_client)
+    assert cached_reader(redis_server.url, tmp_path).fetch(1)[1]["w"].sum() == 16
+    path = HostCache(tmp_path).path(TRUST, 1, digest)
+    swap_in(path, {"w": torch.full((4, 4), 1000.0)})  # same name, shape and dtype
+    # The cache alone serves the swapped bytes: only the reader's hash stands in the way.
+    served = tensors_from_safetensors(1, HostCache(tmp_path).get(TRUST, 1, digest))
+    assert served["w"].sum() == 16000
+    second = cached_reader(redis_server.url, tmp_path)
+    version, state = second.fetch(1)
+    assert version == 1 and state["w"].sum() == 16
+    assert second.cache_refused == 1
+    # The fetcher put the verified copy back: the next reader maps it, nothing refused.
+    third = cached_reader(redis_server.url, tmp_path)
+    assert third.fetch(1)[1]["w"].sum() == 16 and third.cache_refused == 0
+
+
+@pytest.mark.parametrize("kind", ["symlink", "others_may_write"])
+def test_a_symlink_or_a_writable_file_in_place_of_a_copy_is_refused(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, kind: str
+) -> None:
+    digest = published(redis_client)
+    cache = HostCache(tmp_path)
+    path = cache.path(TRUST, 1, digest)
+    assert cached_reader(redis_server.url, tmp_path).fetch(1)[1]["w"].sum() == 16
+    if kind == "symlink":  # to a copy of the right bytes, even: a link is never followed
+        target = tmp_path / "target.safetensors"
+        target.write_bytes(path.read_bytes())
+        path.unlink()
+        path.symlink_to(target)
+        match = "is a symlink"
+    else:
+        swap_in(path, ones(), mode=0o666)  # the right bytes, in a file others may write
+        match = "mode 0666"
+    with pytest.raises(CacheRefused, match=match):
+        cache.get(TRUST, 1, digest)
+    reader = cached_reader(redis_server.url, tmp_path)
+    assert reader.fetch(1)[1]["w"].sum() == 16 and reader.cache_refused == 1
+    assert not path.is_symlink() and stat.S_IMODE(path.lstat().st_mode) == 0o600  # replaced
