@@ -15,11 +15,14 @@ key to connect at all, and the learner accepts only the keys in ``authorized/``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
+
+logger = logging.getLogger(__name__)
 
 LEARNER = "learner"
 ACTOR = "actor"
@@ -34,8 +37,28 @@ class CurveKeys:
     """Clients only: the learner's public key."""
 
 
+def secret_key_exposure(path: Path) -> str | None:
+    """Why the secret key file ``path`` is readable beyond its owner, or None (mode 0600 or
+    tighter: ``specrl keys`` writes them so)."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        return (
+            f"{path} has mode {mode:04o}: other local users can read this secret key "
+            f"(chmod 600 {path})"
+        )
+    return None
+
+
+def _load_secret(path: Path) -> tuple[bytes, bytes | None]:
+    """``zmq.auth.load_certificate``, with a warning when the file is readable beyond its owner."""
+    exposure = secret_key_exposure(path) if path.is_file() else None
+    if exposure is not None:
+        logger.warning("%s", exposure)
+    return zmq.auth.load_certificate(str(path))
+
+
 def learner_keys(directory: Path) -> CurveKeys:
-    public, secret = zmq.auth.load_certificate(str(directory / f"{LEARNER}.key_secret"))
+    public, secret = _load_secret(directory / f"{LEARNER}.key_secret")
     return CurveKeys(public=public, secret=secret)
 
 
@@ -44,6 +67,6 @@ def authorized_dir(directory: Path) -> Path:
 
 
 def actor_keys(directory: Path, name: str = ACTOR) -> CurveKeys:
-    public, secret = zmq.auth.load_certificate(str(directory / f"{name}.key_secret"))
+    public, secret = _load_secret(directory / f"{name}.key_secret")
     server_public, _ = zmq.auth.load_certificate(str(directory / f"{LEARNER}.key"))
     return CurveKeys(public=public, secret=secret, server_public=server_public)

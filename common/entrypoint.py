@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from common.config import SpecRLConfig, load_config
 from common.config.actor import ActorConfig
-from common.config.run import RunConfig
+from common.config.run import RunConfig, is_loopback_host
+
+PUBLISH_HOST_ENV = "SPECRL_PUBLISH_HOST"
+"""The host interface the compose files publish the learner's and Redis' ports on (Docker's
+``ports: HOST:PORT:PORT``); the learner reads it to refuse a wider one without CurveZMQ."""
 
 OVERRIDES_HELP = f"""\
 Overrides are Hydra's KEY=VALUE (see configs/ and common/config/ for every field). Main ones:
@@ -24,8 +29,24 @@ Overrides are Hydra's KEY=VALUE (see configs/ and common/config/ for every field
   run.name=NAME             run id (Redis key prefix, run directory runs/NAME)
   learner.max_staleness=K   drop groups more than K versions behind (0 = on-policy)
   learner.address=tcp://HOST:5555   where actors reach the learner
-  redis.url=redis://[:PASSWORD@]HOST:6379/0   external Redis (default: a private one)
+  redis.url=redis://HOST:6379/0   external Redis (default: a private one); its password
+                            goes in the environment: SPECRL_REDIS_PASSWORD=...
 """
+
+
+def publish_refusal(cfg: SpecRLConfig, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the learner must not start, or None: its trajectory port is published beyond the
+    loopback (``$SPECRL_PUBLISH_HOST``, set by the compose files) while ``security.curve_dir``
+    is empty, so anyone who reaches the port could send groups the learner trains on."""
+    host = (os.environ if environ is None else environ).get(PUBLISH_HOST_ENV, "").strip()
+    if not host or is_loopback_host(host) or cfg.security.curve_dir:
+        return None
+    return (
+        f"{PUBLISH_HOST_ENV}={host} publishes the trajectory socket beyond this machine, and "
+        "security.curve_dir is empty: anyone who reaches the port could send groups the learner "
+        "trains on. Write keys (`specrl keys DIR`), mount DIR and add security.curve_dir=DIR to "
+        f"LEARNER_ARGS and ACTOR_ARGS, or publish on the loopback ({PUBLISH_HOST_ENV}=127.0.0.1)"
+    )
 
 
 def parse(argv: list[str], prog: str, description: str) -> SpecRLConfig | None:

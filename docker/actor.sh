@@ -10,6 +10,8 @@
 # container, so it names the actor (a restarted actor finds its spool under the same name), picks
 # its index (0-999) and its seed (28 bits). Actors that are services of their own
 # (docker-compose.gpu.yml: actor, actor-1, ...) get their index from SPECRL_ACTOR_INDEX instead.
+# The Redis password is not on the command line (any user of the host can read it in
+# /proc/*/cmdline): specrl-actor reads it from SPECRL_REDIS_PASSWORD, set by the compose file.
 set -eu
 cid=$(sed -n 's#.*/containers/\([0-9a-f]\{64\}\)/hostname .*#\1#p' /proc/self/mountinfo | head -n 1)
 if [ -z "$cid" ]; then
@@ -29,7 +31,7 @@ echo "actor.sh: container ${short}: actor.actor_id=actor-${short} actor.index=${
 set -f  # SPECRL_NODE_ARGS splits into words; no file name expansion
 exec specrl-actor \
   "run.name=${RUN_NAME}" "run.dir=/runs/${RUN_NAME}" \
-  "redis.url=redis://:${REDIS_PASSWORD}@${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0" \
+  "redis.url=redis://${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0" \
   "learner.address=tcp://${SPECRL_LEARNER_HOST}:${SPECRL_LEARNER_PORT}" \
   "actor.device=${SPECRL_ACTOR_DEVICE:-cpu}" \
   "actor.actor_id=actor-${short}" "actor.index=${index}" "actor.seed=${seed}" \

@@ -38,7 +38,8 @@ examples:
   specrl run actor.num_actors=3 task=addition run.steps=200
   specrl warm-draft model=smollm2-135m task=word_problems
   specrl report runs/run-20250101-120000
-  specrl-actor learner.address=tcp://10.0.0.5:5555 redis.url=redis://:PASSWORD@10.0.0.5:6379/0
+  SPECRL_REDIS_PASSWORD=... specrl-actor learner.address=tcp://10.0.0.5:5555 \
+      redis.url=redis://10.0.0.5:6379/0   (a password in redis.url would show in ps)
 """
 
 

@@ -15,6 +15,7 @@ children are ops/processes.py's, which die with the launcher even if it is SIGKI
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import secrets
@@ -31,8 +32,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from actors.host_cache import HostCache
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
+from common.config.run import REDIS_PASSWORD_ENV, redact_redis_url, split_redis_password
 from common.model import DRAFT_FILE
-from common.model_args import layout_from_hf_config
+from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config
 from learner.presets import PresetError, ensure_preset
@@ -92,22 +94,47 @@ def _actor_env(cfg: SpecRLConfig) -> dict[str, str]:
 def child_overrides(
     cfg: SpecRLConfig, overrides: list[str], redis_url: str, model_dir: Path
 ) -> list[str]:
-    """The user's overrides plus what the launcher decided (run name/dir, Redis URL, model)."""
+    """The user's overrides plus what the launcher decided (run name/dir, Redis URL, model).
+
+    Command lines are readable by every local user (``/proc/*/cmdline``), so the Redis URL goes
+    without its password (and a ``redis.url`` the user gave is replaced by that URL): the
+    children read the password from the environment, :func:`child_secrets`."""
+    bare_url, _ = split_redis_password(redis_url)
     return [
-        *overrides,
+        *(o for o in overrides if not _is_key(o, "redis.url")),
         f"run.name={cfg.run.name}",
         f"run.dir={cfg.run.resolved_dir()}",
-        f"redis.url={redis_url}",
+        f"redis.url={bare_url}",
         f"model.path={model_dir}",
     ]
+
+
+def child_secrets(redis_url: str) -> dict[str, str]:
+    """Environment that carries the Redis password of ``redis_url`` to the children
+    (``$SPECRL_REDIS_PASSWORD``, which ``RedisConfig.resolved_url`` reads); empty when the URL
+    holds none (a password already in the launcher's environment is inherited)."""
+    _, password = split_redis_password(redis_url)
+    return {REDIS_PASSWORD_ENV: password} if password else {}
+
+
+def saved_config(cfg: SpecRLConfig) -> str:
+    """``cfg`` as YAML for ``{run_dir}/config.yaml``, with any password in ``redis.url``
+    replaced by ``***``."""
+    shown = copy.deepcopy(cfg)
+    shown.redis.url = redact_redis_url(shown.redis.url)
+    return to_yaml(shown)
 
 
 class PreflightError(ValueError):
     """Configuration that cannot work, found before any process was started."""
 
 
+def _is_key(override: str, key: str) -> bool:
+    return override.lstrip("+~").split("=", 1)[0] == key
+
+
 def _given(overrides: list[str], key: str) -> bool:
-    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+    return any(_is_key(o, key) for o in overrides)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -120,7 +147,13 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
-    """Raise PreflightError, quoting the offending value, for what would make a child fail."""
+    """Raise PreflightError, quoting the offending value, for what would make a child fail.
+
+    The engine, drafting method and model layout are checked by the rules the actor applies
+    when it builds its engine (``check_rollout_support``; on vLLM ``vllm_setup.check_options``,
+    which imports no vLLM), so a combination the actor would refuse stops the run here, before
+    Redis or the learner start."""
+    model_dir: Path | None = None
     if cfg.model.path:
         path = Path(cfg.model.path)
         config = path / "config.json"
@@ -131,6 +164,24 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
             check_rollout_support(layout, cfg.engine.name, cfg.spec.method, cfg.spec.adapter)
         except (ValueError, KeyError, json.JSONDecodeError) as e:
             raise PreflightError(f"model.path={cfg.model.path!r}: {config}: {e}") from e
+        model_dir = path
+        uses_exit = cfg.spec.uses_early_exit or cfg.spec.aux_coef > 0
+        # A trained adapter in the checkpoint brings its own exit layer; otherwise spec's is used.
+        builtin = isinstance(layout, ModelArgs)
+        own_exit = builtin and cfg.spec.adapter and layout.draft_exit_layer
+        layers = layout.num_hidden_layers if builtin else 0
+        if builtin and uses_exit and not own_exit and not 1 <= cfg.spec.exit_layer < layers:
+            raise PreflightError(
+                f"spec.exit_layer={cfg.spec.exit_layer} must be in [1, {layers - 1}] for the "
+                f"{layers}-layer model at model.path={cfg.model.path!r} (spec={cfg.spec.method})"
+            )
+    if cfg.engine.name == "vllm":
+        from actors.engines.vllm_setup import check_options
+
+        try:
+            check_options(cfg.actor.inflight, cfg.engine, cfg.spec, model_dir)
+        except (ValueError, KeyError, json.JSONDecodeError) as e:
+            raise PreflightError(f"engine=vllm: {e}") from e
     if cfg.task.path and not Path(cfg.task.path).is_file():
         raise PreflightError(f"task.path={cfg.task.path!r}: no such file")
     if cfg.task.is_dataset:
@@ -215,7 +266,7 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
     preflight(cfg, overrides)
     run_dir = cfg.run.resolved_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "config.yaml").write_text(saved_config(cfg))
     console.print(
         f"[bold]specrl run[/bold] {cfg.run.name}: task={cfg.task.name} actors={cfg.actor.num_actors} steps={cfg.run.steps} → {run_dir}"
     )
@@ -228,6 +279,7 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     launch = Launch()
     started = time.monotonic()
+    exit_codes: dict[str, int | None] = {}
     try:
         model_dir = _prepare_model(cfg, console)
         if cfg.redis.url:
@@ -241,13 +293,15 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
             )
         ports = assign_ports(cfg, overrides, run_dir)
         args = [*child_overrides(cfg, overrides, redis_url, model_dir), *ports]
-        launch.children.append(processes.learner(run_dir, args).start())
-        actor_env = _actor_env(cfg)
+        secrets_env = child_secrets(redis_url)
+        launch.children.append(processes.learner(run_dir, args, env=secrets_env).start())
+        actor_env = {**_actor_env(cfg), **secrets_env}
         for i in range(cfg.actor.num_actors):
             launch.children.append(processes.actor(run_dir, i, args, actor_env).start())
         outcome = _follow(cfg, launch, run_dir, console, stop)
     finally:
-        processes.stop_all(launch.children)
+        # Exit code by child; None: it did not stop within the grace period and was killed.
+        exit_codes = processes.stop_all(launch.children)
         if launch.redis is not None:
             launch.redis.close()
         if cfg.redis.host_cache_dir:
@@ -259,6 +313,7 @@ def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None)
     rows = read_metrics(run_dir / "metrics.jsonl")
     summary = summarize(rows, wall_s=time.monotonic() - started)
     summary["outcome"] = outcome
+    summary["exit_codes"] = exit_codes
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary["steps"]:
         png, md = write_report(run_dir, rows, summary)

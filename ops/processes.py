@@ -135,9 +135,11 @@ def stop_all(processes: Iterable[Process], grace_s: float = STOP_GRACE_S) -> dic
     return codes
 
 
-def learner(run_dir: Path, args: list[str], cwd: Path | None = None) -> Process:
-    """The learner, logging to ``{run_dir}/learner.log``."""
-    return Process("learner", "learner.main", args, run_dir / "learner.log", cwd=cwd)
+def learner(
+    run_dir: Path, args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> Process:
+    """The learner, logging to ``{run_dir}/learner.log``; ``env`` adds to its environment."""
+    return Process("learner", "learner.main", args, run_dir / "learner.log", env, cwd)
 
 
 def actor(

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _LOG_NAME = "redis-server.log"
+_AUTH_NAME = "auth.conf"
 # Resolved in the parent: dlopen between fork and exec can deadlock on the loader lock.
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -76,6 +77,15 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def redis_conf_quote(value: str) -> str:
+    """``value`` as one double-quoted argument of a redis.conf line: letters and digits as they
+    are, every other byte as ``\\xHH`` (Redis' config parser reads that escape)."""
+    body = "".join(
+        chr(b) if chr(b).isascii() and chr(b).isalnum() else f"\\x{b:02x}" for b in value.encode()
+    )
+    return f'"{body}"'
 
 
 def die_with_parent_preexec() -> None:
@@ -155,9 +165,23 @@ class RedisServer:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def auth_path(self) -> Path:
+        """The config file that holds ``requirepass`` while the server starts (0600; removed
+        once it answers), so the password is never on its command line."""
+        return self.data_dir / _AUTH_NAME
+
+    def _write_auth(self) -> None:
+        self.auth_path.unlink(missing_ok=True)
+        fd = os.open(self.auth_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {redis_conf_quote(self.password or '')}\n")
+
     def _args(self) -> list[str]:
+        # A config file comes first on redis-server's command line; the options after it add to it.
         args = [
             self.binary,
+            *([str(self.auth_path)] if self.password else []),
             "--port", str(self.port),
             "--bind", self.bind,
             "--dir", str(self.data_dir),
@@ -168,8 +192,6 @@ class RedisServer:
         ]  # fmt: skip
         if self.persist:
             args += ["--appendfsync", "everysec"]
-        if self.password:
-            args += ["--requirepass", self.password]
         return args
 
     def _log_tail(self, lines: int = 20) -> str:
@@ -185,19 +207,25 @@ class RedisServer:
             raise RedisServerError(f"redis-server already running (pid {self.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         preexec = child_preexec()
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                self._args(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=preexec,
-            )
+        if self.password:
+            self._write_auth()
         try:
-            self._wait_ready()
-        except RedisServerError:
-            self.stop()
-            raise
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    self._args(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=preexec,
+                )
+            try:
+                self._wait_ready()
+            except RedisServerError:
+                self.stop()
+                raise
+        finally:
+            # Read once at start: the password stays in the server's memory only.
+            self.auth_path.unlink(missing_ok=True)
         logger.info("redis-server pid %d listening on %s:%d", self.pid, self.host, self.port)
 
     def _wait_ready(self) -> None:

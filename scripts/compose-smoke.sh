@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The docker compose stack, started for real on CPU (docker-compose.yml + docker-compose.cpu.yml):
 #   1. a Docker engine: dockerd if it runs, else started here as root (Debian's docker.io is
-#      installed first if missing); without one the test is skipped with the reason printed
-#      (SPECRL_SMOKE_REQUIRE=1 makes that a failure);
+#      installed first if missing); without one the test is skipped: exit status 0, with a banner
+#      on stdout and stderr and the marker line `SPECRL-COMPOSE-SMOKE: SKIPPED: <reason>` (grep
+#      CI logs for it), so a skip is never mistaken for a pass; SPECRL_SMOKE_REQUIRE=1 makes a
+#      skip a failure;
 #   2. the image: scripts/build-cpu-image.sh (Debian base by debootstrap, host wheelhouse; reused
 #      when present);
 #   3. `compose up`: Redis with a password, the learner and 2 actors, host networking, every
@@ -24,7 +26,15 @@ skip() {
     echo "compose-smoke: FAILED (SPECRL_SMOKE_REQUIRE=1): $*" >&2
     exit 1
   fi
-  echo "compose-smoke: SKIPPED: $*"
+  local rule="################################################################################"
+  local banner
+  banner=$(printf '%s\n' "$rule" \
+    "SPECRL-COMPOSE-SMOKE: SKIPPED: $*" \
+    "  The docker compose stack was NOT built, started or checked on this machine: this is" \
+    "  not a pass. SPECRL_SMOKE_REQUIRE=1 makes a skip fail." \
+    "$rule")
+  echo "$banner"
+  echo "$banner" >&2
   exit 0
 }
 fail() {

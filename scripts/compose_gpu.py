@@ -4,7 +4,9 @@
     docker compose -f docker-compose.yml -f docker-compose.gpu.yml up --build
 
 The written file replaces docker-compose.override.yml (it holds everything that file holds, with
-the layout below), so a command names docker-compose.yml and the written file only.
+the layout below), so a command names docker-compose.yml and the written file only. Its ports are
+that file's: 5555 and 6379 on ``SPECRL_PUBLISH_HOST`` (default 127.0.0.1, the host's loopback),
+and the learner refuses to start published wider without ``security.curve_dir``.
 
 Placement (Docker's ``device_ids``, one set per service; Compose cannot give the replicas of one
 service different GPUs, so each actor is a service of its own: ``actor``, ``actor-1``, ...):

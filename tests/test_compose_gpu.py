@@ -306,14 +306,33 @@ def test_node_args_reach_the_processes_before_the_user_args():
     assert "index=${SPECRL_ACTOR_INDEX:-" in actor_sh
 
 
-def redis_argv() -> list[str]:
-    """The compose file's Redis command line, as its `sh -c` runs it (one variable per $$NAME)."""
+def redis_script() -> str:
+    """The script of the compose file's Redis command (``sh -c '<script>'``), as the container's
+    shell gets it ($$ is Compose's escape of $)."""
     command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["redis"][
         "command"
     ]
-    script = shlex.split(command)[2]  # sh -c '<script>'
-    assert script.startswith("exec ")
-    return shlex.split(script.removeprefix("exec ").replace("$$", "$"))
+    argv = shlex.split(command)
+    assert argv[:2] == ["sh", "-c"] and len(argv) == 3, argv
+    return argv[2].replace("$$", "$")
+
+
+def start_compose_redis(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The compose file's Redis command run by sh, with ``redis-server`` on PATH and its config
+    file under ``tmp_path / "tmp"`` (TMPDIR)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(find_redis_server_binary())
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "data").mkdir()
+    run_env = {"PATH": f"{bin_dir}:{os.defpath}", "TMPDIR": str(tmp_path / "tmp"), **env}
+    return subprocess.Popen(
+        ["sh", "-c", redis_script()],
+        cwd=tmp_path / "data",
+        env=run_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path):
@@ -326,10 +345,7 @@ def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path)
         "REDIS_PASSWORD": "pw",
         "SPECRL_REDIS_MAXMEMORY": "8mb",
     }
-    argv = _expand(redis_argv(), env)
-    assert argv[0] == "redis-server"
-    server = [find_redis_server_binary(), *argv[1:]]
-    proc = subprocess.Popen(server, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    proc = start_compose_redis(tmp_path, env)
     try:
         client = redis.Redis(port=port, password="pw")
         for _ in range(200):
@@ -354,14 +370,80 @@ def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path)
     finally:
         proc.kill()
         proc.wait()
-    assert not list(tmp_path.iterdir()), "Redis wrote files"
+    assert not list((tmp_path / "data").iterdir()), "Redis wrote files"
 
 
-def _expand(argv: list[str], env: dict[str, str]) -> list[str]:
-    out = []
-    for arg in argv:
-        for name, value in env.items():
-            arg = arg.replace(f"${name}", value)
-        assert "$" not in arg, arg
-        out.append(arg)
-    return out
+def test_redis_password_reaches_the_server_in_a_0600_file_not_its_argv(tmp_path):
+    """The compose file's Redis command, run by sh: the process that execs redis-server has no
+    password in its argv (what /proc/<pid>/cmdline shows any user of the host), the config
+    file holding it is 0600, Redis refuses clients without it; a password the config file
+    cannot hold is refused before Redis starts."""
+    port = find_free_port()
+    password = "c0ffee+/=-_.pw"
+    env = {
+        "SPECRL_REDIS_PORT": str(port),
+        "SPECRL_REDIS_BIND": "127.0.0.1",
+        "REDIS_PASSWORD": password,
+        "SPECRL_REDIS_MAXMEMORY": "8mb",
+    }
+    proc = start_compose_redis(tmp_path, env)
+    try:
+        client = redis.Redis(port=port, password=password)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        assert password.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        conf = tmp_path / "tmp" / "specrl-redis.conf"
+        assert conf.stat().st_mode & 0o777 == 0o600
+        assert conf.read_text() == f"requirepass {password}\n"
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).get("k")
+    finally:
+        proc.kill()
+        proc.wait()
+    # sh execs redis-server, so the argv above was redis-server's as exec'd: the script
+    # passes the config file, never the value.
+    script = redis_script()
+    tail = script.split("exec redis-server", 1)[1]
+    assert "PASSWORD" not in tail and tail.lstrip().startswith('"$conf"')
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    proc = start_compose_redis(bad, {**env, "REDIS_PASSWORD": 'two words"'})
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and b"REDIS_PASSWORD may hold" in err
+    assert not (bad / "tmp" / "specrl-redis.conf").exists()
+
+
+def test_published_ports_in_generated_files():
+    """What scripts/compose_gpu.py writes publishes like docker-compose.override.yml: the
+    loopback by default, SPECRL_PUBLISH_HOST when set, and the learner knows which."""
+    from tests.test_deployment_files import check_published_ports
+
+    for layout in (compose_gpu.plan(1), compose_gpu.plan(8, 4), compose_gpu.plan(4, 2, 2)):
+        check_published_ports(compose_gpu.render(layout))
+
+
+@needs_compose
+def test_compose_publishes_on_the_loopback_unless_told(default_stack):
+    """As Compose reads the default GPU stack: host_ip 127.0.0.1, or SPECRL_PUBLISH_HOST."""
+
+    def hosts(stack: dict) -> dict[str, str]:
+        services = stack["services"]
+        return {
+            str(p["target"]): p.get("host_ip", "")
+            for name in ("learner", "redis")
+            for p in services[name].get("ports", [])
+        }
+
+    assert hosts(default_stack) == {"5555": "127.0.0.1", "9400": "127.0.0.1", "6379": "127.0.0.1"}
+    wide = config(
+        ROOT / "docker-compose.yml",
+        ROOT / "docker-compose.override.yml",
+        SPECRL_PUBLISH_HOST="0.0.0.0",
+    )
+    assert hosts(wide) == {"5555": "0.0.0.0", "9400": "127.0.0.1", "6379": "0.0.0.0"}
+    assert wide["services"]["learner"]["environment"]["SPECRL_PUBLISH_HOST"] == "0.0.0.0"

@@ -23,7 +23,9 @@ def test_shared_stack_wiring():
     services = compose["services"]
     assert set(services) == SERVICES
     redis, learner, actor = services["redis"], services["learner"], services["actor"]
-    assert "--requirepass" in redis["command"] and "healthcheck" in redis
+    # The password reaches redis-server in a config file (tests/test_compose_gpu.py runs it).
+    assert 'printf "requirepass %s\\n" "$$REDIS_PASSWORD"' in redis["command"]
+    assert "umask 077" in redis["command"] and "healthcheck" in redis
     # Weights in memory only: no persistence, bounded, nothing evicted (tests/test_compose_gpu.py
     # runs this command line).
     for option in ("--appendonly no", '--save ""', "--maxmemory-policy noeviction"):
@@ -39,12 +41,15 @@ def test_shared_stack_wiring():
     assert "else set -- specrl-learner" in command
     assert compose["x-specrl-env"]["LEARNER_GPUS"] == "${LEARNER_GPUS:-1}"
     assert "learner.bind=tcp://$$SPECRL_LEARNER_BIND:$$SPECRL_LEARNER_PORT" in learner["command"]
-    assert (
-        "redis.url=redis://:$$REDIS_PASSWORD@$$SPECRL_REDIS_HOST:$$SPECRL_REDIS_PORT/0"
-        in learner["command"]
-    )
+    assert "redis.url=redis://$$SPECRL_REDIS_HOST:$$SPECRL_REDIS_PORT/0" in learner["command"]
     assert "/app/docker/actor.sh" in actor["command"]
     env = compose["x-specrl-env"]
+    # The learner and actors read the password from the environment (common/config/run.py).
+    assert (
+        env["SPECRL_REDIS_PASSWORD"]
+        == env["REDIS_PASSWORD"]
+        == "${REDIS_PASSWORD:?set REDIS_PASSWORD}"
+    )
     assert env["SPECRL_REDIS_HOST"] == "redis" and env["SPECRL_LEARNER_HOST"] == "learner"
     for service in services.values():
         assert service["environment"] == env
@@ -79,6 +84,75 @@ def test_gpu_override_reserves_gpus_and_publishes_ports():
     assert any(p.endswith(":5555") for p in services["learner"]["ports"])
     assert any(p.startswith("127.0.0.1:") for p in services["learner"]["ports"])
     assert any(p.endswith(":6379") for p in services["redis"]["ports"])
+    check_published_ports(load("docker-compose.override.yml"))
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${NAME}``, ``${NAME:-default}`` and ``$$`` in ``text``, from ``env``."""
+
+    def one(match: re.Match) -> str:
+        name, default = match.group(1), match.group(3)
+        return env.get(name) or (default if default is not None else "")
+
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, text).replace("$$", "$")
+
+
+def published(service: dict, env: dict[str, str]) -> dict[str, str]:
+    """Container port -> host interface each ``HOST:PORT:PORT`` entry publishes it on ("" for
+    an entry without a host: every interface)."""
+    out = {}
+    for entry in service.get("ports", []):
+        parts = interpolate(str(entry), env).split(":")
+        out[parts[-1]] = parts[0] if len(parts) == 3 else ""
+    return out
+
+
+def check_published_ports(stack: dict) -> None:
+    """A GPU stack (docker-compose.override.yml, or what scripts/compose_gpu.py writes): the
+    trajectory socket and Redis are published on the loopback unless SPECRL_PUBLISH_HOST says
+    otherwise, /metrics always on the loopback, and the learner is told the host it is
+    published on (it refuses a wider one without CurveZMQ)."""
+    services = stack["services"]
+    learner = services["learner"]
+    for env, host in (({}, "127.0.0.1"), ({"SPECRL_PUBLISH_HOST": "0.0.0.0"}, "0.0.0.0")):
+        assert published(learner, env) == {"5555": host, "9400": "127.0.0.1"}, env
+        assert published(services["redis"], env) == {"6379": host}, env
+        told = interpolate(learner["environment"]["SPECRL_PUBLISH_HOST"], env)
+        assert told == host, env
+        for name, service in services.items():
+            if name not in ("learner", "redis"):
+                assert "ports" not in service, name
+
+
+def test_no_secret_on_a_command_line():
+    """Any user of the host reads container processes' argv in /proc/*/cmdline: the Redis
+    password is given to redis-server, redis-cli and specrl only through the environment or a
+    0600 file, in every compose file and entry script."""
+    texts = {
+        name: (ROOT / name).read_text()
+        for name in (
+            "docker-compose.yml",
+            "docker-compose.override.yml",
+            "docker-compose.cpu.yml",
+            "docker/actor.sh",
+        )
+    }
+    forbidden = [
+        r"--requirepass",
+        r"redis-cli[^\n]*\s-a\s",
+        r"redis(s)?://[^\s\"']*:\$+\{?REDIS_PASSWORD",
+    ]
+    for name, text in texts.items():
+        for pattern in forbidden:
+            assert not re.search(pattern, text), (name, pattern)
+    compose = load("docker-compose.yml")
+    redis, learner = compose["services"]["redis"], compose["services"]["learner"]
+    for check in (redis["healthcheck"]["test"][1], learner["healthcheck"]["test"][1]):
+        assert check.startswith('REDISCLI_AUTH="$$REDIS_PASSWORD" redis-cli '), check
+        assert check.count("REDIS_PASSWORD") == 1, check
+    assert "REDIS_PASSWORD" not in learner["command"]
+    actor_exec = texts["docker/actor.sh"].split("exec specrl-actor", 1)[1]
+    assert "PASSWORD" not in actor_exec
 
 
 def test_cpu_variant_is_host_network_on_loopback():
@@ -110,7 +184,7 @@ def test_actor_entry_point_gives_each_replica_an_identity():
         "actor.index=",
         "actor.seed=",
         "actor.actor_id=",
-        "redis.url=redis://:${REDIS_PASSWORD}@${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0",
+        "redis.url=redis://${SPECRL_REDIS_HOST}:${SPECRL_REDIS_PORT}/0",
         "learner.address=tcp://${SPECRL_LEARNER_HOST}:${SPECRL_LEARNER_PORT}",
         "actor.device=${SPECRL_ACTOR_DEVICE:-cpu}",
         "redis.host_cache_dir=${SPECRL_HOST_CACHE_DIR:-/dev/shm}",

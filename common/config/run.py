@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from common.config.checks import require, require_at_least, require_choice, require_ordered
 from common.config.modes import (
@@ -14,6 +17,80 @@ from common.config.modes import (
     DATASET_TASKS,
     TASK_NAMES,
 )
+
+logger = logging.getLogger(__name__)
+
+REDIS_PASSWORD_ENV = "SPECRL_REDIS_PASSWORD"
+"""Environment variable holding the Redis password: read by every process that connects, so the
+password never travels on a command line (``/proc/*/cmdline`` is readable by every local user);
+a password inside ``redis.url`` wins over it."""
+REDACTED = "***"
+
+
+def split_redis_password(url: str) -> tuple[str, str]:
+    """``url`` without its password, and the password (URL-unquoted; "" when there is none).
+    A user name stays in the URL."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, ""
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{user}@{host}" if user else host
+    return urlunsplit(parts._replace(netloc=netloc)), unquote(parts.password)
+
+
+def _put_password(url: str, quoted: str) -> str:
+    parts = urlsplit(url)
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quoted}@{host}"))
+
+
+def with_redis_password(url: str, password: str) -> str:
+    """``url`` with ``password`` put in (quoted), replacing any it had."""
+    bare, _ = split_redis_password(url)
+    return _put_password(bare, quote(password, safe="")) if password else bare
+
+
+def redact_redis_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***`` (for files and logs)."""
+    bare, password = split_redis_password(url)
+    return _put_password(bare, REDACTED) if password else url
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether ``host`` names this machine only: ``localhost`` or a loopback address."""
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def redis_exposure_warnings(url: str, env_password: str = "") -> list[str]:
+    """What is unprotected about reaching Redis at ``url`` from another machine: no password
+    (neither in the URL nor in ``$SPECRL_REDIS_PASSWORD``), or plain ``redis://`` (no TLS).
+    Empty for a loopback host or a Unix socket."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or is_loopback_host(parts.hostname):
+        return []
+    shown = redact_redis_url(url)
+    out = []
+    if not (parts.password or env_password):
+        out.append(
+            f"redis.url={shown} points at another machine ({parts.hostname}) and has no "
+            f"password: anyone who reaches that port can read and replace the weights. Set "
+            f"requirepass on that Redis and give it to every process in ${REDIS_PASSWORD_ENV}"
+        )
+    if parts.scheme == "redis":
+        out.append(
+            f"redis.url={shown} reaches {parts.hostname} over plain TCP (redis://, no TLS): the "
+            "password and the weights cross the network unencrypted; use rediss:// or keep "
+            "Redis on a private network"
+        )
+    return out
 
 
 def default_torch_threads() -> int:
@@ -201,8 +278,10 @@ class TaskConfig:
 @dataclass
 class RedisConfig:
     url: str = ""
-    """Redis URL (``redis://[:password@]host:port/db``, ``rediss://`` for TLS). Empty: ``specrl run``
-    starts a private server; ``specrl-learner``/``specrl-actor`` use redis://127.0.0.1:6379/0."""
+    """Redis URL (``redis://host:port/db``, ``rediss://`` for TLS). Empty: ``specrl run`` starts a
+    private server; ``specrl-learner``/``specrl-actor`` use redis://127.0.0.1:6379/0. The
+    password goes in ``$SPECRL_REDIS_PASSWORD`` (``redis://:PASSWORD@...`` works too, but puts
+    it on the command line); a non-loopback host without a password or TLS is warned about."""
     chunk_bytes: int = 4 * 2**20
     """Largest value written per weights chunk."""
     retention: int = 3
@@ -216,8 +295,11 @@ class RedisConfig:
     """A full weights version every N versions; the others are stored as sparse deltas against
     the previous version (when a delta is under half the full size). 1: every version full."""
     host_cache_dir: str = "/dev/shm"
-    """Where actors on one host share fetched versions (one Redis fetch per host per version);
-    empty: off (every actor fetches from Redis)."""
+    """Where actors on one host share fetched versions (one Redis fetch per host per version), in
+    ``specrl-weights-{uid}`` there (created 0700); a copy is hashed against its manifest before
+    it is used, and one in a directory or file that is not this user's alone is refused (fetched
+    from Redis, counted in ``actor/host_cache_refused``); empty: off (every actor fetches from
+    Redis)."""
 
     def __post_init__(self) -> None:
         require_at_least("redis", self, chunk_bytes=1024, retention=1, keyframe_every=1)
@@ -229,9 +311,17 @@ class RedisConfig:
             self.poll_interval_s > 0,
             f"redis.poll_interval_s must be > 0, got {self.poll_interval_s}",
         )
+        for warning in redis_exposure_warnings(self.url, os.environ.get(REDIS_PASSWORD_ENV, "")):
+            logger.warning("%s", warning)
 
     def resolved_url(self) -> str:
-        return self.url or "redis://127.0.0.1:6379/0"
+        """The URL to connect to: ``url`` (or the local default) with the password of
+        ``$SPECRL_REDIS_PASSWORD`` put in, unless the URL holds one itself."""
+        url = self.url or "redis://127.0.0.1:6379/0"
+        password = os.environ.get(REDIS_PASSWORD_ENV, "")
+        if password and urlsplit(url).password is None:
+            return with_redis_password(url, password)
+        return url
 
 
 @dataclass

@@ -3,6 +3,7 @@ subcommand hands on."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -82,3 +83,73 @@ def test_learner_and_actor_commands_exec_their_process_with_the_arguments():
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f"usage: {prog}"), out.stdout[:200]
+
+
+def _model_dir(path, **changes):
+    """A model directory holding only ``config.json`` (all the preflight reads): a 4-layer
+    Llama the built-in model computes, with ``changes`` on top."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=128,
+    ).to_dict()
+    path.mkdir()
+    (path / "config.json").write_text(
+        json.dumps({**config, "architectures": ["LlamaForCausalLM"], **changes})
+    )
+    return path
+
+
+def test_run_preflight_refuses_every_engine_spec_and_layout_the_actor_would(
+    capsys, tmp_path, monkeypatch
+):
+    """``specrl run`` refuses, with the actor's own reason and before any process starts, what
+    an actor would refuse only after Redis and the learner are up; what actors run passes."""
+    from common.config import load_config
+    from ops.launcher import preflight
+
+    llama = _model_dir(tmp_path / "llama")
+    # A Llama with a RoPE the built-in model lacks: vLLM serves it, without the early exit.
+    yarn = _model_dir(tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    refused = [
+        (["engine=vllm", "spec=hybrid"], "spec=hybrid is not supported with engine=vllm"),
+        (
+            ["engine=vllm", "spec=ngram", "+engine.vllm_speculative={method: ngram}"],
+            "both configure vLLM's speculative decoding",
+        ),
+        ([f"model.path={yarn}", "engine=vllm", "spec=early_exit"], "drafts with the policy's own"),
+        ([f"model.path={yarn}", "engine=vllm", "spec=adapter"], "drafts with the policy's own"),
+        ([f"model.path={yarn}", "engine=torch", "spec=none"], "engine=torch"),
+        ([f"model.path={llama}", "spec=early_exit", "spec.exit_layer=4"], "must be in [1, 3]"),
+    ]
+    for overrides, reason in refused:
+        run_dir = tmp_path / "run"
+        assert main(["run", *overrides, f"run.dir={run_dir}"]) == 2, overrides
+        err = capsys.readouterr().err
+        assert err.startswith("specrl run: ") and reason in err, (overrides, err)
+        assert not run_dir.exists()  # no Redis, learner or actor: nothing was written
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert main(["run", "engine=vllm", "spec=early_exit", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert "needs vLLM's engine core in this process" in capsys.readouterr().err
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    with pytest.raises(SystemExit, match="verify_on_finish runs on the torch engine"):
+        main(["run", "engine=vllm", "actor.inflight=verify_on_finish"])
+
+    accepted = [
+        ["engine=vllm", "spec=ngram"],
+        ["engine=vllm", "spec=early_exit"],
+        ["engine=vllm", "spec=adapter"],  # the trained draft alone: spec.method=auto
+        ["engine=torch", "spec=adapter"],
+        [f"model.path={yarn}", "engine=vllm", "spec=ngram"],
+        [f"model.path={llama}", "engine=vllm", "spec=early_exit", "spec.exit_layer=3"],
+        # The real-model preset as a newcomer types it, on either engine.
+        [f"model.path={llama}", "model=smollm2-135m", "task=word_problems", "engine=vllm"],
+        [f"model.path={llama}", "model=smollm2-135m", "task=word_problems"],
+    ]
+    for overrides in accepted:
+        preflight(load_config(overrides), overrides)

@@ -15,7 +15,14 @@ from rich.console import Console
 
 from common.config import load_config
 from ops import launcher, processes
-from ops.launcher import Launch, PreflightError, assign_ports, child_overrides, preflight
+from ops.launcher import (
+    Launch,
+    PreflightError,
+    assign_ports,
+    child_overrides,
+    child_secrets,
+    preflight,
+)
 from ops.processes import Process, child_failure
 
 LEARNER_OK = """
@@ -58,21 +65,29 @@ def follow(tmp_path: Path, children: list[Process], stop: dict | None = None) ->
     return outcome, out.getvalue()
 
 
-def test_child_overrides_put_the_launchers_choices_after_the_users(tmp_path):
-    user = ["task=addition", "run.steps=3"]
+def test_child_overrides_put_the_launchers_choices_after_the_users(tmp_path, monkeypatch):
+    user = ["task=addition", "run.steps=3", "redis.url=redis://:pw@127.0.0.1:7000/0"]
     cfg = load_config([*user, "run.name=r1", f"run.dir={tmp_path}"])
     args = child_overrides(cfg, user, "redis://:pw@127.0.0.1:7000/0", tmp_path / "model")
-    assert args[:2] == user
+    assert args[:2] == user[:2]
+    # The password leaves the command line (the user's redis.url too); it goes in the environment.
     assert args[2:] == [
         "run.name=r1",
         f"run.dir={tmp_path}",
-        "redis.url=redis://:pw@127.0.0.1:7000/0",
+        "redis.url=redis://127.0.0.1:7000/0",
         f"model.path={tmp_path / 'model'}",
     ]
-    # The children read the same config back from these overrides.
+    assert not any("pw" in a for a in args)
+    env = child_secrets("redis://:pw@127.0.0.1:7000/0")
+    assert env == {"SPECRL_REDIS_PASSWORD": "pw"}
+    assert child_secrets("redis://127.0.0.1:7000/0") == {}
+    # The children read the same config back from these overrides and that environment.
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     again = load_config(args)
     assert (again.run.name, again.run.steps, again.task.name) == ("r1", 3, "addition")
-    assert again.redis.url == "redis://:pw@127.0.0.1:7000/0"
+    assert again.redis.url == "redis://127.0.0.1:7000/0"
+    assert again.redis.resolved_url() == "redis://:pw@127.0.0.1:7000/0"
 
 
 def test_assign_ports_fills_only_what_the_user_left_unset(tmp_path):
