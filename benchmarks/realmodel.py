@@ -14,12 +14,17 @@
    mean of per-problem differences, with a 95% normal interval over problems (paired).
 5. Opens that checkpoint in ``transformers`` and in vLLM and compares their greedy completions.
 6. Runs the same preset on ``engine=vllm`` for a few steps (its actor's tokens/s), when vLLM is
-   installed.
+   installed: the preset as it is, so the trained draft adapter drafts there too.
 
 Figures: ``realmodel_eval_before``, ``realmodel_eval_after``, ``realmodel_eval_gain`` (+
 ``_ci95``), ``realmodel_reward_by_quarter``, ``realmodel_peak_rss_gb`` (per process) and
 ``realmodel_peak_rss_gb_total`` (+ the PSS sums), ``realmodel_publish_s``, ``realmodel_fetch_s``,
-``realmodel_actor_tokens_per_s`` (per engine), ``realmodel_ckpt_greedy_match``.
+``realmodel_actor_tokens_per_s`` (per engine), ``realmodel_ckpt_greedy_match``; what drafted:
+``realmodel_spec`` / ``realmodel_vllm_spec`` (the method each run's config resolves to:
+``spec=adapter`` is ``auto``, hybrid on the torch engine and the adapter alone on vLLM),
+``realmodel_draft`` / ``realmodel_vllm_draft`` (which draft: the trained adapter, an untrained
+one, the bare early exit, n-gram) and their ``..._spec_acceptance_rate``; ``commit``, ``dirty``
+and ``command`` (``benchmarks/cli.py``).
 """
 
 from __future__ import annotations
@@ -235,6 +240,31 @@ def greedy_match(ckpt: Path, prompts: list[str], max_new_tokens: int) -> dict[st
     }
 
 
+def draft_used(overrides: list[str]) -> dict[str, object]:
+    """The drafting a ``specrl run`` with ``overrides`` uses, as its config resolves it
+    (``spec.method=auto`` per engine): ``spec`` (the method) and ``draft`` (which draft)."""
+    from common.model import DRAFT_FILE
+
+    cfg = load_config(overrides)
+    spec = cfg.spec
+    if spec.method == "none":
+        draft = "none (plain decoding)"
+    elif spec.adapter:
+        trained = (Path(cfg.model.path) / DRAFT_FILE).is_file()
+        draft = (
+            f"the trained draft adapter ({DRAFT_FILE} of the model directory)"
+            if trained
+            else f"an untrained draft adapter (a copy of layer {spec.exit_layer})"
+        )
+    elif spec.uses_early_exit:
+        draft = f"the policy's first {spec.exit_layer} layer(s) (early exit, no adapter)"
+    else:
+        draft = ""
+    if spec.uses_ngram:
+        draft = " + ".join(x for x in (draft, f"n-gram ({spec.ngram_sources})") if x)
+    return {"spec": spec.method, "draft": draft, "adaptive": spec.adaptive, "k": spec.k}
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -277,6 +307,7 @@ def main() -> int:
     overrides = [*PRESET, "actor.num_actors=1", f"run.max_wall_s={opts.minutes * 60:g}"]
     overrides += ["run.steps=100000", *opts.overrides]
     run_dir, memory = specrl_run(overrides, run_name, timeout_s=opts.minutes * 60 + 600)
+    drafting = draft_used(overrides)  # after the run: `specrl run` warm-starts a missing draft
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = metric_rows(run_dir)
     ckpt = final_checkpoint(run_dir)
@@ -301,6 +332,9 @@ def main() -> int:
         "realmodel_actor_tokens_per_s": {"torch": summary.get("actor_tokens_per_s")},
         "realmodel_rl_summary": summary,
         "realmodel_rl_command": "specrl run " + " ".join(overrides),
+        "realmodel_spec": drafting["spec"],
+        "realmodel_draft": drafting["draft"],
+        "realmodel_spec_acceptance_rate": summary.get("spec_acceptance_rate"),
     }
     figures["target_met"] = (
         gain >= 0.05 and interval[0] > 0 and figures["realmodel_peak_rss_gb_total"] <= 6.0  # type: ignore[operator]
@@ -311,12 +345,18 @@ def main() -> int:
             vllm_run = [*PRESET, "engine=vllm", "actor.num_actors=1"]
             vllm_run += [f"run.steps={opts.vllm_steps}", *opts.overrides]
             vllm_dir, vllm_memory = specrl_run(vllm_run, f"{run_name}-vllm", timeout_s=1800)
+            vllm_drafting = draft_used(vllm_run)
             vllm_summary = json.loads((vllm_dir / "summary.json").read_text())
             tokens = figures["realmodel_actor_tokens_per_s"]
             assert isinstance(tokens, dict)
             tokens["vllm"] = vllm_summary.get("actor_tokens_per_s")
             figures["realmodel_vllm_peak_rss_gb"] = vllm_memory["realmodel_peak_rss_gb"]
             figures["realmodel_vllm_command"] = "specrl run " + " ".join(vllm_run)
+            figures["realmodel_vllm_spec"] = vllm_drafting["spec"]
+            figures["realmodel_vllm_draft"] = vllm_drafting["draft"]
+            figures["realmodel_vllm_spec_acceptance_rate"] = vllm_summary.get(
+                "spec_acceptance_rate"
+            )
     status = cli.finish(figures, opts.json, started)
     print(json.dumps(figures, indent=1, default=str))
     return status

@@ -46,6 +46,7 @@ class SpecRLConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
     def __post_init__(self) -> None:
+        self.spec = self.spec.for_engine(self.engine.name)  # spec.method=auto, per engine
         uses_exit = self.spec.uses_early_exit or self.spec.aux_coef > 0
         # The built-in model's depth is known here; a model.path model is checked when loaded.
         if uses_exit and not self.model.path:

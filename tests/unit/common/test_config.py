@@ -201,3 +201,23 @@ def test_every_field_has_a_docstring():
         t.removesuffix("Config") for t in section_types
     }
     assert dataclasses.is_dataclass(SpecRLConfig)
+
+
+def test_spec_auto_is_the_engines_own_method_with_the_trained_draft():
+    """``spec=adapter`` (the real-model preset's) is ``auto``: hybrid on the torch engine, the
+    adapter alone on vLLM (one proposer per engine); resolved at load, so the saved config and
+    every process see the concrete method. An explicit method is never changed."""
+    torch_spec = load_config(["spec=adapter"]).spec
+    vllm_cfg = load_config(["spec=adapter", "engine=vllm"])
+    assert (torch_spec.method, torch_spec.adapter) == ("hybrid", True)
+    assert (vllm_cfg.spec.method, vllm_cfg.spec.adapter) == ("early_exit", True)
+    assert vllm_cfg.spec.aux_coef == torch_spec.aux_coef == 0.1  # the learner trains it alike
+    assert "  method: early_exit\n" in to_yaml(vllm_cfg)
+    for engine in ("torch", "vllm"):
+        explicit = load_config([f"engine={engine}", "spec=hybrid"]).spec
+        assert explicit.method == "hybrid"  # vLLM refuses it (preflight), it is not remapped
+    preset = load_config(["model=smollm2-135m", "task=word_problems", "engine=vllm"]).spec
+    assert (preset.method, preset.adapter) == ("early_exit", True)
+    assert SpecConfig(method="auto").for_engine("vllm").method == "early_exit"
+    with pytest.raises(ValueError, match="spec.adapter drafts with the early exit"):
+        SpecConfig(method="ngram", adapter=True)
