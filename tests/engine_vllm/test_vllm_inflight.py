@@ -1,8 +1,13 @@
 """Delayed verification on vLLM: the old policy's distributions are recorded while sampling (vLLM
 keeps no old weights after a reload). With the whole vocabulary recorded it is exact; with top-k
-it is an approximation whose distance from exact is measured here."""
+the residual outside the record is an approximation whose distance from exact is measured here.
+At temperature 0.7 / top-p 0.9 and at temperature 0.5 (the new policy scored over the whole
+vocabulary, processed inside vLLM's model runner) complete sequences follow the new policy, with
+the default record, and scoring with vLLM's raw log-probs instead fails."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -10,7 +15,12 @@ import torch
 from common.config.actor import EngineConfig
 from common.model import save_pretrained
 from testing.goodness_of_fit import chi_square_pvalue
-from testing.lossless_check import exact_sequence_logprobs, outcome_counts, peaky_model
+from testing.lossless_check import (
+    exact_sequence_logprobs,
+    outcome_counts,
+    peaky_model,
+    rollouts_pvalue,
+)
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -32,8 +42,25 @@ def models(tmp_path_factory):
     return path, old, new, exact
 
 
+def swapped_rollouts(engine: VllmEngine, old, new, samples: int) -> list:
+    """``samples`` outputs of PROMPT (3 tokens), each started on ``old`` and swapped to ``new``
+    at the second poll (two tokens in flight), in calls small enough that every request is
+    running when v1 lands."""
+    out = []
+    for _ in range(samples // PER_CALL):
+        engine.load_weights(0, old.state_dict())
+        calls = {"n": 0}
+
+        def source(calls=calls):
+            calls["n"] += 1
+            return (1, new.state_dict()) if calls["n"] == 2 else None
+
+        out += engine.generate([PROMPT], PER_CALL, 3, weight_source=source)[0]
+    return out
+
+
 def swapped_counts(path, old, new, exact, mode: str, topk: int = -1):
-    """SAMPLES outputs, in calls small enough that every request is running when v1 lands."""
+    """SAMPLES outputs (:func:`swapped_rollouts`) at temperature 1."""
     engine = VllmEngine(
         path,
         NO_EOS,
@@ -43,16 +70,7 @@ def swapped_counts(path, old, new, exact, mode: str, topk: int = -1):
         seed=3,
         version=0,
     )
-    out = []
-    for _ in range(SAMPLES // PER_CALL):
-        engine.load_weights(0, old.state_dict())
-        calls = {"n": 0}
-
-        def source(calls=calls):
-            calls["n"] += 1
-            return (1, new.state_dict()) if calls["n"] == 2 else None
-
-        out += engine.generate([PROMPT], PER_CALL, 3, weight_source=source)[0]
+    out = swapped_rollouts(engine, old, new, SAMPLES)
     counts, probs = outcome_counts(exact, out)
     return counts, probs, engine.stats(), out
 
@@ -105,3 +123,57 @@ def test_top_k_residual_is_an_approximation_whose_distance_is_small(models):
     # tokens costs: at most a quarter of keep's distance beyond noise is left (measured: full
     # 0.057, top-2 0.089, keep 0.498, so 0.089 <= noise + 0.11).
     assert tv[2] <= noise + 0.25 * (tv_keep - noise), (tv[2], noise, tv_keep)
+
+
+TEMPERED_VOCAB = 12
+"""Above the default record size (engine.vllm_verify_topk = 8), so the records are bounded."""
+
+
+def pvalue(exact, rollouts) -> float:
+    """Chi-square p-value of complete outputs against ``exact``; 0 when one is impossible."""
+    if any(tuple(r.token_ids.tolist()) not in exact for r in rollouts):
+        return 0.0
+    return rollouts_pvalue(exact, rollouts)
+
+
+@pytest.fixture(scope="module")
+def close_models():
+    """A peaky model over TEMPERED_VOCAB tokens and a perturbed copy: close enough that about
+    two thirds of the in-flight tokens are kept, so acceptance and the residual both run."""
+    old = peaky_model(TEMPERED_VOCAB, 1, 6.0)
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        weight = new.lm_head.weight
+        weight.add_(0.5 * weight.std() * torch.randn(weight.shape, generator=generator))
+    return old, new
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "seed"), [(0.7, 0.9, 3), (0.5, 1.0, 11)])
+def test_verification_is_exact_at_temperature_and_top_p(
+    tmp_path, close_models, temperature, top_p, seed
+):
+    old, new = close_models
+    save_pretrained(old, tmp_path)
+    exact = exact_sequence_logprobs(new, PROMPT, 3, temperature, top_p, NO_EOS)
+    engine = VllmEngine(
+        tmp_path,
+        NO_EOS,
+        EngineConfig(vllm_max_model_len=32),  # the default record: top 8 + the token
+        inflight="verify_on_swap",
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        version=0,
+    )
+    assert engine.score_processed and engine.verify_topk == 8 < TEMPERED_VOCAB
+    out = swapped_rollouts(engine, old, new, 1200)
+    stats = engine.stats()
+    assert 0.2 < stats["verify/salvaged_frac"] < 0.95
+    assert stats["verify/record_bytes_per_token"] <= 9 * 8
+    assert all(set(r.token_versions.tolist()) == {1} for r in out)
+    assert pvalue(exact, out) >= 0.01
+    # Negative control: the new policy scored with vLLM's raw prompt log-probs (before
+    # temperature and top-p, what the scoring pass returns without the runner hook).
+    engine.score_processed = False
+    assert pvalue(exact, swapped_rollouts(engine, old, new, 400)) < 0.001

@@ -55,16 +55,14 @@ def test_record_is_bounded_at_real_vocabulary(tmp_path):
     assert all(len(r.token_ids) == 8 for g in out for r in g)
 
 
-def test_verify_at_temperature_and_top_p_scores_a_bounded_top_k(tmp_path):
-    # Processing (temperature 0.7, top-p 0.9) cannot use vLLM's raw top K as they are, so the
-    # swap's scoring reads SCORE_TOPK raw log-probs per token and processes them here: never
-    # the whole vocabulary as Python objects (32 rows x 8 tokens x 151,936 entries would be GBs).
+def test_verify_at_temperature_and_top_p_keeps_the_python_side_bounded(tmp_path):
+    # Processing (temperature 0.7, top-p 0.9) runs over the whole vocabulary in tensors inside
+    # the model runner; only the top K and the scored token come back per position, never the
+    # whole vocabulary as Python objects (32 rows x 8 tokens x 151,936 entries would be GBs).
     import resource
 
-    from actors.engines.vllm_engine import SCORE_TOPK
-
     engine, source = swapping_engine(tmp_path, temperature=0.7, top_p=0.9)
-    assert engine.score_topk == SCORE_TOPK < 1024
+    assert engine.score_processed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     out = engine.generate([[1, 5, 6, 7], [1, 9]], 16, 8, weight_source=source)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
@@ -73,6 +71,60 @@ def test_verify_at_temperature_and_top_p_scores_a_bounded_top_k(tmp_path):
     assert 0 < stats["verify/record_bytes_per_token"] <= 9 * 8
     assert grown_mib < 400, f"peak memory grew {grown_mib:.0f} MiB during the swap"
     assert all(set(r.token_versions.tolist()) == {1} for g in out for r in g)
+
+
+def test_scoring_is_the_whole_vocabulary_processed_distribution(tmp_path):
+    # A broad distribution over 4,096 tokens (a randomly initialised model is near uniform):
+    # at temperature 0.7 / top-p 0.9 the nucleus holds thousands of tokens, so processing only
+    # the top 64 raw log-probs (the scoring before this rule) overstates every head token's
+    # probability and scores nucleus tokens outside those 64 as impossible. The new policy's
+    # record must be the exact processed distribution over the whole vocabulary.
+    from actors.engines.vllm_engine import _Slot
+    from common.sampling import processed_logprobs
+
+    vocab, temperature, top_p, k = 4096, 0.7, 0.9, 8
+    model = random_model(vocab, 0, max_position_embeddings=64)
+    save_pretrained(model, tmp_path)
+    engine = VllmEngine(
+        tmp_path,
+        -1,
+        EngineConfig(vllm_max_model_len=64, vllm_verify_topk=k),
+        inflight="verify_on_swap",
+        temperature=temperature,
+        top_p=top_p,
+        seed=0,
+        version=0,
+    )
+    prompt = [1, 5, 6, 7]
+    # Stale tokens: the raw argmax, then raw ranks 500 and 2000 (inside the nucleus, outside
+    # the top 64), alternately, chosen against the model's own forward.
+    tokens: list[int] = []
+    for i in range(6):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens]))[0, -1]
+        tokens.append(int(logits.argsort(descending=True)[(0, 500, 2000)[i % 3]]))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1]
+    exact = processed_logprobs(logits, temperature, top_p)
+    raw = torch.log_softmax(logits, -1)
+    top64 = raw.topk(64, -1)
+    truncated = torch.full_like(raw, float("-inf")).scatter(
+        -1, top64.indices, processed_logprobs(top64.values, temperature, top_p)
+    )
+
+    _, (records,) = engine._score([_Slot(prompt, tokens=tokens)])
+    for i, (token, (ids, lps)) in enumerate(zip(tokens, records, strict=True)):
+        reference = exact[i, torch.from_numpy(ids.astype(np.int64))].numpy()
+        np.testing.assert_allclose(lps, reference, atol=2e-4)
+        assert token in ids.tolist()
+        assert len(ids) <= k + 1
+        # The rest of the record is the top K of the exact distribution (up to float rounding).
+        others = lps[ids != token]
+        assert len(others) >= k - 1
+        assert others.min() >= float(exact[i].topk(k).values[-1]) - 2e-4
+        # The truncated scoring is wrong on this case, by far more than the tolerance.
+        assert abs(float(truncated[i, token]) - float(exact[i, token])) > 0.5
+        assert torch.isfinite(exact[i, token])
 
 
 def test_residual_is_exact_with_whole_records_and_close_with_top_k():
