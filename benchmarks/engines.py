@@ -255,7 +255,7 @@ def verification(demo, quick: bool) -> dict[str, float]:
         (len(p), p + r.token_ids.tolist()) for p, g in zip(prompts, samples, strict=True) for r in g
     ]
     figures = residual_tv(old_model, new_model, contexts, (2, 4, 8))
-    figures["vllm_verify_topk_default"] = 8
+    figures["vllm_verify_topk_default"] = EngineConfig().vllm_verify_topk
     figures["vllm_verify_tv"] = figures["vllm_verify_tv_k8"]
     figures["vllm_verify_gap"] = f"{old_ckpt.name} -> {ckpt.name}"
 
