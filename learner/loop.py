@@ -103,9 +103,7 @@ class Learner:
 
         self.state = state = setup(cfg, self.checkpoint_root, self.device, dist)
         admission = make_admission(cfg, state.args)
-        limits, frame_bytes = wire_limits(
-            state.args.vocab_size, admission, cfg.learner.max_frame_bytes
-        )
+        limits, _ = wire_limits(state.args.vocab_size, admission, cfg.learner.max_frame_bytes)
         self.readmission = Readmission(limits, admission)
         replayed = replay_wal(self.wal_dir, state, cfg, self.readmission)
         store = WeightWriter.from_config(cfg.redis, cfg.run.name)
@@ -122,9 +120,7 @@ class Learner:
         self._open_logs(run_dir)
         self.buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, self.ledger)
         self.buffer.carry([*state.pending, *replayed])
-        self.receiver = build_receiver(
-            cfg, limits, frame_bytes, admission, self.wal_dir, lambda: state.version
-        )
+        self.receiver = build_receiver(cfg, limits, admission, self.wal_dir, lambda: state.version)
         self.exporter.watch(
             lambda: {
                 **self.receiver.stats(),

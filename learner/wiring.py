@@ -215,14 +215,21 @@ def make_admission(cfg: SpecRLConfig, args: Layout) -> Admission:
 def build_receiver(
     cfg: SpecRLConfig,
     limits: DecodeLimits,
-    frame_bytes: int,
     admission: Admission,
     wal_dir: Path,
     latest_version: Callable[[], int],
 ) -> GroupReceiver:
     """The receiver on ``learner.bind``: CURVE and its allow-list when ``security.curve_dir`` is
-    set, the write-ahead log when ``learner.wal`` is, and a receive buffer of about
-    ``learner.recv_buffer_bytes`` (in frames of at most ``frame_bytes``)."""
+    set, the write-ahead log when ``learner.wal`` is, and a receive high-water mark of
+    ``learner.recv_buffer_bytes`` over the decode bound (what a valid frame can be), 64 at most.
+
+    Not over the socket's own frame bound: libzmq 4.3.5 aborts the whole process
+    (``Assertion failed: !_io_error``, src/stream_engine_base.cpp:310) when a connection whose
+    input the high-water mark has paused then fails, as an actor killed while the learner is
+    paused does; with a mark of 2 frames that ended the fault tests' learners. A mark above an
+    actor's window of unacked groups keeps honest actors from ever reaching it. The price: a
+    peer able to connect may have up to this many frames of ``learner.max_frame_bytes`` queued
+    (``security.curve_dir`` decides who can)."""
     curve = authorized = None
     if cfg.security.curve_dir:
         curve = learner_keys(Path(cfg.security.curve_dir))
@@ -236,7 +243,7 @@ def build_receiver(
         curve=curve,
         authorized_keys=authorized,
         wal=WalWriter(wal_dir, fsync=cfg.learner.wal_fsync) if cfg.learner.wal else None,
-        hwm=max(2, min(DEFAULT_HWM, cfg.learner.recv_buffer_bytes // frame_bytes)),
+        hwm=max(2, min(DEFAULT_HWM, cfg.learner.recv_buffer_bytes // limits.max_frame_bytes)),
         admission=admission,
         latest_version=latest_version,
     )

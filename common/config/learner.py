@@ -124,8 +124,9 @@ class LearnerConfig:
     (group size x context) is read, refused by its length before it is decoded, and counted as
     ``oversize``."""
     recv_buffer_bytes: int = 64 * 1024 * 1024
-    """Bytes of frames queued per actor connection before the learner's socket stops reading it
-    (the receive high-water mark is this over the frame bound, at least 2 frames)."""
+    """Bytes of valid frames queued per actor connection before the learner's socket stops
+    reading it (the receive high-water mark is this over what a valid frame of this run can be,
+    between 2 and 64 frames; ``learner/wiring.py`` ``build_receiver``)."""
     model_impl: str = "auto"
     """Which implementation trains the policy: ``builtin`` (``common.model.Transformer``: Llama,
     Qwen2, Qwen3 layouts), ``hf`` (``transformers.AutoModelForCausalLM``) or ``auto`` (built-in
