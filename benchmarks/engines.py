@@ -76,6 +76,7 @@ from ops.launcher import cpu_vllm_preload  # noqa: E402
 from testing.lossless_check import (  # noqa: E402
     exact_sequence_logprobs,
     peaky_model,
+    perturbed_pair,
     rollouts_pvalue,
 )
 from testing.models import random_model  # noqa: E402
@@ -607,18 +608,11 @@ def real_inflight(quick: bool) -> dict[str, object]:
     and its control (the same run scored with vLLM's raw prompt log-probs, i.e. a wrong new
     record); then the same swap on SmolLM2-135M with unchanged weights, where every in-flight
     token must be kept unless the scoring disagrees with vLLM's sampler (49,152 tokens)."""
-    import copy
-
     from benchmarks.rollout_real import OVERRIDES, PRESET, _prompts
     from common.model_presets import preset_dir
 
     temperature, top_p, vocab = 0.7, 0.9, 12
-    old = peaky_model(vocab, 1, 6.0)
-    new = copy.deepcopy(old)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        w = new.lm_head.weight
-        w.add_(0.5 * w.std() * torch.randn(w.shape, generator=generator))
+    old, new = perturbed_pair(vocab)
     path = Path(tempfile.mkdtemp(prefix="specrl-inflight-t07-"))
     save_pretrained(old, path)
     prompt = [1, 4, 5, 4]

@@ -8,6 +8,7 @@ then compared with a chi-square goodness-of-fit test.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -34,6 +35,19 @@ def peaky_model(vocab: int, seed: int, scale: float, layers: int = 3) -> Transfo
         model.lm_head.weight.mul_(scale)
         model.model.embed_tokens.weight.mul_(scale / 2)
     return model
+
+
+def perturbed_pair(vocab: int) -> tuple[Transformer, Transformer]:
+    """A peaky model and a copy with its LM head perturbed (0.5 std, seed 5): close enough that
+    about two thirds of the tokens in flight at a swap are kept, so delayed verification runs
+    both its acceptance and its residual."""
+    old = peaky_model(vocab, 1, 6.0)
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        weight = new.lm_head.weight
+        weight.add_(0.5 * weight.std() * torch.randn(weight.shape, generator=generator))
+    return old, new
 
 
 @torch.no_grad()

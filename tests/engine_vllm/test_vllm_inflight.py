@@ -7,8 +7,6 @@ the default record, and scoring with vLLM's raw log-probs instead fails."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from testing.lossless_check import (
     exact_sequence_logprobs,
     outcome_counts,
     peaky_model,
+    perturbed_pair,
     rollouts_pvalue,
 )
 
@@ -138,15 +137,8 @@ def pvalue(exact, rollouts) -> float:
 
 @pytest.fixture(scope="module")
 def close_models():
-    """A peaky model over TEMPERED_VOCAB tokens and a perturbed copy: close enough that about
-    two thirds of the in-flight tokens are kept, so acceptance and the residual both run."""
-    old = peaky_model(TEMPERED_VOCAB, 1, 6.0)
-    new = copy.deepcopy(old)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        weight = new.lm_head.weight
-        weight.add_(0.5 * weight.std() * torch.randn(weight.shape, generator=generator))
-    return old, new
+    """A peaky model over TEMPERED_VOCAB tokens and a perturbed copy (``perturbed_pair``)."""
+    return perturbed_pair(TEMPERED_VOCAB)
 
 
 @pytest.mark.parametrize(("temperature", "top_p", "seed"), [(0.7, 0.9, 3), (0.5, 1.0, 11)])
