@@ -431,12 +431,20 @@ def test_published_ports_in_generated_files():
 def test_compose_publishes_on_the_loopback_unless_told(default_stack):
     """As Compose reads the default GPU stack: host_ip 127.0.0.1, or SPECRL_PUBLISH_HOST."""
 
+    def host_and_target(port: dict | str) -> tuple[str, str]:
+        # Compose v2 prints the long syntax (a mapping); docker-compose 1.29 the short one,
+        # "[HOST_IP:]PUBLISHED:TARGET[/PROTO]".
+        if isinstance(port, dict):
+            return port.get("host_ip", ""), str(port["target"])
+        parts = str(port).split("/")[0].rsplit(":", 2)
+        return (parts[0] if len(parts) == 3 else ""), parts[-1]
+
     def hosts(stack: dict) -> dict[str, str]:
         services = stack["services"]
         return {
-            str(p["target"]): p.get("host_ip", "")
+            target: host
             for name in ("learner", "redis")
-            for p in services[name].get("ports", [])
+            for host, target in map(host_and_target, services[name].get("ports", []))
         }
 
     assert hosts(default_stack) == {"5555": "127.0.0.1", "9400": "127.0.0.1", "6379": "127.0.0.1"}
