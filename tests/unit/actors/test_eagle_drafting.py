@@ -17,6 +17,7 @@ from actors.draft_length import EAGLE, PLAIN, DraftLength
 from actors.drafting import EagleDrafter
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.vllm_selfdraft import StaleDraftError
+from actors.loop import group_stat
 from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.model import Transformer
@@ -171,6 +172,10 @@ def test_a_fitted_head_brings_more_tokens_per_verify_than_a_random_one(fitted):
     assert positions[0] > 0.8 and positions[0] >= positions[2] > 0
     assert good[mn.SPEC_TOKENS_PER_VERIFY_FORWARD] > good[mn.SPEC_MEAN_ACCEPTED_LEN]
     assert all(mn.is_known(key) for key in good)
+    # Each group carries these to the learner (its steps, /metrics and the run report).
+    carried = {k for k in good if group_stat(k)}
+    assert {mn.SPEC_DRAFT_VERSION, mn.SPEC_TOKENS_PER_VERIFY_FORWARD} <= carried
+    assert {f"{mn.SPEC_ACCEPTANCE_POS_PREFIX}{i}" for i in (1, 2, 3)} <= carried
 
 
 def test_adaptive_draft_length_handles_the_head():
