@@ -193,7 +193,7 @@ def attach_eagle_head(policy: nn.Module, spec: SpecConfig, dist: DistContext | N
         log.warning(
             "spec.method=eagle3: attached an UNTRAINED EAGLE-3 head (inputs after layers %s, "
             "whole vocabulary): its drafts are rarely accepted until the learner has trained "
-            "it; `specrl warm-draft spec.method=eagle3` warm-starts one from the model's own "
+            "it; `specrl warm-draft spec=eagle3` warm-starts one from the model's own "
             "samples, over a reduced vocabulary",
             list(policy.args.eagle_aux_layers),
         )

@@ -102,7 +102,7 @@ saves it into the model directory (draft/model.safetensors; model.safetensors is
 Prints, and writes as JSON, the held-out acceptance before and after and the expected tokens
 per verification at spec.k. Overrides are the run's: model=, task=, sampling.*,
 spec.exit_layer, spec.adapter_vocab, spec.adapter_lr, spec.k, run.seed, run.torch_threads
-(default 1: on a dedicated machine give it every core). With spec.method=eagle3 it warm-starts
+(default 1: on a dedicated machine give it every core). With spec=eagle3 it warm-starts
 the policy's EAGLE-3 head instead (spec.eagle_vocab, spec.eagle_lr; eagle/model.safetensors)."""
 
 

@@ -114,7 +114,12 @@ class SpecConfig:
         require(
             not self.adapter or self.uses_early_exit,
             "spec.adapter drafts with the early exit: spec.method must be early_exit, hybrid or "
-            f"auto, got {self.method!r}",
+            f"auto, got {self.method!r}"
+            + (
+                " (spec=eagle3 replaces the whole spec group, adapter included)"
+                if self.uses_eagle
+                else ""
+            ),
         )
         require_ordered("spec", self, "ngram_min_n", "ngram_max_n")
 
