@@ -1,6 +1,7 @@
 """Adaptive draft length (``spec.adaptive``): each decoding step of the torch engine picks its
 draft length k in [0, spec.k] (0 = a plain step) and, for ``hybrid``, its drafter, by expected
-tokens per unit of measured cost.
+tokens per unit of measured cost. The drafters: n-gram matches, the early exit, the policy's
+EAGLE-3 head (``eagle3``: drafts k tokens for every row, as the early exit does).
 
 Decision rule, per step, at the current number of rows B:
 
@@ -28,7 +29,8 @@ Decision rule, per step, at the current number of rows B:
   beyond the largest one extended by the mean slope; a drafter not measured in this bucket is
   scaled from the nearest bucket that measured it (relative to that bucket's plain step);
   before anything is measured a prior stands in (a verify forward 10% dearer per draft token,
-  each early-exit pass ``draft_cost`` of a plain step).
+  each early-exit pass, k + 1 a step, or each EAGLE-3 head pass, k a step, ``draft_cost`` of a
+  plain step).
 - **Choice.** The argmax of expected tokens / cost over plain and every (drafter, k <= spec.k)
   (an n-gram k no longer than the longest match of the step), where drafting must beat a
   plain step by ``MARGIN`` (3%): timing noise alone does not make it win. A decision stands
@@ -59,9 +61,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-PLAIN, NGRAM, EARLY_EXIT = "plain", "ngram", "early_exit"
-DRAFTERS = {"ngram": (NGRAM,), "early_exit": (EARLY_EXIT,), "hybrid": (NGRAM, EARLY_EXIT)}
+PLAIN, NGRAM, EARLY_EXIT, EAGLE = "plain", "ngram", "early_exit", "eagle3"
+DRAFTERS = {
+    "ngram": (NGRAM,),
+    "early_exit": (EARLY_EXIT,),
+    "hybrid": (NGRAM, EARLY_EXIT),
+    "eagle3": (EAGLE,),
+}
 """The drafters of each ``spec.method`` that drafts."""
+MODEL_DRAFTERS = (EARLY_EXIT, EAGLE)
+"""Drafters that run a network for every row (each row drafts k tokens): the early exit and the
+EAGLE-3 head; a method has at most one of them."""
 
 VERIFY_SLOPE = 0.1
 """Prior: a verify forward's cost grows by this share of a plain step per draft token."""
@@ -186,7 +196,9 @@ class StepCosts:
         if kind == PLAIN:
             return 1.0
         ratio = 1.0 + VERIFY_SLOPE * k
-        return ratio + self.draft_cost * (k + 1) if kind == EARLY_EXIT else ratio
+        if kind == EARLY_EXIT:
+            return ratio + self.draft_cost * (k + 1)
+        return ratio + self.draft_cost * k if kind == EAGLE else ratio
 
     def record(self, kind: str, k: int, bucket: int, seconds: float, step: int) -> None:
         """One step's wall time, at decision ``step``. Estimates are in units of the machine's
@@ -281,8 +293,9 @@ class StepCosts:
 class DraftLength:
     """Picks each decoding step's drafter and draft length (see the module docstring).
 
-    ``method``: ``ngram``, ``early_exit`` or ``hybrid``; ``k_max``: ``spec.k``; ``draft_cost``:
-    prior cost of one early-exit draft pass relative to a plain step (its share of the layers);
+    ``method``: ``ngram``, ``early_exit``, ``hybrid`` or ``eagle3``; ``k_max``: ``spec.k``;
+    ``draft_cost``: prior cost of one draft pass (early exit or EAGLE-3 head) relative to a plain
+    step (its share of the layers);
     ``clock``: seconds, for the engine to time steps with (:meth:`record` takes the duration).
     """
 
@@ -303,6 +316,8 @@ class DraftLength:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         self.method, self.k_max, self.clock = method, k_max, clock
         self.drafters = DRAFTERS[method]
+        # The drafter whose positions are not n-gram ones (None for ``ngram``).
+        self.model_drafter = next((d for d in self.drafters if d in MODEL_DRAFTERS), None)
         self.explore_every, self.explore_budget = explore_every, explore_budget
         # n-gram acceptance is also measured in hybrid's early-exit steps (the n-gram prefix).
         self.acceptance = {d: Acceptance(k_max, prior, 2.0, decay) for d in self.drafters}
@@ -314,7 +329,7 @@ class DraftLength:
         self._kept: tuple[Choice, int, int] | None = None  # last decision: choice, bucket, step
         self._choices = {
             (kind, k, prefix): Choice(kind, k, prefix)
-            for kind in (NGRAM, EARLY_EXIT)
+            for kind in (NGRAM, *MODEL_DRAFTERS)
             for k in range(1, k_max + 1)
             for prefix in (False, True)
         }
@@ -376,8 +391,9 @@ class DraftLength:
             lengths = [min(m, self.k_max) for m in lengths]
         if NGRAM in self.drafters and lengths:
             out += self._ngram_options(rows, lengths, costs[NGRAM])
-        if EARLY_EXIT in self.drafters:
-            out += self._early_exit_options(rows, lengths, costs[EARLY_EXIT])
+        kind = self.model_drafter
+        if kind is not None:
+            out += self._model_options(kind, rows, lengths, costs[kind])
         return out
 
     def _ngram_options(self, rows: int, lengths: list[int], costs: list[float]) -> list[Option]:
@@ -395,12 +411,13 @@ class DraftLength:
             out.append(Option(self._choices[(NGRAM, k, False)], tokens, costs[k]))
         return out
 
-    def _early_exit_options(
-        self, rows: int, lengths: list[int] | None, costs: list[float]
+    def _model_options(
+        self, kind: str, rows: int, lengths: list[int] | None, costs: list[float]
     ) -> list[Option]:
-        """Early-exit drafts for every row, after each row's n-gram match where that is
-        expected to bring more (the same cost either way)."""
-        exit_ = self.acceptance[EARLY_EXIT].conditional()
+        """Drafts of ``kind`` (early exit or EAGLE-3 head) for every row; the early exit's after
+        each row's n-gram match where that is expected to bring more (the same cost either
+        way)."""
+        exit_ = self.acceptance[kind].conditional()
         alone = self._gains({0: rows}, exit_, exit_)
         prefixed = None
         if NGRAM in self.acceptance and lengths and any(lengths):
@@ -411,10 +428,10 @@ class DraftLength:
             if prefixed is not None:
                 with_prefix += prefixed[k - 1]
             if prefixed is not None and with_prefix > tokens:
-                choice = self._choices[(EARLY_EXIT, k, True)]
+                choice = self._choices[(kind, k, True)]
                 out.append(Option(choice, with_prefix, costs[k]))
             else:
-                out.append(Option(self._choices[(EARLY_EXIT, k, False)], tokens, costs[k]))
+                out.append(Option(self._choices[(kind, k, False)], tokens, costs[k]))
         return out
 
     def _gains(
@@ -503,7 +520,8 @@ class DraftLength:
         self, accepted: Sequence[int], proposed: Sequence[int], forced: Sequence[int]
     ) -> None:
         """Per-position counts of one step, split into n-gram positions (the first ``forced``
-        of a row) and early-exit ones, through difference arrays over the distinct rows."""
+        of a row) and the model drafter's (early exit or EAGLE-3 head), through difference
+        arrays over the distinct rows."""
         size = self.k_max + 1
         ngram_reached, ngram_accepted = [0] * size, [0] * size
         exit_reached, exit_accepted = [0] * size, [0] * size
@@ -522,7 +540,7 @@ class DraftLength:
                     diff[stop] -= n
         for drafter, reached, acc in (
             (NGRAM, ngram_reached, ngram_accepted),
-            (EARLY_EXIT, exit_reached, exit_accepted),
+            (self.model_drafter, exit_reached, exit_accepted),
         ):
             if any(reached) and drafter in self.acceptance:
                 self.acceptance[drafter].add(_prefix_sums(reached), _prefix_sums(acc), self.steps)

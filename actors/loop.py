@@ -206,7 +206,23 @@ def make_groups(
     return groups
 
 
-GROUP_STAT_KEYS = (mn.ACTOR_TOKENS_PER_S, mn.SPEC_ACCEPTANCE_RATE, mn.SPEC_MEAN_ACCEPTED_LEN)
+GROUP_STAT_KEYS = (
+    mn.ACTOR_TOKENS_PER_S,
+    mn.SPEC_ACCEPTANCE_RATE,
+    mn.SPEC_MEAN_ACCEPTED_LEN,
+    mn.SPEC_TOKENS_PER_VERIFY_FORWARD,
+    mn.SPEC_DRAFT_VERSION,
+)
+
+
+def group_stat(key: str) -> bool:
+    """A rollout figure each group carries to the learner (which averages them per step):
+    acceptance (by draft position too), tokens per verify, the draft's version, verification."""
+    return (
+        key in GROUP_STAT_KEYS
+        or key.startswith(mn.SPEC_ACCEPTANCE_POS_PREFIX)
+        or key.startswith(mn.VERIFY_GROUP)
+    )
 
 
 class GroupSubmitter:
@@ -232,11 +248,7 @@ class GroupSubmitter:
         )
         # Per-group copies of the rollout figures so far (not reset): the learner averages them
         # per step, which gives acceptance against policy version.
-        group.stats = {
-            k: v
-            for k, v in phases.engine.stats(reset=False).items()
-            if k in GROUP_STAT_KEYS or k.startswith(mn.VERIFY_GROUP)
-        }
+        group.stats = {k: v for k, v in phases.engine.stats(reset=False).items() if group_stat(k)}
         if not submit_until_stopped(self.sender, group, phases.stop):
             self.stopped = True
             return

@@ -32,7 +32,9 @@ draft adapter, benchmarks/rollout_real.py; word_problems prompts, the preset's s
 vLLM at batch 8 and 32, engines interleaved chunk by chunk: vllm plain; vllm selfdraft (the
 policy's first layers + adapter inside vLLM, spec=early_exit, fixed k); vllm selfdraft_adaptive
 and vllm ngram_adaptive (spec.adaptive); vLLM's built-in ngram in a child process against its
-own vllm plain. ``real_vllm_lossless``: chi-square of vLLM + self-draft samples at the preset's
+own vllm plain; vllm eagle3 (the policy's EAGLE-3 head on vLLM's native proposer, fixed k,
+beside a vllm plain of its own: benchmarks/engines_eagle.py, the real_vllm_eagle_* keys, its
+chi-square real_vllm_eagle_lossless). ``real_vllm_lossless``: chi-square of vLLM + self-draft samples at the preset's
 temperature on an enumerable model with an adapter, and a negative control that must fail (a
 wrong q handed to vLLM's rejection sampler). ``real_vllm_inflight_*_t07``: delayed verification
 (verify_on_swap, default record K = 8) at temperature 0.7 / top-p 0.9: chi-square of complete
@@ -63,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
-from benchmarks import cli  # noqa: E402
+from benchmarks import cli, engines_eagle  # noqa: E402
 from benchmarks.rollout import rl_model, workloads  # noqa: E402
 from common import metric_names as mn  # noqa: E402
 from common.config import load_config  # noqa: E402
@@ -680,7 +682,11 @@ def real_section(opts, batches, repeats: int) -> dict[str, object]:
     if opts.speed_only:
         return figures
     figures.update(real_summary(figures, batches))
+    # The policy's EAGLE-3 head on vLLM's native proposer, beside its own vllm plain.
+    figures.update(engines_eagle.real_speed(opts.quick, batches, repeats, opts.k))
+    figures.update(engines_eagle.summary(figures))
     figures.update(real_lossless(opts.quick, figures["real_vllm_temperature"]))
+    figures.update(engines_eagle.lossless(opts.quick))
     figures.update(real_inflight(opts.quick))
     child = child_speed("real", ("vllm_plain", "vllm_builtin_ngram"), batches, repeats)
     for b in batches:

@@ -27,9 +27,10 @@ Rows (one engine each, all side by side in one process, interleaved epoch by epo
   hybrid                n-gram drafts (prompt + group, no history) where a match exists, the
                         early exit elsewhere and after a short match; exact either way
 
-The real-model section (benchmarks/rollout_real.py; `--only real`, `--no-rl` skips its two RL
-runs) times SmolLM2-135M-Instruct on word_problems with the trained draft adapter and adaptive
-draft lengths; its figures are the `real_*` keys.
+The real-model section (benchmarks/rollout_real.py; `--only real`, `--no-rl` skips its three RL
+runs) times SmolLM2-135M-Instruct on word_problems with the trained draft adapter, the policy's
+EAGLE-3 head (benchmarks/eagle_rows.py) and adaptive draft lengths; its figures are the `real_*`
+keys (the head's: `real_eagle_*`, its chi-square included in `lossless`).
 
 Every engine first runs a warm-up over prompts disjoint from the timed ones (kernels, caches),
 except ngram_history_after, whose warm-up is HISTORY_EPOCHS epochs over the timed prompts.
@@ -394,7 +395,7 @@ def main() -> int:
     parser.add_argument(
         "--no-rl",
         action="store_true",
-        help="real model: skip the two 20-step RL runs (end to end, draft acceptance drift)",
+        help="real model: skip the three 20-step RL runs (end to end, draft acceptance drift)",
     )
     parser.add_argument("--only", choices=("demo", "scratchpad", "real"), help="one workload only")
     opts = parser.parse_args()
@@ -425,17 +426,10 @@ def main() -> int:
         table += rows
     real_table: list[str] = []
     if opts.only in (None, "real"):
-        print("\n### real model: SmolLM2-135M-Instruct, word_problems\n")
-        print("\n".join(rollout_real.TABLE_HEAD), flush=True)
-        real, real_table = rollout_real.measure(quick, 1 if quick else 3)
+        real, real_table = rollout_real.section(quick, 1 if quick else 3, not opts.no_rl)
         flat.update(real)
-        if not opts.no_rl:
-            try:
-                flat.update(rollout_real.rl_figures())
-            except subprocess.CalledProcessError as e:
-                # The rows measured so far still go into the JSON; the exit status says it failed.
-                flat["real_rl_error"] = str(e)
-                print(f"RL figures failed: {e}", flush=True)
+        # Every row's samples: the EAGLE-3 rows' check runs in the real section.
+        lossless = lossless and bool(real["real_eagle_lossless"])
 
     summary: dict[str, object] = {
         "lossless": lossless,

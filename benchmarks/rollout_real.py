@@ -13,6 +13,9 @@ Rows (each its own engine over the same model):
                     against a plain one: ngram (prompt + group), the untrained early exit
                     (final norm + LM head after the same layer), the adapter, and hybrid
                     (adapter + n-gram drafts, choosing by expected tokens per cost)
+  eagle3            the policy's EAGLE-3 head (warm-started with ``specrl warm-draft spec=eagle3``
+                    on first use), fixed k; eagle3_adaptive: the same with ``spec.adaptive``
+                    (benchmarks/eagle_rows.py: its figures, the real_eagle_* keys)
 
 Batch = rows per generate call: 1 = one prompt x 1 sample, otherwise prompts x 8 samples (a
 GRPO group per prompt). Figures: tokens/s (median over timed epochs), tokens per verifier
@@ -34,10 +37,11 @@ from pathlib import Path
 import torch
 
 from actors.engines.torch_engine import TorchEngine
+from benchmarks import eagle_rows
 from common import metric_names as mn
 from common.config import load_config
 from common.config.actor import SpecConfig
-from common.model import DRAFT_FILE, load_pretrained
+from common.model import DRAFT_FILE, EAGLE_FILE, load_pretrained
 from common.model_presets import preset_dir
 from common.prompts import prompt_encoder
 from common.tasks import PromptPool, task_from_config
@@ -53,12 +57,17 @@ BATCHES = (1, 8, 32)
 
 
 def real_model_dir() -> Path:
-    """The preset's HF directory with a warm-started draft adapter (built on first use)."""
+    """The preset's HF directory with a warm-started draft adapter and a warm-started EAGLE-3
+    head (each built on first use with `specrl warm-draft`; a directory that has one keeps it)."""
     model_dir = ROOT / preset_dir(PRESET)
-    if not (model_dir / DRAFT_FILE).exists():
-        cmd = [sys.executable, "-m", "ops.cli", "warm-draft", *OVERRIDES]
-        print(f"warm-starting the draft: {' '.join(cmd[2:])} ...", flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
+    for draft_file, extra, what in (
+        (DRAFT_FILE, [], "the draft adapter"),
+        (EAGLE_FILE, ["spec=eagle3"], "the EAGLE-3 head"),
+    ):
+        if not (model_dir / draft_file).exists():
+            cmd = [sys.executable, "-m", "ops.cli", "warm-draft", *OVERRIDES, *extra]
+            print(f"warm-starting {what}: {' '.join(cmd[2:])} ...", flush=True)
+            subprocess.run(cmd, cwd=ROOT, check=True)
     return model_dir
 
 
@@ -102,7 +111,7 @@ def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
     assert isinstance(task, PromptPool)
     temperature, top_p = cfg.sampling.temperature, cfg.sampling.top_p
     max_new = task.max_new_tokens
-    rows = methods(cfg.spec.k, model.args.draft_exit_layer)
+    rows = methods(cfg.spec.k, model.args.draft_exit_layer) | eagle_rows.methods(cfg.spec.k)
     warmup = json.loads((model_dir / "draft_warmup.json").read_text())
     flat: dict[str, object] = {
         "real_model": PRESET,
@@ -114,6 +123,9 @@ def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
         "real_draft_vocab": model.args.draft_vocab_size,
         "real_k": cfg.spec.k,
         "real_warmup": warmup,
+        "real_eagle_warmup": eagle_rows.warmup_summary(model_dir),
+        "real_eagle_aux_layers": list(model.args.eagle_aux_layers),
+        "real_eagle_draft_vocab": model.args.eagle_vocab_size or model.args.vocab_size,
     }
     table = []
     for batch in BATCHES:
@@ -141,9 +153,11 @@ def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
                 order = order[1:] + order[:1]
             for engine, epochs in engines.values():
                 epochs.append(engine.stats())
-        table += _batch_figures(flat, engines, batch)
+        table += _batch_figures(flat, engines, batch, cfg.spec.k)
         print("\n".join(table[-len(engines) :]), flush=True)
     _summarise(flat)
+    # Parameters read per token, counted from the tensors of the model the rows decoded with.
+    flat.update(eagle_rows.summary(flat, eagle_rows.param_reads(model), cfg.spec.k, BATCHES))
     return flat, table
 
 
@@ -152,7 +166,12 @@ def _median(epochs: list[dict[str, float]], key: str) -> float:
     return values[len(values) // 2]
 
 
-def _batch_figures(flat: dict[str, object], engines: dict, batch: int) -> list[str]:
+def row_label(name: str, k: int) -> str:
+    """A row's method as the table shows it."""
+    return eagle_rows.label(name, k) if name in eagle_rows.ROWS else name
+
+
+def _batch_figures(flat: dict[str, object], engines: dict, batch: int, k: int) -> list[str]:
     base = _median(engines["none"][1], mn.ACTOR_TOKENS_PER_S)
     lines = []
     for name, (_, epochs) in engines.items():
@@ -178,18 +197,22 @@ def _batch_figures(flat: dict[str, object], engines: dict, batch: int) -> list[s
         }
         flat[f"{key}_draft_lengths"] = lengths
         lines.append(
-            f"| {batch} | {name} | {speed:,.1f} | {speed / base:.2f}x | {accept:.2f} | "
+            f"| {batch} | {row_label(name, k)} | {speed:,.1f} | {speed / base:.2f}x | {accept:.2f} | "
             f"{per_verify:.2f} | {lengths or '-'} |"
         )
     return lines
 
 
 def _summarise(flat: dict[str, object]) -> None:
-    """The issue's keys from the per-row figures."""
+    """The issue's keys from the per-row figures (the best method among every row measured,
+    the EAGLE-3 head's included; the adaptive minimum over the adapter's family)."""
     flat["real_tokens_per_verify_b8"] = flat["real_adapter_b8_tokens_per_verify"]
+    names = [*methods(1, 1), *eagle_rows.ROWS]
     for batch in BATCHES:
         ratios = {
-            name: flat[f"real_{name}_b{batch}_ratio"] for name in methods(1, 1) if name != "none"
+            name: flat[f"real_{name}_b{batch}_ratio"]
+            for name in names
+            if name != "none" and f"real_{name}_b{batch}_ratio" in flat
         }
         best = max(ratios, key=ratios.__getitem__)
         flat[f"real_speedup_b{batch}"] = ratios[best]
@@ -206,6 +229,30 @@ TABLE_HEAD = [
     "| batch | method | tokens/s | vs none | acceptance | tokens per verify | draft lengths |",
     "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
 ]
+
+
+def section(quick: bool, repeats: int, rl: bool) -> tuple[dict[str, object], list[str]]:
+    """The whole real-model section: every row's speed (:func:`measure`), the EAGLE-3 rows'
+    chi-square (``eagle_rows.lossless``) and, with ``rl``, the RL runs (:func:`rl_figures`, then
+    spec=eagle3's, ``eagle_rows.rl_figures``); an RL run that fails leaves ``real_rl_error``."""
+    print("\n### real model: SmolLM2-135M-Instruct, word_problems\n")
+    print("\n".join(TABLE_HEAD), flush=True)
+    flat, table = measure(quick, repeats)
+    flat.update(eagle_rows.lossless(quick))
+    print(
+        f"EAGLE-3 rows lossless: {flat['real_eagle_lossless']} (control p = "
+        f"{flat['real_eagle_lossless_control_pvalue']:.3g})",
+        flush=True,
+    )
+    if rl:
+        try:
+            flat.update(rl_figures())
+            flat.update(eagle_rows.rl_figures(flat, E2E_STEPS))
+        except subprocess.CalledProcessError as e:
+            # The rows measured so far still go into the JSON; the exit status says it failed.
+            flat["real_rl_error"] = str(e)
+            print(f"RL figures failed: {e}", flush=True)
+    return flat, table
 
 
 # ------------------------------------------------------------------ RL: end to end, draft drift
@@ -249,7 +296,7 @@ def _held_out(model, cfg, tokenizer, task, prompts: int) -> list[Sample]:
     copy of ``model`` with the states the draft reads (as `specrl warm-draft` evaluates)."""
     decoding = Decoding(
         task.max_new_tokens,
-        model.args.draft_exit_layer,
+        model.args.draft_exit_layer or 1,  # the states recorded: any layer will do for a head
         tokenizer.eos_id,
         cfg.sampling.temperature,
         cfg.sampling.top_p,

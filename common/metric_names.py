@@ -55,6 +55,9 @@ SPEC_ACCEPTANCE_POS_PREFIX = "spec/acceptance_pos"
 SPEC_ACCEPTANCE_RATE = "spec/acceptance_rate"
 SPEC_DRAFT_LAYER_PASSES_PER_TOKEN = "spec/draft_layer_passes_per_token"
 SPEC_DRAFT_TOKENS = "spec/draft_tokens"
+SPEC_DRAFT_VERSION = "spec/draft_version"
+"""Either engine, ``spec.method=eagle3``: the weights version of the EAGLE-3 head that drafted
+last (the policy's version: the head comes with every version)."""
 # Adaptive draft length (spec.adaptive): share of decoding steps that chose draft length n
 # (``spec/draft_len_k{n}``; 0 = a plain step), and (hybrid) the share of steps per drafter
 # (``spec/drafter_{plain,ngram,early_exit}``).
@@ -62,7 +65,11 @@ SPEC_DRAFT_LEN_PREFIX = "spec/draft_len_"
 SPEC_DRAFTER_PREFIX = "spec/drafter_"
 SPEC_EXIT_KL = "spec/exit_kl"
 SPEC_DRAFT_ACCEPTANCE = "spec/draft_acceptance"
-"""Learner: mean over completion tokens of sum_v min(p, q), p the policy, q its draft adapter."""
+"""Learner: mean over completion tokens of sum_v min(p, q), p the policy, q its draft adapter
+or (``spec.method=eagle3``) its EAGLE-3 head."""
+SPEC_EAGLE_KL = "spec/eagle_kl"
+"""Learner, ``spec.method=eagle3``: the EAGLE-3 head's loss, KL(p || q) summed over completion
+positions over the batch's completion tokens (learner/eagle_loss.py)."""
 SPEC_FORWARDS_PER_TOKEN = "spec/forwards_per_token"
 SPEC_MEAN_ACCEPTED_LEN = "spec/mean_accepted_len"
 SPEC_MEAN_DRAFT_LEN = "spec/mean_draft_len"  # adaptive: mean chosen draft length

@@ -45,6 +45,10 @@ DRAFT_FILE = "draft/model.safetensors"
 """The draft adapter's tensors (``draft.*``), apart from the checkpoint other tools read: in a
 subdirectory, because vLLM and transformers load every ``*.safetensors`` at the top level."""
 DRAFT_PREFIX = "draft."
+EAGLE_PREFIX = "eagle."
+EAGLE_FILE = "eagle/model.safetensors"
+"""The EAGLE-3 head's tensors (``eagle.*``, common/eagle.py), in a subdirectory for the same
+reason."""
 
 
 class KVCache:
@@ -343,6 +347,11 @@ class Transformer(nn.Module):
         self.gradient_checkpointing = False
         """Recompute each decoder layer in backward instead of keeping its activations (training)."""
         self.draft = DraftAdapter(args) if args.draft_exit_layer else None
+        self.eagle: nn.Module | None = None
+        if args.has_eagle:
+            from common.eagle import EagleHead  # common.eagle builds on this module's layers
+
+            self.eagle = EagleHead(args)
         self.tie_weights()
         init_weights(self)
 
@@ -365,11 +374,14 @@ class Transformer(nn.Module):
         cache: KVCache | None,
         start: int,
         end: int,
+        aux: list[Tensor] | None = None,
     ) -> Tensor:
         """Decoder layers ``[start, end)`` on the residual stream x [B, T, H] (before the final norm).
 
         Split execution is what early-exit drafting needs: the draft runs layers [0, E) and stops;
         verification resumes the same hidden states at layer E instead of recomputing them.
+        ``aux``: appended with the residual stream after each of ``eagle_aux_layers`` layers that
+        falls in (start, end] (and 0 when start is 0), the EAGLE-3 head's inputs.
         """
         if not 0 <= start <= end <= self.args.num_hidden_layers:
             raise ValueError(
@@ -380,6 +392,9 @@ class Transformer(nn.Module):
         exit_layer = self.args.draft_exit_layer
         # Only a forward that runs through the exit and on (a drafter's [0, E) writes its own).
         write_draft = cache is not None and cache.draft_kv and start < exit_layer < end
+        taps = set(self.args.eagle_aux_layers) if aux is not None else set()
+        if start == 0 and 0 in taps:
+            aux.append(x)
         for i in range(start, end):
             kv = (cache, i, positions) if cache is not None else None
             if recompute and cache is None:
@@ -391,7 +406,24 @@ class Transformer(nn.Module):
                 # The adapter's KV at these positions, so later drafts can attend to them.
                 kv = (cache, self.args.num_hidden_layers, positions)
                 self.draft.layer(x, cos, sin, mask, kv)
+            if i + 1 in taps:
+                aux.append(x)
         return x
+
+    def run_eagle(
+        self, next_ids: Tensor, hidden: Tensor, positions: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """One EAGLE-3 head step (common/eagle.py): the embeddings of ``next_ids`` [B, T] (the
+        token after each state's position) and ``hidden`` [B, T, H] (``eagle.combine`` of the
+        auxiliary states, or the previous step's output) at ``positions`` (those of the states)
+        -> the step's output before the final norm [B, T, H]; ``eagle.logits`` of it gives the
+        draft's logits. With a cache, the head's KV is written at ``positions`` first."""
+        if self.eagle is None:
+            raise ValueError("this model has no EAGLE-3 head (ModelArgs.eagle_aux_layers empty)")
+        embeds = self.model.embed_tokens(next_ids)
+        positions, mask, cos, sin = self._attention_inputs(hidden, positions, cache)
+        kv = (cache, self.args.eagle_cache_layer, positions) if cache is not None else None
+        return self.eagle.midlayer(embeds, hidden, cos, sin, mask, kv)
 
     def run_draft(
         self, h: Tensor, positions: Tensor | None, cache: KVCache | None, head: bool = True
@@ -524,14 +556,18 @@ def save_pretrained(model: Transformer, path: str | Path) -> None:
 
 def write_weights(tensors: dict[str, Tensor], path: Path) -> None:
     """``model.safetensors`` in ``path``, the draft adapter's tensors (``draft.*``, if any) in
-    ``draft/model.safetensors`` (removed when there are none), ``tensors`` left as given."""
+    ``draft/model.safetensors`` and the EAGLE-3 head's (``eagle.*``) in ``eagle/model.safetensors``
+    (each removed when there are none), ``tensors`` left as given."""
     draft = {k: t for k, t in tensors.items() if k.startswith(DRAFT_PREFIX)}
-    policy = {k: t for k, t in tensors.items() if k not in draft}
+    eagle = {k: t for k, t in tensors.items() if k.startswith(EAGLE_PREFIX)}
+    policy = {k: t for k, t in tensors.items() if k not in draft and k not in eagle}
     save_file(policy, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    if draft:
-        _write_draft(draft, path)
-    else:
-        (path / DRAFT_FILE).unlink(missing_ok=True)
+    for part, name in ((draft, DRAFT_FILE), (eagle, EAGLE_FILE)):
+        if part:
+            (path / name).parent.mkdir(exist_ok=True)
+            save_file(part, str(path / name), metadata={"format": "pt"})
+        else:
+            (path / name).unlink(missing_ok=True)
 
 
 def _write_draft(draft: dict[str, Tensor], path: Path) -> None:
@@ -572,6 +608,8 @@ def load_pretrained(
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.draft_exit_layer:
         state.update(load_file(str(path / DRAFT_FILE)))
+    if args.has_eagle:
+        state.update(load_file(str(path / EAGLE_FILE)))
     if args.tie_word_embeddings:
         # Some tied checkpoints still store the head; the embedding is the one source of truth.
         state.pop("lm_head.weight", None)

@@ -56,6 +56,13 @@ class ModelArgs:
     layers (``Transformer.draft``); 0 = the model has no adapter."""
     draft_vocab_size: int = 0
     """Token ids the adapter drafts over (its reduced vocabulary); 0 = all of them."""
+    eagle_aux_layers: tuple[int, ...] = ()
+    """The EAGLE-3 draft head's inputs (``Transformer.eagle``, common/eagle.py): the residual
+    stream after each of these many layers (0 = the embeddings; vLLM's
+    ``eagle_aux_hidden_state_layer_ids``), sorted, unique; empty = the model has no head."""
+    eagle_vocab_size: int = 0
+    """Token ids the EAGLE-3 head drafts over (its reduced vocabulary, mapped by ``eagle.d2t``);
+    0 = all of them."""
     rope_scaling: dict[str, Any] | None = None
     """Static RoPE frequency scaling, HF spelling without `rope_theta`: ``{"rope_type": "linear",
     "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
@@ -102,6 +109,21 @@ class ModelArgs:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} must be in [0, {self.vocab_size}]"
             )
+        self.eagle_aux_layers = tuple(int(i) for i in self.eagle_aux_layers)
+        if list(self.eagle_aux_layers) != sorted(set(self.eagle_aux_layers)) or any(
+            not 0 <= i <= self.num_hidden_layers for i in self.eagle_aux_layers
+        ):
+            raise ValueError(
+                f"eagle_aux_layers={list(self.eagle_aux_layers)} must be sorted unique layer "
+                f"counts in [0, {self.num_hidden_layers}]"
+            )
+        if not 0 <= self.eagle_vocab_size <= self.vocab_size or (
+            self.eagle_vocab_size and not self.eagle_aux_layers
+        ):
+            raise ValueError(
+                f"eagle_vocab_size={self.eagle_vocab_size} must be in [0, {self.vocab_size}] and "
+                "needs eagle_aux_layers"
+            )
         if self.attention_bias and self.qk_norm:
             # No HF architecture matches: Qwen3's `attention_bias` also puts a bias on o_proj.
             raise ValueError(
@@ -117,7 +139,20 @@ class ModelArgs:
 
     @property
     def cache_layers(self) -> int:
-        """Layers a KV cache holds: the decoder layers, plus the draft adapter's if any."""
+        """Layers a KV cache holds: the decoder layers, plus the draft adapter's and the EAGLE-3
+        head's, each if any (in that order)."""
+        return self.num_hidden_layers + (1 if self.draft_exit_layer else 0) + self.has_eagle
+
+    @property
+    def has_eagle(self) -> bool:
+        """The model carries an EAGLE-3 draft head (``eagle_aux_layers`` set)."""
+        return bool(self.eagle_aux_layers)
+
+    @property
+    def eagle_cache_layer(self) -> int:
+        """The KV cache layer of the EAGLE-3 head's decoder layer (after the adapter's)."""
+        if not self.has_eagle:
+            raise ValueError("this model has no EAGLE-3 head (ModelArgs.eagle_aux_layers empty)")
         return self.num_hidden_layers + (1 if self.draft_exit_layer else 0)
 
     @property
@@ -168,6 +203,12 @@ class ModelArgs:
             # own file (DRAFT_FILE), so model.safetensors stays a plain checkpoint.
             cfg.update(
                 draft_exit_layer=self.draft_exit_layer, draft_vocab_size=self.draft_vocab_size
+            )
+        if self.has_eagle:
+            # Extra keys too; the head's tensors live in EAGLE_FILE (common/model.py).
+            cfg.update(
+                eagle_aux_layers=list(self.eagle_aux_layers),
+                eagle_vocab_size=self.eagle_vocab_size,
             )
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
@@ -228,6 +269,13 @@ class ModelArgs:
             if f.name not in derived
         }
         return cls(**same_name, **derived)
+
+
+def default_eagle_aux_layers(num_hidden_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 inputs, (2, L // 2, L - 3) after L layers, kept inside [0, L],
+    sorted and deduplicated as vLLM does."""
+    L = num_hidden_layers
+    return tuple(sorted({min(max(i, 0), L) for i in (2, L // 2, L - 3)}))
 
 
 _ROPE_KEYS = {

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from common.config.modes import EXIT_METHODS
+from common.config.modes import EAGLE_METHODS, EXIT_METHODS
 from common.model_args import HFLayout, Layout, ModelArgs, layout_from_hf_config
 from common.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
@@ -55,20 +55,22 @@ ENGINE_TORCH_LAYOUTS = (
 )
 SPEC_NEEDS_BUILTIN = (
     "spec={method} drafts with the policy's own first layers (the early exit or the trained "
-    "self-draft), which needs the built-in Llama, Qwen2 or Qwen3 layout; this model is "
+    "self-draft) or its EAGLE-3 head, which needs the built-in Llama, Qwen2 or Qwen3 layout; "
+    "this model is "
     "model_type={model_type!r} ({reason}); use spec=ngram or spec=none"
 )
 
 
 def check_rollout_support(layout: Layout, engine: str, spec_method: str, adapter: bool) -> None:
     """Refuse, with the reason, an engine or drafting method that cannot run this layout: the
-    torch engine and the early-exit drafts (``spec.adapter`` included) need :class:`ModelArgs`."""
+    torch engine, the early-exit drafts (``spec.adapter`` included) and the EAGLE-3 head need
+    :class:`ModelArgs`."""
     if not isinstance(layout, HFLayout):
         return
     fields = {"model_type": layout.model_type, "reason": layout.reason or "not a built-in layout"}
     if engine == "torch":
         raise ValueError(ENGINE_TORCH_LAYOUTS.format(**fields))
-    if spec_method in EXIT_METHODS or adapter:
+    if spec_method in EXIT_METHODS or spec_method in EAGLE_METHODS or adapter:
         raise ValueError(SPEC_NEEDS_BUILTIN.format(method=spec_method, **fields))
 
 

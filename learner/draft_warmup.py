@@ -509,9 +509,14 @@ def _save(policy: Transformer, model_dir: Path, out: Path | None) -> Path:
 
 def warm_draft(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, dict]:
     """Sample, pick the vocabulary, train, evaluate and save the adapter (module docstring);
-    returns the policy with its trained adapter and the summary (also written as JSON)."""
+    returns the policy with its trained adapter and the summary (also written as JSON). With
+    ``spec.method=eagle3``: the EAGLE-3 head instead (``learner/eagle_warmup.py``)."""
     check_options(opts)
     with _threads(cfg.run.torch_threads):
+        if cfg.spec.uses_eagle:
+            from learner.eagle_warmup import warm_eagle  # builds on this module
+
+            return warm_eagle(cfg, opts, time.perf_counter())
         return _warm_draft(cfg, opts, time.perf_counter())
 
 

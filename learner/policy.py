@@ -39,12 +39,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def backbone(
-    model: nn.Module, input_ids: Tensor, exit_layer: int = 0, raw_exit: bool = False
+    model: nn.Module,
+    input_ids: Tensor,
+    exit_layer: int = 0,
+    raw_exit: bool = False,
+    aux: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(final-normed hidden states [B, S, H], final-normed hidden states after ``exit_layer``
     layers or None; with ``raw_exit`` (built-in model) the residual stream there, not normed:
     what the draft adapter reads). Rows are right-padded, so plain causal attention is exact
-    for every real token (pads come after them)."""
+    for every real token (pads come after them). ``aux`` (built-in model): appended with the
+    EAGLE-3 head's inputs, the residual stream after each of ``eagle_aux_layers`` layers."""
     L = num_layers(model)
     if exit_layer and not 1 <= exit_layer < L:
         raise ValueError(f"spec.exit_layer={exit_layer} must be in [1, {L - 1}]")
@@ -52,10 +57,12 @@ def backbone(
     if is_builtin(model):
         x = model.model.embed_tokens(input_ids)  # [B, S, H]
         if not exit_layer:
-            return norm(model.run_layers(x, None, None, 0, L)), None
-        h_exit = model.run_layers(x, None, None, 0, exit_layer)
-        h = model.run_layers(h_exit, None, None, exit_layer, L)
+            return norm(model.run_layers(x, None, None, 0, L, aux=aux)), None
+        h_exit = model.run_layers(x, None, None, 0, exit_layer, aux=aux)
+        h = model.run_layers(h_exit, None, None, exit_layer, L, aux=aux)
         return norm(h), h_exit if raw_exit else norm(h_exit)
+    if aux is not None:
+        raise ValueError("the EAGLE-3 head's inputs need the built-in model")
     out = model.model(input_ids=input_ids, use_cache=False, output_hidden_states=bool(exit_layer))
     h = out.last_hidden_state  # already through the final norm
     if not exit_layer:

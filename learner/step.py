@@ -17,6 +17,7 @@ from common.config.run import SamplingConfig
 from learner.batch import TrainBatch
 from learner.distributed import DistContext
 from learner.draft_loss import adapter_terms, draft_states
+from learner.eagle_loss import eagle_terms
 from learner.loss import ppo_clip_loss
 from learner.microbatch import (
     MicroBatch,
@@ -43,6 +44,8 @@ _SUM_KEYS = (
     "usable",
     "exit_kl",
     "draft_acceptance",
+    "eagle_kl",
+    "draft_positions",
 )
 """The per-micro-batch figures summed over micro-batches and ranks (``_StepTerms.loss``)."""
 
@@ -53,19 +56,30 @@ def draft_params(model: nn.Module) -> list[nn.Parameter]:
     return list(draft.parameters()) if draft is not None else []
 
 
+def eagle_params(model: nn.Module) -> list[nn.Parameter]:
+    """The EAGLE-3 head's parameters (none for a policy without one)."""
+    eagle = getattr(unwrap(model), "eagle", None)
+    return list(eagle.parameters()) if eagle is not None else []
+
+
 def make_optimizer(
     model: nn.Module, cfg: LearnerConfig, spec: SpecConfig | None = None
 ) -> torch.optim.Optimizer:
     """AdamW over the model's parameters; its state takes their dtype (fp32 master weights and
     moments unless ``learner.precision=bf16``). A draft adapter's parameters form a second
-    group (``spec.adapter_lr``, no weight decay)."""
-    adapter = {id(p) for p in draft_params(model)}
+    group (``spec.adapter_lr``, no weight decay), an EAGLE-3 head's the next (``spec.eagle_lr``,
+    no weight decay)."""
+    spec = spec or SpecConfig()
+    drafts = {id(p) for p in draft_params(model) + eagle_params(model)}
     groups: list[dict] = [
-        {"params": [p for p in model.parameters() if id(p) not in adapter]},
+        {"params": [p for p in model.parameters() if id(p) not in drafts]},
     ]
-    if adapter:
-        lr = (spec or SpecConfig()).adapter_lr
-        groups.append({"params": draft_params(model), "lr": lr, "weight_decay": 0.0})
+    for params, lr in (
+        (draft_params(model), spec.adapter_lr),
+        (eagle_params(model), spec.eagle_lr),
+    ):
+        if params:
+            groups.append({"params": params, "lr": lr, "weight_decay": 0.0})
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -80,7 +94,8 @@ def train_step(
     dist: DistContext | None = None,
 ) -> dict[str, float]:
     """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
-    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0``.
+    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0`` and the EAGLE-3
+    head's loss with ``spec.method=eagle3`` and ``spec.eagle_coef > 0`` (learner/eagle_loss.py).
 
     ``model``: the policy, or its FSDP-sharded ``PolicyModule`` with ``dist``. The batch is the
     full step's batch on every rank; this rank trains its shard of rows in micro-batches, with
@@ -98,7 +113,13 @@ def train_step(
     exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
     if adapter:
         exit_layer = module.policy.args.draft_exit_layer
-    terms = _StepTerms(cfg, sampling, exit_layer, aux_coef, n_valid, adapter)
+    eagle_coef = spec.eagle_coef if spec is not None and spec.uses_eagle else 0.0
+    if not eagle_params(module):
+        eagle_coef = 0.0
+    eagle_steps = spec.eagle_steps if spec is not None else 1
+    terms = _StepTerms(
+        cfg, sampling, exit_layer, aux_coef, n_valid, adapter, eagle_coef, eagle_steps
+    )
     micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
     autocast = torch.autocast(
         batch.input_ids.device.type,
@@ -121,7 +142,20 @@ def train_step(
         sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
     stats = dict(zip(_SUM_KEYS, sums.tolist(), strict=True))
     skipped, grad_norm = _apply_gradients(module, optimizer, stats["loss"], cfg.grad_clip)
-    return {
+    return _metrics(stats, float(n_valid), len(micro), skipped, grad_norm, adapter, eagle_coef > 0)
+
+
+def _metrics(
+    stats: dict[str, float],
+    n_valid: float,
+    micro: int,
+    skipped: bool,
+    grad_norm: float,
+    adapter: bool,
+    eagle: bool,
+) -> dict[str, float]:
+    """The step's figures from the summed ``stats`` (``_SUM_KEYS``)."""
+    figures = {
         mn.LEARNER_SKIPPED: float(skipped),
         mn.LEARNER_LOSS: stats["loss"],
         mn.LEARNER_PG_LOSS: stats["pg_loss"],
@@ -130,16 +164,18 @@ def train_step(
         mn.LEARNER_TRUNCATED_FRAC: stats["truncated_frac"],
         mn.LEARNER_RATIO_MEAN: stats["ratio_mean"],
         mn.LEARNER_ABS_LOG_RATIO: stats["abs_log_ratio"],
-        mn.LEARNER_OUTSIDE_NUCLEUS_FRAC: 1.0 - stats["usable"] / max(float(n_valid), 1.0),
+        mn.LEARNER_OUTSIDE_NUCLEUS_FRAC: 1.0 - stats["usable"] / max(n_valid, 1.0),
         mn.LEARNER_GRAD_NORM: grad_norm,
-        mn.LEARNER_MICROBATCHES: float(len(micro)),
+        mn.LEARNER_MICROBATCHES: float(micro),
         mn.SPEC_EXIT_KL: stats["exit_kl"],
-        **(
-            {mn.SPEC_DRAFT_ACCEPTANCE: stats["draft_acceptance"] / max(float(n_valid), 1.0)}
-            if adapter
-            else {}
-        ),
     }
+    if adapter:
+        figures[mn.SPEC_DRAFT_ACCEPTANCE] = stats["draft_acceptance"] / max(n_valid, 1.0)
+    if eagle:
+        positions = max(stats["draft_positions"], 1.0)
+        figures[mn.SPEC_DRAFT_ACCEPTANCE] = stats["draft_acceptance"] / positions
+        figures[mn.SPEC_EAGLE_KL] = stats["eagle_kl"]
+    return figures
 
 
 def _rank_microbatches(
@@ -168,17 +204,20 @@ def _apply_gradients(
     skipped = not math.isfinite(loss)
     grad_norm = torch.full((), float("nan"))
     if not skipped:
-        # The policy and its draft adapter are clipped apart: the adapter's gradient must not
-        # scale the policy's update.
-        adapter = {id(p) for p in draft_params(module)}
-        params = [p for p in module.parameters() if p.grad is not None and id(p) not in adapter]
+        # The policy, its draft adapter and its EAGLE-3 head are clipped apart: a draft's
+        # gradient must not scale the policy's update.
+        drafts = {id(p) for p in draft_params(module) + eagle_params(module)}
+        params = [p for p in module.parameters() if p.grad is not None and id(p) not in drafts]
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        draft = [p for p in draft_params(module) if p.grad is not None]
-        draft_norm = torch.nn.utils.clip_grad_norm_(draft, max_norm) if draft else grad_norm
-        skipped = not (bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(draft_norm)))
+        finite = bool(torch.isfinite(grad_norm))
+        for own in (draft_params(module), eagle_params(module)):
+            draft = [p for p in own if p.grad is not None]
+            if draft:
+                finite &= bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(draft, max_norm)))
+        skipped = not finite
     if skipped:
         log.error(
             "learner: skipped a step with a non-finite loss (%s) or gradient norm (%s)",
@@ -215,12 +254,17 @@ class _StepTerms:
     aux_coef: float
     n_valid: torch.Tensor
     adapter: bool = False
+    eagle_coef: float = 0.0
+    """Weight of the EAGLE-3 head's loss (0: not trained)."""
+    eagle_steps: int = 1
+    """Draft steps the EAGLE-3 head is trained on (``spec.eagle_steps``)."""
 
     def loss(
         self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, sampling = self.cfg, self.sampling
-        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer, raw_exit=self.adapter)
+        aux: list[torch.Tensor] | None = [] if self.eagle_coef > 0 else None
+        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer, raw_exit=self.adapter, aux=aux)
         sel = mb.mask > 0  # [b, s-1]: completion positions, the only ones the loss reads
         h_sel = h[:, :-1][sel]  # [N, H]
         logprobs = chosen_logprobs(
@@ -252,27 +296,7 @@ class _StepTerms:
             kl_coef=cfg.kl_coef,
             num_tokens=self.n_valid,
         )
-        loss = out.loss
-        exit_kl = torch.zeros((), device=h.device)
-        accept = torch.zeros((), device=h.device)
-        if self.adapter:
-            # The adapter's loss: detached from the policy (learner/draft_loss.py).
-            d_sel = draft_states(policy, h_exit)[:, :-1][sel]
-            kl_sum, accept = adapter_terms(
-                policy, h_sel, d_sel, sampling.temperature, cfg.logprob_chunk_tokens
-            )
-            exit_kl = kl_sum / self.n_valid.clamp(min=1.0)
-            loss = loss + self.aux_coef * exit_kl
-        elif self.exit_layer:
-            exit_sum = exit_kl_sum(
-                policy.lm_head,
-                h_sel,
-                h_exit[:, :-1][sel],
-                sampling.temperature,
-                cfg.logprob_chunk_tokens,
-            )
-            exit_kl = exit_sum / self.n_valid.clamp(min=1.0)
-            loss = loss + self.aux_coef * exit_kl
+        loss, draft = self._draft_terms(policy, mb, out.loss, (h, h_sel, h_exit), aux)
         if h_sel.shape[0] == 0:
             # No completion token here (a padding micro-batch): a zero that still reaches every
             # parameter, so FSDP reduces the same gradients on every rank.
@@ -287,8 +311,61 @@ class _StepTerms:
                 out.ratio_mean.float(),
                 out.abs_log_ratio.float(),
                 usable.sum().float(),
-                exit_kl.detach().float(),
-                accept.detach().float(),
+                *draft,
             ]
         )
         return loss, stats
+
+    def _draft_terms(
+        self,
+        policy: nn.Module,
+        mb: MicroBatch,
+        loss: torch.Tensor,
+        states: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        aux: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``loss`` plus the drafts' losses, and their figures (exit KL, acceptance sum, EAGLE
+        KL, EAGLE positions): the adapter's or the early exit's, and the EAGLE-3 head's.
+        ``states``: the policy's final-normed states (all positions, completion positions) and
+        those after the exit layer."""
+        cfg, sampling = self.cfg, self.sampling
+        h, h_sel, h_exit = states
+        sel = mb.mask > 0
+        n_valid = self.n_valid.clamp(min=1.0)
+        zero = torch.zeros((), device=h.device)
+        exit_kl, accept, eagle_kl, positions = zero, zero, zero, zero
+        if self.adapter:
+            # The adapter's loss: detached from the policy (learner/draft_loss.py).
+            d_sel = draft_states(policy, h_exit)[:, :-1][sel]
+            kl_sum, accept = adapter_terms(
+                policy, h_sel, d_sel, sampling.temperature, cfg.logprob_chunk_tokens
+            )
+            exit_kl = kl_sum / n_valid
+            loss = loss + self.aux_coef * exit_kl
+        elif self.exit_layer:
+            exit_sum = exit_kl_sum(
+                policy.lm_head,
+                h_sel,
+                h_exit[:, :-1][sel],
+                sampling.temperature,
+                cfg.logprob_chunk_tokens,
+            )
+            exit_kl = exit_sum / n_valid
+            loss = loss + self.aux_coef * exit_kl
+        if aux is not None:
+            # The EAGLE-3 head's loss: detached from the policy (learner/eagle_loss.py).
+            kl_sum, accept, count = eagle_terms(
+                policy,
+                mb.input_ids,
+                aux,
+                h,
+                sel,
+                sampling.temperature,
+                cfg.logprob_chunk_tokens,
+                self.eagle_steps,
+            )
+            eagle_kl = kl_sum / n_valid
+            loss = loss + self.eagle_coef * eagle_kl
+            positions = torch.full((), float(count), device=h.device)
+        figures = [exit_kl, accept, eagle_kl, positions]
+        return loss, [t.detach().float() for t in figures]

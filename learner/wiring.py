@@ -15,6 +15,7 @@ from torch import nn
 from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
 from common.curve_keys import authorized_dir, learner_keys
+from common.eagle import attach_eagle
 from common.model import attach_draft
 from common.model_args import Layout
 from common.protocol import DecodeLimits, TrajectoryGroup
@@ -119,6 +120,7 @@ def setup(
         tokenizer = load_tokenizer(model_dir)
         step, version, dedupe, wal_from = 0, -1, {}, 0
     attach_adapter(policy, cfg.spec, dist)
+    attach_eagle_head(policy, cfg.spec, dist)
     args = model_args(policy)  # refuses a model whose versions actors could not load
     set_activation_checkpointing(policy, lcfg.activation_checkpointing)
     ref_model = None
@@ -168,6 +170,32 @@ def attach_adapter(policy: nn.Module, spec: SpecConfig, dist: DistContext | None
             "spec.adapter: attached an untrained draft adapter after layer %d (whole "
             "vocabulary; `specrl warm-draft` warm-starts one over a reduced vocabulary)",
             spec.exit_layer,
+        )
+
+
+def attach_eagle_head(policy: nn.Module, spec: SpecConfig, dist: DistContext | None) -> None:
+    """``spec.method=eagle3``: give a policy without an EAGLE-3 head an untrained one (vLLM's
+    inputs, the whole vocabulary; a warm-started one comes with the model directory, ``specrl
+    warm-draft spec.method=eagle3``); a head the policy has is kept. Its tensors (``eagle.*``)
+    are then in the policy's state dict, so every published version carries them, and its
+    ``eagle_aux_layers`` and ``eagle_vocab_size`` in the version's config."""
+    if not spec.uses_eagle:
+        return  # a head the model has rides along in every version, untrained
+    if not is_builtin(policy):
+        raise ValueError(
+            "spec.method=eagle3 needs the built-in model (learner.model_impl=builtin): the "
+            "EAGLE-3 head is part of common.model.Transformer"
+        )
+    if dist is not None:
+        raise ValueError("spec.method=eagle3 is not supported with learner ranks > 1 yet (FSDP2)")
+    if policy.eagle is None:
+        attach_eagle(policy)
+        log.warning(
+            "spec.method=eagle3: attached an UNTRAINED EAGLE-3 head (inputs after layers %s, "
+            "whole vocabulary): its drafts are rarely accepted until the learner has trained "
+            "it; `specrl warm-draft spec=eagle3` warm-starts one from the model's own "
+            "samples, over a reduced vocabulary",
+            list(policy.args.eagle_aux_layers),
         )
 
 

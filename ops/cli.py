@@ -1,5 +1,5 @@
 """``specrl``: subcommands ``run`` (embedded default), ``init-model``, ``warm-draft``, ``learner``,
-``actor``, ``keys``, ``report``, ``plan``."""
+``actor``, ``keys``, ``report``, ``plan``, ``export-draft``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ commands:
   warm-draft [--prompts P --samples-per-prompt S --epochs N --out DIR ...]
                warm-start the model's draft adapter (spec.adapter) on its own samples of the
                task: held-out acceptance before/after; `specrl warm-draft -h` lists the flags
+  export-draft SRC OUT [--force]
+               write the EAGLE-3 head of a model or checkpoint directory as the draft model a
+               stock vLLM loads (speculative method eagle3)
   learner      run the learner process only (same as specrl-learner)
   actor        run one actor process only (same as specrl-actor)
   keys DIR [--actor NAME ...]
@@ -99,7 +102,8 @@ saves it into the model directory (draft/model.safetensors; model.safetensors is
 Prints, and writes as JSON, the held-out acceptance before and after and the expected tokens
 per verification at spec.k. Overrides are the run's: model=, task=, sampling.*,
 spec.exit_layer, spec.adapter_vocab, spec.adapter_lr, spec.k, run.seed, run.torch_threads
-(default 1: on a dedicated machine give it every core)."""
+(default 1: on a dedicated machine give it every core). With spec=eagle3 it warm-starts
+the policy's EAGLE-3 head instead (spec.eagle_vocab, spec.eagle_lr; eagle/model.safetensors)."""
 
 
 def _warm_draft_parser() -> argparse.ArgumentParser:
@@ -134,7 +138,11 @@ def _warm_draft_parser() -> argparse.ArgumentParser:
     )
     add("--device", default=O.device, help="auto (cuda when available), cpu, cuda, ...")
     add("--out", type=Path, help="write a copy of the model directory with the adapter here")
-    add("--summary", type=Path, help="JSON summary (default <model dir>/draft_warmup.json)")
+    add(
+        "--summary",
+        type=Path,
+        help="JSON summary (default <model dir>/draft_warmup.json; eagle_warmup.json for eagle3)",
+    )
     return parser
 
 
@@ -156,23 +164,54 @@ def _warm_draft(rest: list[str]) -> int:
         given = any(a.lstrip("+").startswith(f"spec.{key}=") for a in overrides)
         return getattr(cfg.spec, key) if given else None
 
+    eagle = cfg.spec.uses_eagle  # the EAGLE-3 head's own knobs, else the adapter's
     opts = WarmDraftOptions(
         **{k: v for k, v in vars(flags).items() if v is not None},
-        exit_layer=explicit("exit_layer"),
-        vocab=explicit("adapter_vocab"),
+        exit_layer=None if eagle else explicit("exit_layer"),
+        vocab=explicit("eagle_vocab" if eagle else "adapter_vocab"),
         command=["specrl", "warm-draft", *rest],
     )
     if opts.lr is None:
-        opts.lr = explicit("adapter_lr")
+        opts.lr = explicit("eagle_lr" if eagle else "adapter_lr")
     try:
         _, summary = warm_draft(cfg, opts)
     except (WarmDraftError, PresetError, FileNotFoundError) as e:
         print(f"specrl warm-draft: {e}", file=sys.stderr)
         return 2
-    print(f"draft adapter written to {summary['model_dir']}")
+    print(f"{'EAGLE-3 head' if eagle else 'draft adapter'} written to {summary['model_dir']}")
     for key, value in summary.items():
         if key not in ("model_dir", "command"):
             print(f"  {key:<26} {value}")
+    return 0
+
+
+EXPORT_DRAFT_HELP = """\
+Writes the policy's EAGLE-3 head (its eagle.* tensors) of SRC, a model or checkpoint directory
+(or a safetensors file beside its config.json), to OUT as a draft model directory: config.json
+in vLLM's EAGLE-3 form (LlamaForCausalLMEagle3, the target's shapes, the aux layer ids) and
+model.safetensors. Serve it with vLLM next to the policy itself:
+  vllm.LLM(model=SRC, speculative_config={"method": "eagle3", "model": OUT,
+           "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"})"""
+
+
+def _export_draft(rest: list[str]) -> int:
+    from actors.engines.vllm_eagle import EagleHeadError, export_draft
+
+    parser = argparse.ArgumentParser(
+        prog="specrl export-draft",
+        description=EXPORT_DRAFT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", type=Path, help="model or checkpoint directory with the head")
+    parser.add_argument("out", type=Path, help="the draft model directory to write")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    args = parser.parse_args(rest)
+    try:
+        out = export_draft(args.src, args.out, force=args.force)
+    except (EagleHeadError, OSError, ValueError) as e:
+        print(f"specrl export-draft: {e}", file=sys.stderr)
+        return 2
+    print(f"EAGLE-3 draft written to {out}")
     return 0
 
 
@@ -240,6 +279,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": _run,
     "init-model": _init_model,
     "warm-draft": _warm_draft,
+    "export-draft": _export_draft,
     "keys": _keys,
     "report": _report,
     "plan": _plan,

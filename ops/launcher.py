@@ -33,7 +33,7 @@ from actors.host_cache import HostCache
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
 from common.config.run import REDIS_PASSWORD_ENV, redact_redis_url, split_redis_password
-from common.model import DRAFT_FILE
+from common.model import DRAFT_FILE, EAGLE_FILE
 from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config
@@ -347,22 +347,25 @@ def _prepare_model(cfg: SpecRLConfig, console: Console) -> Path:
 
 
 def needs_warm_draft(cfg: SpecRLConfig, model_dir: Path) -> bool:
-    """``spec.warm_draft``: a preset's model directory without a draft, drafted through the
-    adapter, gets one warm-started before RL (once: it is saved in the directory)."""
-    return bool(
-        cfg.spec.adapter
-        and cfg.spec.warm_draft
-        and cfg.model.preset
-        and not (model_dir / DRAFT_FILE).is_file()
-    )
+    """``spec.warm_draft``: a preset's model directory without the draft it drafts through
+    (the adapter, or with ``spec.method=eagle3`` the EAGLE-3 head) gets one warm-started before
+    RL (once: it is saved in the directory)."""
+    if cfg.spec.uses_eagle:
+        wanted = EAGLE_FILE
+    elif cfg.spec.adapter:
+        wanted = DRAFT_FILE
+    else:
+        return False
+    return bool(cfg.spec.warm_draft and cfg.model.preset and not (model_dir / wanted).is_file())
 
 
 def _warm_draft(cfg: SpecRLConfig, console: Console) -> None:
     from learner.draft_warmup import WarmDraftOptions, warm_draft
 
+    draft = "EAGLE-3 head" if cfg.spec.uses_eagle else "draft adapter"
     console.print(
-        "spec.adapter: warm-starting the draft adapter from the model's own samples (once, "
-        "minutes; `specrl warm-draft` does the same, spec.warm_draft=false skips it)"
+        f"warm-starting the {draft} from the model's own samples (once, minutes; "
+        "`specrl warm-draft` does the same, spec.warm_draft=false skips it)"
     )
     command = ["specrl", "warm-draft", f"model={cfg.model.preset}", f"task={cfg.task.name}"]
     _, summary = warm_draft(cfg, WarmDraftOptions(command=command))

@@ -290,6 +290,16 @@ def _draft_length_figures(steps: list[dict]) -> list[tuple[str, str]]:
             f"{_fmt(_mean_of(steps, f'{mn.SPEC_DRAFT_LEN_PREFIX}k0'), '.0%')}",
         ),
     ]
+    positions = sorted(
+        {k for r in steps for k in r if k.startswith(mn.SPEC_ACCEPTANCE_POS_PREFIX)},
+        key=lambda k: int(k.removeprefix(mn.SPEC_ACCEPTANCE_POS_PREFIX) or 0),
+    )
+    if positions:
+        by_position = (
+            f"{k.removeprefix(mn.SPEC_ACCEPTANCE_POS_PREFIX)}: {_fmt(_mean_of(steps, k), '.2f')}"
+            for k in positions
+        )
+        figures.append(("acceptance by draft position", ", ".join(by_position)))
     drafters = sorted(
         {k for r in steps for k in r if k.startswith(mn.SPEC_DRAFTER_PREFIX)},
         key=lambda k: k.removeprefix(mn.SPEC_DRAFTER_PREFIX),

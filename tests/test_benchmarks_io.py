@@ -87,6 +87,8 @@ def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> N
         "procstat",
         "weight_scaling",
         "rollout_real",
+        "eagle_rows",
+        "engines_eagle",
     ):
         assert callable(module.main), script
 

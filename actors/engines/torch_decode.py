@@ -1,7 +1,8 @@
-"""Decoding steps of the torch engine: plain sampling, or drafts (early exit, n-gram, or both)
-verified by the full model, for every row of the batch at once. Rows have their own positions;
-the cache is written at each row's position before it is attended to (see :mod:`common.model`),
-so every row accepts its own number of tokens per step."""
+"""Decoding steps of the torch engine: plain sampling, or drafts (early exit, n-gram, both, or
+the EAGLE-3 head: :mod:`actors.engines.torch_eagle`) verified by the full model, for every row
+of the batch at once. Rows have their own positions; the cache is written at each row's
+position before it is attended to (see :mod:`common.model`), so every row accepts its own
+number of tokens per step."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, DraftLength
-from actors.drafting import EarlyExitDrafter, NgramDrafter
+from actors.draft_length import EAGLE, EARLY_EXIT, NGRAM, PLAIN, DraftLength
+from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
+from actors.engines.torch_eagle import EagleSteps, concat_aux
 from actors.engines.torch_rows import Counters, Row
 from actors.paged_cache import PagedKVCache
 from actors.speculative import SpecResult, pad_rows, rejection_sample
@@ -19,7 +21,7 @@ from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
 
-class DecodeSteps:
+class DecodeSteps(EagleSteps):
     """The decoding half of :class:`actors.engines.torch_engine.TorchEngine`."""
 
     model: Transformer
@@ -27,6 +29,7 @@ class DecodeSteps:
     spec: SpecConfig
     early_exit: EarlyExitDrafter | None
     ngram: NgramDrafter | None
+    eagle: EagleDrafter | None  # spec.method=eagle3
     draft_length: DraftLength | None  # spec.adaptive: picks each step's drafter and k
     device: torch.device
     generator: torch.Generator
@@ -36,9 +39,12 @@ class DecodeSteps:
     _counters: Counters
     _verified: tuple[list[int], list[int]] | None = None  # last verification: accepted, proposed
 
-    def _write_cache(self, rows: list[Row], sequences: list[list[int]]) -> int:
+    def _write_cache(
+        self, rows: list[Row], sequences: list[list[int]], aux: list | None = None
+    ) -> int:
         """Run the current weights over each row's ``sequence`` from position 0, writing its
-        cache (no LM head: nothing is sampled); returns the tokens pushed through."""
+        cache (no LM head: nothing is sampled); returns the tokens pushed through. ``aux``:
+        appended with the forward's auxiliary states (``Transformer.run_layers``)."""
         width = max(len(s) for s in sequences)
         if width == 0:
             return 0
@@ -46,7 +52,8 @@ class DecodeSteps:
         positions = torch.arange(width, device=self.device).expand(len(rows), -1)
         cache = self.cache.bind([r.id for r in rows])
         layers = self.model.args.num_hidden_layers
-        self.model.run_layers(self.model.model.embed_tokens(ids), positions, cache, 0, layers)
+        x = self.model.model.embed_tokens(ids)
+        self.model.run_layers(x, positions, cache, 0, layers, aux=aux)
         return ids.numel()
 
     def _bind(self, active: list[Row], ahead: Sequence[int]) -> PagedKVCache:
@@ -64,6 +71,8 @@ class DecodeSteps:
         if self.draft_length is not None:
             return self._adaptive_step(active, last, pos, self.draft_length)
         k = self.spec.k
+        if self.eagle is not None:
+            return self._eagle_step(active, last, pos, k)
         if self.early_exit is not None and self.ngram is not None:
             # Hybrid: n-gram drafts where every row has a match (no draft forward); otherwise
             # the early exit drafts, continuing after each row's n-gram match if it has one.
@@ -104,7 +113,10 @@ class DecodeSteps:
             torch.cuda.synchronize(self.device)  # newcomers' prefill is not this step's time
         started = control.clock()
         self._verified = None
-        if choice.kind == PLAIN:
+        if self.eagle is not None:
+            assert choice.kind in (PLAIN, EAGLE)
+            emitted = self._eagle_step(active, last, pos, k)
+        elif choice.kind == PLAIN:
             emitted = self._plain_step(self._bind(active, [0] * len(active)), last, pos)
         elif choice.kind == NGRAM:
             emitted = self._verify_ngram(active, [d[:k] for d in drafts], last, pos)
@@ -141,7 +153,10 @@ class DecodeSteps:
         ids = pad_rows(unique, width, self.pad_id, self.device)
         positions = torch.arange(width, device=self.device).expand(len(unique), -1)
         cache = self.cache.bind([active[first[seq]].id for seq in unique])
-        hidden = self.model.hidden_states(ids, positions, cache)  # [U, W, H]
+        taps: list[torch.Tensor] | None = [] if self.eagle is not None else None
+        x = self.model.model.embed_tokens(ids)
+        layers = self.model.args.num_hidden_layers
+        hidden = self.model.model.norm(self.model.run_layers(x, positions, cache, 0, layers, taps))
         self._counters.full_forwards += 1
         self.cache.copy_prefix(
             [
@@ -151,6 +166,10 @@ class DecodeSteps:
             ]
         )
         inverse = torch.tensor([slot[seq] for seq in seqs], device=self.device)  # [B]
+        if taps is not None:  # the head's states of the prompt and the pending token
+            states = concat_aux(self.model, taps)[inverse]  # [B, W, n_aux * H]
+            for row, row_states in zip(active, states, strict=True):
+                row.head_pos, row.head_aux = 0, [row_states[: len(row.prefix) + 1]]
         kmax = max(len(d) for d in drafts)
         start = torch.tensor([len(r.prefix) for r in active], device=self.device)
         # Scores of the first completion token and of each draft: offsets len(prefix) + 0..K.

@@ -21,13 +21,15 @@ import numpy as np
 import torch
 
 from actors.draft_length import DraftLength
-from actors.drafting import EarlyExitDrafter, NgramDrafter
+from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
 from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
 from actors.engines.torch_decode import DecodeSteps
+from actors.engines.torch_eagle import concat_aux
 from actors.engines.torch_rows import Call, Counters, Row
 from actors.engines.torch_swap import WeightSwaps
 from actors.paged_cache import PagedKVCache
 from common.config.actor import ActorConfig, SpecConfig
+from common.config.modes import EAGLE_METHODS
 from common.model import Transformer
 
 BATCHING_MODES = ("continuous", "static")
@@ -82,6 +84,7 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             if self.spec.uses_early_exit
             else None
         )
+        self.eagle = EagleDrafter(model, version) if self.spec.method in EAGLE_METHODS else None
         self.ngram = (
             NgramDrafter(
                 self.spec.ngram_max_n, self.spec.ngram_min_n, sources=self.spec.ngram_sources
@@ -93,10 +96,12 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             DraftLength(
                 self.spec.method,
                 self.spec.k,
-                # Prior cost of an early-exit pass: its share of the layers.
+                # Prior cost of a draft pass: its share of the layers (the head: one).
                 draft_cost=(
                     self.early_exit.exit_layer / model.args.num_hidden_layers
                     if self.early_exit is not None
+                    else 1 / model.args.num_hidden_layers
+                    if self.eagle is not None
                     else 0.0
                 ),
             )
@@ -187,10 +192,10 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             return
         donors: dict[int, Row] = {}
         for row in active:
-            if row.kv_version == self.version:
+            if row.kv_version == self.version and row.head_ok:
                 donors.setdefault(row.group, row)
         prefill: list[Row] = []
-        copies: list[tuple[int, int, int]] = []
+        copies: list[tuple[Row, Row]] = []
         for row in new:
             self.cache.reserve(row.id, call.reserve if call.static else len(row.prompt))
             donor = donors.get(row.group)
@@ -199,12 +204,20 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
                 if len(row.prompt) > 1:
                     prefill.append(row)
             else:
-                copies.append((donor.id, row.id, len(row.prompt) - 1))
+                copies.append((donor, row))
+        taps: list[torch.Tensor] | None = [] if self.eagle is not None else None
         if prefill:
-            self._write_cache(prefill, [r.prompt[:-1] for r in prefill])
+            self._write_cache(prefill, [r.prompt[:-1] for r in prefill], taps)
             self._counters.full_forwards += 1
-        self.cache.copy_prefix(copies)
+        self.cache.copy_prefix([(d.id, r.id, len(r.prompt) - 1) for d, r in copies])
         self._enter(new, active)
+        if self.eagle is not None:
+            # The head's states: the prompt's, from the prefill or from the donor.
+            if prefill:
+                for row, states in zip(prefill, concat_aux(self.model, taps), strict=True):
+                    self._eagle_restart(row, states)
+            for donor, row in copies:
+                self._eagle_copy(donor, row, len(row.prompt) - 1)
 
     def _enter(self, new: list[Row], active: list[Row]) -> None:
         if self.admission_log is not None:
@@ -213,6 +226,7 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
                 self.admission_log.setdefault(row.group, now)
         for row in new:
             row.last, row.pos, row.kv_version = row.prompt[-1], len(row.prompt) - 1, self.version
+            row.head_pos, row.head_aux, row.head_ok = 0, [], True
             active.append(row)
             if self.ngram is not None:
                 self.ngram.add_row(row.id, row.key, row.prompt)
@@ -240,6 +254,7 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
     def _retire(self, call: Call, row: Row) -> None:
         """A done row frees its blocks; its group goes out when it was the last one."""
         self.cache.release(row.id)
+        row.head_aux = []  # states for the EAGLE-3 head it will not draft with
         call.remaining[row.group] -= 1
         if call.remaining[row.group] == 0 and not call.static:
             self._deliver(call, row.group)

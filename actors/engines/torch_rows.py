@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN
 from actors.engines.rollout_engine import Rollout
 from common import metric_names as mn
@@ -31,6 +33,22 @@ class Row:
     unverified: bool = False  # verify_on_finish: holds tokens from before a swap, unverified
     # Tokens before ``last`` not in the cache yet: the prompt, when the first step prefills it.
     prefix: list[int] = field(default_factory=list)
+    # spec.method=eagle3 (actors.engines.torch_eagle): the head's KV is valid at positions
+    # [0, head_pos); the policy's auxiliary states [n, n_aux * H] of positions [head_pos, pos),
+    # not yet through the head, in chunks; head_ok False: the row drafts no more (its states
+    # are of older weights, ``keep``).
+    head_pos: int = 0
+    head_aux: list[Tensor] = field(default_factory=list)
+    head_ok: bool = True
+
+    def span(self, lo: int, hi: int) -> list[int]:
+        """Tokens at positions [lo, hi) of prompt + completion."""
+        n = len(self.prompt)
+        return self.prompt[lo:hi] + self.tokens[max(lo - n, 0) : max(hi - n, 0)]
+
+    def head_pending(self) -> int:
+        """Auxiliary states waiting for the EAGLE-3 head (``head_aux``)."""
+        return sum(int(a.shape[0]) for a in self.head_aux)
 
     def emit(
         self, tokens: Sequence[int], logprobs: Sequence[float], version: int, eos_id: int
@@ -96,6 +114,8 @@ class Counters:
         self.salvaged_tokens, self.wasted_tokens, self.verify_forward_tokens = 0, 0, 0
         self.gap_proposed: dict[int, int] = {}
         self.gap_accepted: dict[int, int] = {}
+        # spec.method=eagle3: the weights version of the head that drafted last (the policy's).
+        self.draft_version: int | None = None
 
     def count_drafts(self, accepted: list[int], proposed: list[int]) -> None:
         """Acceptance counters of one verification step (per row: accepted, proposed drafts)."""
@@ -169,6 +189,8 @@ class Counters:
         out[mn.SPEC_TOKENS_PER_VERIFY_FORWARD] = (
             self.spec_tokens / self.spec_forwards if self.spec_forwards else 0.0
         )
+        if self.draft_version is not None:
+            out[mn.SPEC_DRAFT_VERSION] = float(self.draft_version)
         steps = sum(self.chosen_k)
         if steps:
             for k, n in enumerate(self.chosen_k):

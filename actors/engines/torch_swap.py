@@ -1,6 +1,8 @@
 """Weights updates of the torch engine, also while rollouts are in flight: the rows in the batch
 are verified against the new weights (delayed verification, at the swap or when they finish),
-aborted, or kept as they are (see :mod:`actors.inflight`)."""
+aborted, or kept as they are (see :mod:`actors.inflight`). With ``spec.method=eagle3`` the head
+comes with every version (a version without it is refused) and the rows' head states follow
+the swap (:mod:`actors.engines.torch_eagle`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
-from actors.drafting import EarlyExitDrafter, NgramDrafter
+from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
+from actors.engines.torch_eagle import concat_aux, tapped_aux
 from actors.engines.torch_rows import Call, Counters, Row
 from actors.inflight import Verification, verify_rows
 from actors.paged_cache import PagedKVCache
@@ -31,6 +34,7 @@ class WeightSwaps:
     cache: PagedKVCache
     early_exit: EarlyExitDrafter | None
     ngram: NgramDrafter | None
+    eagle: EagleDrafter | None
     device: torch.device
     dtype: torch.dtype
     generator: torch.Generator
@@ -42,15 +46,18 @@ class WeightSwaps:
     _kept: dict[int, Transformer]  # older versions still needed to verify in-flight tokens
     _spare: Transformer | None  # a retired model to load the next version into (see _keep_spare)
     _adopted: bool  # whether models take their published tensors (see _adoptable)
+    # eagle3: per row id, the auxiliary states of the last delayed verification's forward
+    _refreshed: dict[int, torch.Tensor] | None = None
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Between ``generate`` calls nothing is in flight: adopt the tensors, or load in place."""
+        self._check_head(version, state_dict)
         if self._adoptable(state_dict):
             self._set_model(self._adopt(state_dict), version)
             self._spare = None
             return
         self.model.load_state_dict(dict(state_dict), strict=True)
-        self.version = version
+        self._set_model(self.model, version)
 
     def _adoptable(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
         """Whether a model can take the published tensors themselves as its parameters: on the
@@ -89,6 +96,8 @@ class WeightSwaps:
         self.model, self.version = model, version
         if self.early_exit is not None:
             self.early_exit.model = model
+        if self.eagle is not None:
+            self.eagle.use(model, version)
 
     def _swap(
         self,
@@ -99,6 +108,7 @@ class WeightSwaps:
     ) -> None:
         """Apply new weights to the rows in flight according to ``self.inflight``."""
         version, state_dict = update
+        self._check_head(version, state_dict)
         old_model, old_version = self.model, self.version
         self._set_model(self._new_model(state_dict), version)
         self._counters.swaps += 1
@@ -114,6 +124,8 @@ class WeightSwaps:
         # keep, the PipelineRL-style baseline: stale tokens (and their stale KV) stay; the
         # learner's truncated importance weights are left to correct them.
         if self.inflight == "keep" or not active:
+            if self.eagle is not None:
+                self._eagle_invalidate(active)  # their cache keeps the older weights
             self._keep_spare(old_model)
             return
         if self.inflight == "verify_on_finish":
@@ -124,9 +136,13 @@ class WeightSwaps:
             for row in active:
                 row.unverified = True
                 row.kv_version = version
+            taps: list[torch.Tensor] | None = [] if self.eagle is not None else None
             self._counters.verify_forward_tokens += self._write_cache(
-                active, [r.prompt + r.tokens[:-1] for r in active]
+                active, [r.prompt + r.tokens[:-1] for r in active], taps
             )
+            if taps is not None:
+                for row, states in zip(active, concat_aux(self.model, taps), strict=True):
+                    self._eagle_restart(row, states)
             return
         verified = self._verify(active, {**self._kept, old_version: old_model}, bonus=True)
         self._keep_spare(old_model)
@@ -145,23 +161,29 @@ class WeightSwaps:
         # stay within VERIFY_SCORE_BYTES (a real vocabulary makes them the largest thing here).
         per_row = (max(len(r.tokens) for r in rows) + 1) * self.model.args.vocab_size * 4
         step = max(1, VERIFY_SCORE_BYTES // per_row)
-        parts = [
-            verify_rows(
-                self.model,
-                self.version,
-                old_models,
-                [r.prompt for r in chunk],
-                [r.tokens for r in chunk],
-                [r.versions for r in chunk],
-                self.temperature,
-                self.top_p,
-                self.cache.bind([r.id for r in chunk]),
-                self.generator,
-                bonus=bonus,
-                pad_id=self.pad_id,
-            )
-            for chunk in (rows[i : i + step] for i in range(0, len(rows), step))
-        ]
+        parts = []
+        self._refreshed = {} if self.eagle is not None else None
+        for chunk in (rows[i : i + step] for i in range(0, len(rows), step)):
+            with tapped_aux(self.model, self.eagle is not None) as found:
+                parts.append(
+                    verify_rows(
+                        self.model,
+                        self.version,
+                        old_models,
+                        [r.prompt for r in chunk],
+                        [r.tokens for r in chunk],
+                        [r.versions for r in chunk],
+                        self.temperature,
+                        self.top_p,
+                        self.cache.bind([r.id for r in chunk]),
+                        self.generator,
+                        bonus=bonus,
+                        pad_id=self.pad_id,
+                    )
+                )
+            if self._refreshed is not None:  # the head's states of the rewritten cache
+                for row, states in zip(chunk, concat_aux(self.model, found), strict=True):
+                    self._refreshed[row.id] = states
         return Verification.concat(parts)
 
     def _apply_verification(
@@ -183,10 +205,13 @@ class WeightSwaps:
                 self.ngram.truncate(row.id, len(row.prompt) + accepted)
                 self.ngram.extend(row.id, row.tokens[accepted:])
             row.last, row.pos = row.tokens[-1], len(row.prompt) + len(row.tokens) - 1
+            if self._refreshed is not None:
+                self._eagle_restart(row, self._refreshed[row.id])
             if not call.static:
                 self.cache.trim(row.id, row.pos + 1)
             if id(row) not in going:
                 active.append(row)
+        self._refreshed = None
         if done:
             gone = {id(r) for r in done}
             active[:] = [r for r in active if id(r) not in gone]

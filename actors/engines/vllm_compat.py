@@ -180,12 +180,14 @@ def _probe_reload_weights() -> str | None:
     from vllm.v1.worker.gpu_worker import Worker
 
     kwargs = ["weights_iterator", "is_checkpoint_format"]
+    # The EAGLE-3 draft's reload (vllm_eagle.reload_target_and_draft) names these too.
+    draft_kwargs = ["vllm_config", "model", "weights_path", *kwargs]
     if not callable(getattr(Worker, "reload_weights", None)):  # forwards to the runner's
         return "Worker.reload_weights is gone"
     for where, fn, wanted in (
         ("LLM.collective_rpc", getattr(LLM, "collective_rpc", None), ["method", "kwargs"]),
         ("GPUModelRunner.reload_weights", getattr(GPUModelRunner, "reload_weights", None), kwargs),
-        ("reload.inplace.reload_weights", getattr(inplace, "reload_weights", None), kwargs),
+        ("reload.inplace.reload_weights", getattr(inplace, "reload_weights", None), draft_kwargs),
     ):
         if not callable(fn):
             return f"{where} is gone"
@@ -198,12 +200,14 @@ def _probe_metric_names() -> str | None:
     from vllm import LLM
     from vllm.v1.spec_decode import metrics
 
+    from actors.engines.vllm_eagle import ACCEPTED_PER_POS
     from actors.engines.vllm_engine import _SPEC_COUNTERS
 
     if not callable(getattr(LLM, "get_metrics", None)):
         return "LLM.get_metrics is gone"
     source = inspect.getsource(metrics)
-    missing = [n for n in _SPEC_COUNTERS if f'"{n}"' not in source and f"'{n}'" not in source]
+    wanted = [*_SPEC_COUNTERS, ACCEPTED_PER_POS]
+    missing = [n for n in wanted if f'"{n}"' not in source and f"'{n}'" not in source]
     return f"vllm.v1.spec_decode.metrics defines none of {missing}" if missing else None
 
 
@@ -216,6 +220,38 @@ def _probe_prompt_logprobs() -> str | None:
     wrong = _needs_params(method, ["hidden_states", "num_scheduled_tokens"])
     # The hook narrows num_prompt_logprobs to one request and swaps model.compute_logits.
     return wrong or _reads(method, ["num_prompt_logprobs", "requests", "model", "compute_logits"])
+
+
+def _probe_eagle3() -> str | None:
+    import typing
+
+    from vllm.config.speculative import DraftSampleMethod, SpeculativeMethod
+    from vllm.model_executor.models import interfaces, llama_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if "eagle3" not in typing.get_args(SpeculativeMethod):
+        return "'eagle3' is not a speculative method"
+    if "probabilistic" not in typing.get_args(DraftSampleMethod):
+        return "draft_sample_method 'probabilistic' is gone"
+    if not callable(getattr(GPUModelRunner, "get_draft_model", None)):
+        return "GPUModelRunner.get_draft_model is gone"
+    # The draft's reload goes through reload.inplace.reload_weights too: probed with the
+    # target's (collective_rpc("reload_weights")), so a change there is named once.
+    if not callable(getattr(interfaces, "supports_eagle3", None)):
+        return "interfaces.supports_eagle3 is gone"
+    cls = ModelRegistry._try_load_model_cls("LlamaForCausalLMEagle3")
+    if cls is not llama_eagle3.Eagle3LlamaForCausalLM:
+        return f"'LlamaForCausalLMEagle3' resolves to {cls}, not Eagle3LlamaForCausalLM"
+    mapper = getattr(llama_eagle3.LlamaModel, "hf_to_vllm_mapper", None)
+    if "midlayer." not in getattr(mapper, "orig_to_new_substr", {}):
+        return "the draft no longer renames 'midlayer.' (the checkpoint names specrl writes)"
+    if "d2t" not in cls.load_weights.__code__.co_consts:
+        return "Eagle3LlamaForCausalLM.load_weights no longer reads 'd2t'"
+    aux = GPUModelRunner._get_eagle3_aux_layers_from_config.__code__.co_consts
+    if "eagle_aux_hidden_state_layer_ids" not in aux or "eagle_config" not in aux:
+        return "the runner no longer reads eagle_config.eagle_aux_hidden_state_layer_ids"
+    return None
 
 
 PROBES: dict[str, Callable[[], str | None]] = {
@@ -238,6 +274,9 @@ PROBES: dict[str, Callable[[], str | None]] = {
     "GPUModelRunner._get_prompt_logprobs_dict(hidden_states, num_scheduled_tokens) reading "
     "num_prompt_logprobs, requests and model.compute_logits "
     "(vllm_verify.install_processed_prompt_logprobs: exact scoring)": _probe_prompt_logprobs,
+    "native eagle3: the method, probabilistic drafts, LlamaForCausalLMEagle3 loading "
+    "'midlayer.*' and 'd2t', eagle_config aux layer ids, runner.get_draft_model, "
+    "supports_eagle3 (vllm_eagle)": _probe_eagle3,
 }
 """Every internal :func:`check_vllm` probes, by what it is and who relies on it."""
 

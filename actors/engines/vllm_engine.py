@@ -45,6 +45,7 @@ from actors.drafting import NgramDrafter
 from actors.engines import vllm_proposer, vllm_selfdraft
 from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
 from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
+from actors.engines.vllm_eagle import EAGLE_PREFIX, NativeEagle
 from actors.engines.vllm_proposer import PROPOSER_PATH
 from actors.engines.vllm_selfdraft import (
     SELFDRAFT_PATH,
@@ -167,34 +168,9 @@ class VllmEngine(RolloutEngine):
         )
         self.ngram: NgramDrafter | None = None
         self.selfdraft: SelfDraft | None = None
+        self.eagle: NativeEagle | None = None
         self._setup: Any = None  # what the proposer about to be built takes (see _open)
-        speculative_config = dict(engine.vllm_speculative)
-        if spec.method == "ngram":
-            self.ngram = NgramDrafter(
-                spec.ngram_max_n, spec.ngram_min_n, sources=spec.ngram_sources
-            )
-            control = adaptive_control("ngram", spec.k, None) if spec.adaptive else None
-            self._setup = (self.ngram, control)
-            speculative_config = self._custom(PROPOSER_PATH, spec.k)
-        elif spec.method == "early_exit":
-            # The policy's own draft, reloaded with the target in every swap (load_weights).
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            self.selfdraft = SelfDraft.from_checkpoint(
-                model_dir,
-                spec.adapter,
-                spec.exit_layer,
-                version,
-                device,
-                draft_dtype(engine.vllm_draft_dtype, device),
-            )
-            self._setup = SpecrlSelfDraftProposerSetup(
-                self.selfdraft,
-                temperature,
-                top_p,
-                seed,
-                adaptive_control("early_exit", spec.k, self.selfdraft) if spec.adaptive else None,
-            )
-            speculative_config = self._custom(SELFDRAFT_PATH, spec.k)
+        speculative_config = self._speculative(model_dir, engine, spec)
         self.llm = self._open(model_dir, engine, speculative_config)
         self.proposer: Any = None
         if self._setup is not None:
@@ -215,6 +191,41 @@ class VllmEngine(RolloutEngine):
         self._ids = itertools.count()
         self._reset_counters()
         self._spec_base = self._spec_counters()
+
+    def _speculative(self, model_dir: Path, engine: EngineConfig, spec: SpecConfig):
+        """vLLM's speculative config, and the drafter set up for it (see :meth:`_open`)."""
+        speculative_config = dict(engine.vllm_speculative)
+        if spec.method == "ngram":
+            self.ngram = NgramDrafter(
+                spec.ngram_max_n, spec.ngram_min_n, sources=spec.ngram_sources
+            )
+            control = adaptive_control("ngram", spec.k, None) if spec.adaptive else None
+            self._setup = (self.ngram, control)
+            speculative_config = self._custom(PROPOSER_PATH, spec.k)
+        elif spec.method == "early_exit":
+            # The policy's own draft, reloaded with the target in every swap (load_weights).
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.selfdraft = SelfDraft.from_checkpoint(
+                model_dir,
+                spec.adapter,
+                spec.exit_layer,
+                self.version,
+                device,
+                draft_dtype(engine.vllm_draft_dtype, device),
+            )
+            self._setup = SpecrlSelfDraftProposerSetup(
+                self.selfdraft,
+                self.temperature,
+                self.top_p,
+                self.seed,
+                adaptive_control("early_exit", spec.k, self.selfdraft) if spec.adaptive else None,
+            )
+            speculative_config = self._custom(SELFDRAFT_PATH, spec.k)
+        elif spec.method == "eagle3":
+            # The policy's EAGLE-3 head on vLLM's native proposer, reloaded in every swap.
+            self.eagle = NativeEagle(model_dir, spec.k, self.version, spec.adaptive)
+            speculative_config = self.eagle.speculative_config()
+        return speculative_config
 
     @staticmethod
     def _custom(path: str, k: int) -> dict[str, Any]:
@@ -264,7 +275,10 @@ class VllmEngine(RolloutEngine):
             vllm_proposer.pending(*self._setup)
         elif self.selfdraft is not None:
             vllm_selfdraft.pending(self._setup)
-        return llm_cls(**kwargs)
+        llm = llm_cls(**kwargs)
+        if self.eagle is not None:
+            self.eagle.started(llm)
+        return llm
 
     def _reset_counters(self) -> None:
         self._tokens, self._gen_time_s, self._swaps, self._wasted = 0, 0.0, 0, 0
@@ -276,21 +290,22 @@ class VllmEngine(RolloutEngine):
         """vLLM's weights and, with the self-draft, the draft's (the same tensors), in one call."""
         if self.selfdraft is not None:
             self.selfdraft.check(state_dict)  # before vLLM changes: a version without the draft
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={
-                # By HF parameter name, through the model's own load_weights; a tied LM head's
-                # tensor too (without it, vLLM 0.32's in-place reload leaves Gemma 3's head on
-                # the old weights). The draft adapter (``draft.*``) drafts in the torch engine
-                # only.
-                "weights_iterator": [
-                    (k, v.detach().cpu())
-                    for k, v in state_dict.items()
-                    if not k.startswith(DRAFT_PREFIX)
-                ],
-                "is_checkpoint_format": True,
-            },
-        )
+        # By HF parameter name, through the model's own load_weights; a tied LM head's tensor
+        # too (without it, vLLM 0.32's in-place reload leaves Gemma 3's head on the old weights).
+        # The draft adapter (``draft.*``) drafts in the torch engine only; the EAGLE-3 head
+        # (``eagle.*``) is vLLM's draft model.
+        target = [
+            (k, v.detach().cpu())
+            for k, v in state_dict.items()
+            if not k.startswith((DRAFT_PREFIX, EAGLE_PREFIX))
+        ]
+        if self.eagle is not None:  # target and draft in one call, the head checked first
+            self.eagle.reload(self.llm, version, target, self.eagle.split(version, state_dict))
+        else:
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": target, "is_checkpoint_format": True},
+            )
         if self.selfdraft is not None:
             self.proposer.reload(version, state_dict)
         self.version = version
@@ -332,6 +347,8 @@ class VllmEngine(RolloutEngine):
         engine = self.llm.llm_engine
         if self.selfdraft is not None:
             self.proposer.check()  # the draft must be the weights' version (load_weights)
+        if self.eagle is not None:
+            self.eagle.check(self.llm, self.version)
         started = time.perf_counter()
         # A prompt longer than max_prompt_len is refused, not truncated: its group is empty
         # and never handed to on_group, and the other prompts are served.
@@ -562,6 +579,8 @@ class VllmEngine(RolloutEngine):
                 1 + delta["accepted_tokens"] / delta["drafts"] if delta["drafts"] else 0.0
             )
             out[mn.SPEC_DRAFT_TOKENS] = delta["draft_tokens"]
+            if self.eagle is not None:
+                out.update(self.eagle.stats(self.llm, reset))
         if self._swaps:
             out[mn.VERIFY_SWAPS] = float(self._swaps)
             out[mn.VERIFY_WASTED_TOKENS] = float(self._wasted)

@@ -55,6 +55,11 @@ class SpecRLConfig:
                 f"spec.exit_layer={self.spec.exit_layer} must be below model.num_layers={self.model.num_layers}",
             )
         require(
+            not self.spec.uses_eagle or self.learner.model_impl != "hf",
+            "spec.method=eagle3 needs the built-in model (learner.model_impl=builtin or auto): "
+            "the EAGLE-3 head is part of common.model.Transformer",
+        )
+        require(
             self.engine.name != "vllm" or self.actor.inflight in VLLM_INFLIGHT_MODES,
             f"engine=vllm supports actor.inflight={', '.join(VLLM_INFLIGHT_MODES)}, got "
             f"{self.actor.inflight!r} (verify_on_finish runs on the torch engine)",

@@ -15,6 +15,7 @@ from common.config.checks import (
 )
 from common.config.modes import (
     AUTO_SPEC_METHOD,
+    EAGLE_METHODS,
     ENGINE_NAMES,
     EXIT_METHODS,
     INFLIGHT_MODES,
@@ -34,7 +35,9 @@ class SpecConfig:
     drafts where a match exists, the early exit elsewhere; torch engine only), ``auto`` (the
     early exit with as much as the engine runs beside it: ``hybrid`` on the torch engine,
     ``early_exit`` on vLLM; resolved when the config is loaded, so every process and the saved
-    ``config.yaml`` see the concrete method)."""
+    ``config.yaml`` see the concrete method), ``eagle3`` (the policy's EAGLE-3 head drafts, on
+    both engines: common/eagle.py; the learner trains it, ``eagle_coef``, and ``specrl
+    warm-draft spec.method=eagle3`` warm-starts it)."""
     k: int = 4
     """Draft tokens proposed per verification forward pass: the most, with ``adaptive``."""
     exit_layer: int = 1
@@ -69,6 +72,22 @@ class SpecConfig:
     adapter_lr: float = 1e-3
     """Learner: AdamW learning rate of the adapter (its own group; its gradient is clipped on
     its own, so the policy's update does not change)."""
+    eagle_coef: float = 1.0
+    """``eagle3``, learner: weight of the head's loss KL(p || q) on generated tokens (0 = off:
+    the head rides along in every version as it is). Only the head learns from it (its inputs
+    are detached and its gradient is clipped on its own), so the policy's update is the same
+    whatever the weight; with AdamW it acts as an on/off switch."""
+    eagle_lr: float = 1e-3
+    """``eagle3``, learner: AdamW learning rate of the head (its own group, no weight decay, its
+    gradient clipped on its own at ``learner.grad_clip``)."""
+    eagle_steps: int = 1
+    """``eagle3``, learner: draft steps the head is trained on: 1 (each position's first draft
+    token, as NeMo RL trains its head) or 2 (plus the second, unrolled: the head fed its own
+    first-step output, EAGLE-3's training-time test; about twice the head's cost)."""
+    eagle_vocab: int = 8192
+    """``eagle3``, ``specrl warm-draft``: size of the head's draft vocabulary (the most frequent
+    tokens of the model's samples); 0 = the whole vocabulary. A head the learner attaches to a
+    model without one (untrained) drafts over the whole vocabulary."""
     adaptive: bool = True
     """Pick each decoding step's draft length in [0, k] (0 = a plain step) from the measured
     acceptance by draft position and the measured cost of a verify step against a plain step at
@@ -78,12 +97,29 @@ class SpecConfig:
     def __post_init__(self) -> None:
         require_choice("spec.method", self.method, SPEC_METHODS)
         require_choice("spec.ngram_sources", self.ngram_sources, NGRAM_SOURCES)
-        require_at_least("spec", self, k=1, exit_layer=1, aux_coef=0, adapter_vocab=0)
-        require_positive("spec", self, "adapter_lr")
+        require_at_least(
+            "spec",
+            self,
+            k=1,
+            exit_layer=1,
+            aux_coef=0,
+            adapter_vocab=0,
+            eagle_coef=0,
+            eagle_vocab=0,
+        )
+        require_positive("spec", self, "adapter_lr", "eagle_lr")
+        require(
+            self.eagle_steps in (1, 2), f"spec.eagle_steps must be 1 or 2, got {self.eagle_steps}"
+        )
         require(
             not self.adapter or self.uses_early_exit,
             "spec.adapter drafts with the early exit: spec.method must be early_exit, hybrid or "
-            f"auto, got {self.method!r}",
+            f"auto, got {self.method!r}"
+            + (
+                " (spec=eagle3 replaces the whole spec group, adapter included)"
+                if self.uses_eagle
+                else ""
+            ),
         )
         require_ordered("spec", self, "ngram_min_n", "ngram_max_n")
 
@@ -98,6 +134,11 @@ class SpecConfig:
     def uses_early_exit(self) -> bool:
         """Drafts come (at least partly) from the early exit: ``early_exit`` or ``hybrid``."""
         return self.method in EXIT_METHODS
+
+    @property
+    def uses_eagle(self) -> bool:
+        """Drafts come from the policy's EAGLE-3 head: ``eagle3``."""
+        return self.method in EAGLE_METHODS
 
     @property
     def uses_ngram(self) -> bool:

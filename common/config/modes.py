@@ -24,7 +24,7 @@ DATASET_SUFFIXES: dict[str, str] = {".jsonl": "jsonl", ".json": "jsonl", ".parqu
 CHAT_TEMPLATE_MODES: tuple[str, ...] = ("auto", "true", "false")
 """``task.chat_template``."""
 
-SPEC_METHODS: tuple[str, ...] = ("none", "early_exit", "ngram", "hybrid", "auto")
+SPEC_METHODS: tuple[str, ...] = ("none", "early_exit", "ngram", "hybrid", "eagle3", "auto")
 """``spec.method``: the drafting methods, and ``auto`` (resolved by engine, see
 :data:`AUTO_SPEC_METHOD`)."""
 AUTO_SPEC_METHOD: dict[str, str] = {"torch": "hybrid", "vllm": "early_exit"}
@@ -34,6 +34,8 @@ exit alone on vLLM, which runs one proposer per engine."""
 EXIT_METHODS: tuple[str, ...] = ("early_exit", "hybrid", "auto")
 """Spec methods that draft with the early exit (and co-train it); ``auto`` does on every
 engine."""
+EAGLE_METHODS: tuple[str, ...] = ("eagle3",)
+"""Spec methods that draft with the policy's EAGLE-3 head (``common/eagle.py``)."""
 NGRAM_METHODS: tuple[str, ...] = ("ngram", "hybrid")
 """Spec methods that draft from n-gram matches in the history."""
 NGRAM_SOURCES: tuple[str, ...] = ("prompt", "group", "history")

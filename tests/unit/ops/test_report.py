@@ -35,6 +35,9 @@ def write_metrics(run_dir: Path, steps: int = 40, staleness_hist: bool = True) -
             "actor/tokens_per_s": 1500.0,
             "spec/acceptance_rate": 0.2 + 0.5 * i / steps,
             "spec/mean_accepted_len": 2.5,
+            "spec/acceptance_pos1": 0.8,
+            "spec/acceptance_pos2": 0.5,
+            "spec/acceptance_pos10": 0.1,
             "learner/wait_s": 1.0,
             "learner/train_s": 0.8,
             "learner/publish_s": 0.2,
@@ -70,6 +73,7 @@ def test_report_writes_png_and_figures(tmp_path):
     assert "1.00 (max 2)" in text  # exact mean of the [1, 2, 1] histogram
     assert "0.23 → 0.68" in text  # acceptance, first → last 10% of steps
     assert "1,500" in text
+    assert "| acceptance by draft position | 1: 0.80, 2: 0.50, 10: 0.10 |" in text
     assert "| learner busy (train + publish) / idle (wait) | 50% / 50% |" in text
     first, last = (
         text.split("mean reward, first 10% of steps → last 10% | ")[1].split(" |")[0].split(" → ")

@@ -1,0 +1,350 @@
+"""``specrl warm-draft spec.method=eagle3``: warm-start the policy's EAGLE-3 head (common/eagle.py)
+before RL, as ``learner/draft_warmup.py`` warm-starts the draft adapter.
+
+The model samples its own completions of the task's training prompts (``draft_warmup``'s
+sampling: plain decoding at the run's temperature and top-p); the head's vocabulary is the
+``spec.eagle_vocab`` tokens those completions use most (``draft_warmup.draft_vocabulary``); a
+fresh head (``attach_eagle``: vLLM's inputs, the policy's LM-head rows and final norm) is trained
+teacher-forced on them, only its parameters moving, on the learner's loss (the head at t, fed
+the auxiliary states at t and token t+1, toward the policy's distribution at t+1,
+``learner/eagle_loss.py``); held-out prompts measure the acceptance before and after. The head is
+saved into the model directory (``eagle/model.safetensors`` and its two keys in
+``config.json``), the model's own tensors untouched.
+
+The frozen policy's states the loss reads (the auxiliary states and the final-normed hidden
+states) come from one teacher-forced float32 forward per sequence after sampling, so training
+never runs the policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+
+from common.config import SpecRLConfig
+from common.config.actor import SpecConfig
+from common.eagle import EAGLE_PREFIX, attach_eagle
+from common.model import CONFIG_FILE, EAGLE_FILE, Transformer
+from common.sampling import processed_logprobs
+from common.tokenizer import load_tokenizer
+from learner.draft_loss import loss_temperature
+from learner.draft_warmup import (
+    WARMUP_LR,
+    Decoding,
+    Sample,
+    WarmDraftError,
+    WarmDraftOptions,
+    _device,
+    _sampler,
+    coverage,
+    draft_vocabulary,
+    load_policy,
+    sample_all,
+    tokens_per_verify,
+    training_prompts,
+    turn_end_ids,
+)
+from learner.eagle_loss import eagle_kl_terms, eagle_states
+from learner.microbatch import over_chunks
+from learner.warm_start import ensure_model
+
+log = logging.getLogger(__name__)
+
+EAGLE_SUMMARY_FILE = "eagle_warmup.json"
+
+
+@dataclass
+class HeadSample:
+    """One sampled completion and the frozen policy's states the head's loss reads."""
+
+    prompt: list[int]
+    completion: list[int]
+    aux: Tensor
+    """[P + C - 1, n·H] float32: the auxiliary states (concatenated in layer order) at positions
+    0 .. P + C - 2."""
+    full: Tensor
+    """[C, H] float32: the final-normed hidden states at positions P - 1 .. P + C - 2."""
+
+    @property
+    def ids(self) -> list[int]:
+        """The tokens at positions 0 .. P + C - 2."""
+        return self.prompt + self.completion[:-1]
+
+
+def resolve_eagle_vocab(cfg: SpecRLConfig, vocab_size: int, explicit: int | None) -> int:
+    """The head's vocabulary size, 0 for the whole vocabulary: ``explicit``, else
+    ``spec.eagle_vocab`` when set (both refused above the vocabulary), else the default capped at
+    the vocabulary."""
+    if explicit is None and cfg.spec.eagle_vocab != SpecConfig.eagle_vocab:
+        explicit = cfg.spec.eagle_vocab
+    if explicit is not None and explicit > vocab_size:
+        raise WarmDraftError(
+            f"spec.eagle_vocab={explicit} exceeds the model's vocabulary of {vocab_size} tokens "
+            "(0 = the whole vocabulary)"
+        )
+    size = cfg.spec.eagle_vocab if explicit is None else explicit
+    return 0 if size >= vocab_size else size
+
+
+@torch.no_grad()
+def teacher_states(policy: Transformer, samples: Sequence[Sample], batch: int) -> list[HeadSample]:
+    """The head's training records of ``samples``: one teacher-forced forward of the (float32)
+    policy over each prompt + completion, ``batch`` sequences at a time (right-padded). The
+    policy has its head already (its ``eagle_aux_layers`` are the states recorded)."""
+    if not policy.args.has_eagle:
+        raise ValueError("attach the EAGLE-3 head first: its inputs are what is recorded")
+    device, out = policy.lm_head.weight.device, []
+    L = policy.args.num_hidden_layers
+    for i in range(0, len(samples), batch):
+        part = samples[i : i + batch]
+        seqs = [s.prompt + s.completion[:-1] for s in part]
+        ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long, device=device)
+        for j, seq in enumerate(seqs):
+            ids[j, : len(seq)] = torch.tensor(seq, device=device)
+        aux: list[Tensor] = []
+        h = policy.model.norm(
+            policy.run_layers(policy.model.embed_tokens(ids), None, None, 0, L, aux=aux)
+        )
+        cat = torch.cat(aux, dim=-1)
+        for j, s in enumerate(part):
+            n, p = len(seqs[j]), len(s.prompt)
+            out.append(
+                HeadSample(
+                    s.prompt, s.completion, cat[j, :n].float().cpu(), h[j, p - 1 : n].float().cpu()
+                )
+            )
+    return out
+
+
+def batch_inputs(
+    samples: Sequence[HeadSample], device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(ids [B, S], aux [B, S, n·H], mask [B, S-1] of the head positions t whose t+1 predicts a
+    completion token, the policy's final-normed states at those t+1 [N, H] in the mask's
+    row-major order), right-padded."""
+    width = max(len(s.ids) for s in samples)
+    ids = torch.zeros((len(samples), width), dtype=torch.long)
+    aux = torch.zeros((len(samples), width, samples[0].aux.shape[1]))
+    mask = torch.zeros((len(samples), max(width - 1, 0)), dtype=torch.bool)
+    targets = []
+    for i, s in enumerate(samples):
+        n, p = len(s.ids), len(s.prompt)
+        ids[i, :n], aux[i, :n] = torch.tensor(s.ids), s.aux
+        first = max(p - 2, 0)  # the head at t is taught the policy's position t + 1 >= P - 1
+        mask[i, first : n - 1] = True
+        targets.append(s.full[first - (p - 2) :])
+    return ids.to(device), aux.to(device), mask.to(device), torch.cat(targets).to(device)
+
+
+def restricted_kl_sum(
+    policy: Transformer, h_next: Tensor, prenorm: Tensor, temperature: float, chunk: int
+) -> Tensor:
+    """The learner's KL sum (``eagle_loss.eagle_kl_terms``) from the policy's LM-head rows of the
+    head's vocabulary only: p restricted and renormalised is the softmax over those rows'
+    logits, so the value and the head's gradient are the same without the [N, V] logits."""
+    t = loss_temperature(temperature)
+    head = policy.eagle
+    weight = policy.lm_head.weight.index_select(0, head.vocab_ids).detach()
+
+    def kl_sum(h: Tensor, d: Tensor) -> Tensor:
+        with torch.no_grad():
+            p = processed_logprobs(F.linear(h, weight).float(), t)
+        q = processed_logprobs(head.logits(d), t)
+        return (p.exp() * (p - q)).sum()
+
+    parts = over_chunks(kl_sum, h_next.shape[0], chunk, False, lambda s: (h_next[s], prenorm[s]))
+    return sum(parts, prenorm.new_zeros((), dtype=torch.float32))
+
+
+def head_outputs(policy: Transformer, part: Sequence[HeadSample]) -> tuple[Tensor, Tensor]:
+    """(the policy's states at t+1 [N, H], the head's outputs at t [N, H]) of a batch."""
+    ids, aux, mask, h_next = batch_inputs(part, policy.lm_head.weight.device)
+    return h_next, eagle_states(policy, ids, [aux])[mask]
+
+
+def held_out_acceptance(
+    policy: Transformer, samples: Sequence[HeadSample], temperature: float, batch: int, chunk: int
+) -> float:
+    """Mean per-token acceptance, sum_v min(p, q), of the policy's head over ``samples``."""
+    total, positions = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(samples), batch):
+            h_next, prenorm = head_outputs(policy, samples[i : i + batch])
+            total += float(eagle_kl_terms(policy, h_next, prenorm, temperature, chunk)[1])
+            positions += h_next.shape[0]
+    return total / max(positions, 1)
+
+
+def train_head(
+    policy: Transformer,
+    samples: list[HeadSample],
+    opts: WarmDraftOptions,
+    lr: float,
+    temperature: float,
+    seed: int,
+) -> tuple[int, float]:
+    """AdamW on the head's parameters only, teacher-forced, a linear warm-up over 5% of the
+    steps then a cosine decay to a tenth (as the adapter's); returns (steps, mean loss of the
+    last epoch)."""
+    policy.requires_grad_(False)
+    params = list(policy.eagle.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps = opts.epochs * math.ceil(len(samples) / opts.batch)
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    rng, step, losses = random.Random(seed), 0, [float("nan")]
+    for epoch in range(opts.epochs):
+        order, losses = list(samples), []
+        rng.shuffle(order)
+        for i in range(0, len(order), opts.batch):
+            h_next, prenorm = head_outputs(policy, order[i : i + opts.batch])
+            loss = restricted_kl_sum(policy, h_next, prenorm, temperature, opts.chunk)
+            loss = loss / max(h_next.shape[0], 1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            step, losses = step + 1, [*losses, loss.item()]
+            if step % max(1, steps // 20) == 0 or step == steps:
+                log.info(
+                    "training the head: step %d/%d (epoch %d), loss %.4f",
+                    step,
+                    steps,
+                    epoch + 1,
+                    losses[-1],
+                )
+    policy.requires_grad_(False)
+    return steps, sum(losses) / max(len(losses), 1)
+
+
+def save_eagle(model: Transformer, path: str | Path) -> None:
+    """Write the EAGLE-3 head of ``model`` into the existing checkpoint directory ``path``
+    (``eagle/model.safetensors``, and its two keys in ``config.json``), leaving the model's own
+    tensors as they are; the head's floating tensors take the checkpoint's dtype."""
+    if model.eagle is None:
+        raise ValueError("the model has no EAGLE-3 head to save")
+    path = Path(path)
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
+    state = {
+        EAGLE_PREFIX + name: t.detach()
+        .to("cpu", dtype if t.is_floating_point() else t.dtype)
+        .contiguous()
+        for name, t in model.eagle.state_dict().items()
+    }
+    (path / EAGLE_FILE).parent.mkdir(exist_ok=True)
+    save_file(state, str(path / EAGLE_FILE), metadata={"format": "pt"})
+    cfg.update(
+        eagle_aux_layers=list(model.args.eagle_aux_layers),
+        eagle_vocab_size=model.args.eagle_vocab_size,
+    )
+    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _save(policy: Transformer, model_dir: Path, out: Path | None) -> Path:
+    """The head into ``model_dir``, or into ``out``, made a copy of it first."""
+    target = model_dir if out is None else out
+    if not target.exists() or not target.samefile(model_dir):
+        shutil.copytree(model_dir, target, dirs_exist_ok=True)
+    save_eagle(policy, target)
+    return target
+
+
+def warm_eagle(
+    cfg: SpecRLConfig, opts: WarmDraftOptions, started: float
+) -> tuple[Transformer, dict]:
+    """Sample, pick the vocabulary, train, evaluate and save the head (module docstring);
+    returns the policy with its trained head and the summary (also written as JSON)."""
+    policy, model_dir = _load(cfg, opts)
+    args = policy.args
+    vocab = resolve_eagle_vocab(cfg, args.vocab_size, opts.vocab)
+    tokenizer = load_tokenizer(model_dir)
+    prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)
+    held = max(1, round(len(prompts) * opts.holdout))
+    if len(prompts) <= held:
+        raise WarmDraftError(f"{len(prompts)} distinct prompts: too few to hold {held} out")
+    temperature = cfg.sampling.temperature
+    exit_layer = min(1, args.num_hidden_layers)  # the sampler's split: any layer will do
+    decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, temperature, cfg.sampling.top_p)
+    groups = sample_all(_sampler(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed)
+    sample_s = time.perf_counter() - started
+    keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
+    train_raw = [s for g in groups[held:] for s in g]
+    completions = [s.completion for s in train_raw]
+    ids = draft_vocabulary(completions, prompts[held:], vocab, args.vocab_size, keep)
+    attach_eagle(policy, vocab_ids=ids, seed=cfg.run.seed)  # its inputs: what to record
+    evaluation = teacher_states(policy, [s for g in groups[:held] for s in g], opts.batch)
+    train = teacher_states(policy, train_raw, opts.batch)
+    covered = coverage(ids, [s.completion for s in evaluation])
+    before = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
+    log.info("held-out acceptance before training %.4f, vocabulary coverage %.4f", before, covered)
+    lr = opts.lr or (cfg.spec.eagle_lr if cfg.spec.eagle_lr != SpecConfig.eagle_lr else WARMUP_LR)
+    steps, loss = train_head(policy, train, opts, lr, temperature, cfg.run.seed)
+    after = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
+    out = _save(policy, model_dir, opts.out)
+    summary = {
+        "model_dir": str(out),
+        "method": "eagle3",
+        "aux_layers": list(policy.args.eagle_aux_layers),
+        "num_layers": args.num_hidden_layers,
+        "draft_vocab": vocab or args.vocab_size,
+        "vocab_size": args.vocab_size,
+        "heldout_coverage": round(covered, 4),
+        "train_samples": len(train),
+        "heldout_samples": len(evaluation),
+        "train_tokens": sum(map(len, completions)),
+        "heldout_tokens": sum(len(s.completion) for s in evaluation),
+        "epochs": opts.epochs,
+        "steps": steps,
+        "lr": lr,
+        "final_loss": round(loss, 4),
+        "acceptance_before": round(before, 4),
+        "acceptance_after": round(after, 4),
+        "k": cfg.spec.k,
+        "tokens_per_verify_before": round(tokens_per_verify(before, cfg.spec.k), 3),
+        "tokens_per_verify_after": round(tokens_per_verify(after, cfg.spec.k), 3),
+        "sample_seconds": round(sample_s, 1),
+        "train_seconds": round(time.perf_counter() - started - sample_s, 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": " ".join(opts.command),
+    }
+    path = opts.summary or out / EAGLE_SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return policy, {**summary, "summary_file": str(path)}
+
+
+def _load(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, Path]:
+    """The float32 policy of the run's model directory (built first if need be) and the
+    directory."""
+    model_dir = ensure_model(cfg)
+    policy = load_policy(model_dir, _device(opts.device))
+    log.info(
+        "warm-draft (eagle3) %s: %d layers, %d prompts x %d completions",
+        model_dir,
+        policy.args.num_hidden_layers,
+        opts.prompts,
+        opts.samples_per_prompt,
+    )
+    return policy, model_dir
