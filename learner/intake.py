@@ -45,7 +45,7 @@ class ActorInfo:
 
     actor_id: str
     version: int  # heartbeat version if any heartbeat came, else the newest group version
-    last_seen: float  # time.monotonic() of the last group or heartbeat
+    last_seen: float  # the listening clock (Intake._listening) at the last group or heartbeat
     stats: dict[str, float]  # from the last heartbeat
     groups: int  # new groups received from it
     heartbeats: int  # heartbeats received from it
@@ -121,6 +121,10 @@ class Intake(SocketThread):
         self._bad_logged_at: dict[str, float] = {}
         self._bad_suppressed: dict[str, int] = {}
         self._closed = False
+        # Time the I/O thread spent not reading (backpressure) stops the liveness clock: a
+        # heartbeat waiting unread in the socket is not an actor gone silent.
+        self._deaf_since: float | None = None
+        self._deaf_total = 0.0
 
     # ------------------------------------------------------------------ consumer API
 
@@ -147,9 +151,11 @@ class Intake(SocketThread):
             return groups
 
     def live_actors(self) -> dict[str, ActorInfo]:
-        """Actors heard from (group or heartbeat) within ``actor_timeout_s``; others forgotten."""
-        cutoff = time.monotonic() - self._actor_timeout_s
+        """Actors heard from (group or heartbeat) within ``actor_timeout_s`` of listening;
+        others forgotten. Time the receiver spent not reading (its queue full) does not count:
+        an actor is forgotten for its silence, not for the learner's."""
         with self._cond:
+            cutoff = self._listening() - self._actor_timeout_s
             for actor_id in [a for a, info in self._actors.items() if info.last_seen < cutoff]:
                 del self._actors[actor_id]
             return {a: dataclasses.replace(i, stats=dict(i.stats)) for a, i in self._actors.items()}
@@ -229,8 +235,24 @@ class Intake(SocketThread):
             log.warning("receiver closed with %d acked group(s) not yet consumed", left)
 
     def _queue_full(self) -> bool:
+        """True while the queue is full, the I/O thread then reading nothing; the time it
+        spends so is kept off the liveness clock (``_listening``)."""
+        now = time.monotonic()
         with self._cond:
-            return len(self._queue) >= self._queue_max
+            full = len(self._queue) >= self._queue_max
+            if full and self._deaf_since is None:
+                self._deaf_since = now
+            elif not full and self._deaf_since is not None:
+                self._deaf_total += now - self._deaf_since
+                self._deaf_since = None
+            return full
+
+    def _listening(self) -> float:
+        """Seconds of listening: the monotonic clock less the time spent not reading (call
+        with ``_cond`` held)."""
+        now = time.monotonic()
+        deaf = self._deaf_total + (now - self._deaf_since if self._deaf_since is not None else 0.0)
+        return now - deaf
 
     def _release(self) -> None:
         if self._wal is not None:
@@ -362,7 +384,7 @@ class Intake(SocketThread):
                 actor_id=actor_id, version=0, last_seen=0.0, stats={}, groups=0, heartbeats=0
             )
             self._actors[actor_id] = info
-        info.last_seen = time.monotonic()
+        info.last_seen = self._listening()
         return info
 
     def _log_limited(self, kind: str, fmt: str, *args: object) -> None:

@@ -154,10 +154,9 @@ def test_preset_runs_on_the_vllm_engine_with_its_draft_adapter(
     args = [*readme_preset_command(), f"model.path={preset_dir}", "engine=vllm", *SHORT]
     summary = specrl_run(args, tmp_path)
     assert summary["outcome"] == "completed" and summary["steps"] == 2, summary
-    # The actor's groups were trained on. (Not summary["actor_tokens_per_s"]: it sums the actors
-    # the learner has heard from in the last actor_timeout_s (30 s) when a step ends, and a step
-    # of this model takes about 110 s on 2 cores, so it can read 0 while the actor generates.)
-    assert summary["groups_trained"] >= 2, summary
+    # A step of this model (about 110 s on 2 cores) outlasts actor_timeout_s (30 s) with the
+    # intake full: the actor must still count as live and its throughput be reported.
+    assert summary["groups_trained"] >= 2 and summary["actor_tokens_per_s"] > 0, summary
     run_dir = Path(summary["run_dir"])
     config = (run_dir / "config.yaml").read_text()
     assert "  method: early_exit\n" in config and "  adapter: true\n" in config

@@ -237,6 +237,28 @@ def test_live_actors_follow_heartbeats_and_forget_silent_ones() -> None:
         receiver.close()
 
 
+def test_an_actor_is_not_forgotten_while_the_learner_is_not_reading() -> None:
+    # A full queue stops the I/O thread reading (backpressure), heartbeats included: a learner
+    # step longer than actor_timeout_s must not make every actor look silent. Its own silence
+    # still counts once reading resumes.
+    receiver = start_receiver(actor_timeout_s=0.3, queue_max=1)
+    try:
+        sender = GroupSender(receiver.bound_address, "actor-a", heartbeat_interval_s=0.05)
+        sender.set_status(3, {"actor/tokens_per_s": 5.0})
+        sender.start()
+        sender.submit(make_group(0), timeout_s=5.0)
+        sender.submit(make_group(1), timeout_s=5.0)  # waits unread: the queue holds one
+        wait_until(lambda: receiver.qsize() == 1)
+        time.sleep(0.8)  # well past actor_timeout_s, reading nothing
+        assert "actor-a" in receiver.live_actors()
+        assert receiver.stats()["receiver/live_actors"] == 1
+        assert [g.seq for g in drain(receiver, 2)] == [0, 1]
+        sender.close(timeout_s=1.0)
+        wait_until(lambda: receiver.live_actors() == {}, timeout_s=3.0)
+    finally:
+        receiver.close()
+
+
 def test_dedupe_window_compacts() -> None:
     window = DedupeWindow()
     assert [window.add(s) for s in (0, 2, 3, 2, 0, 1, 5)] == [
