@@ -25,10 +25,12 @@ order measured:
    samples near-uniform noise, which no draft predicts and no n-gram repeats. It is first
    trained briefly on a random first-order Markov chain over a part of its vocabulary (a few
    likely successors per token), then its draft adapter is warm-started from its own samples
-   with ``learner.draft_warmup``'s functions (``specrl warm-draft``'s procedure).
+   with ``learner.draft_warmup``'s functions (``specrl warm-draft``'s procedure), and its EAGLE-3
+   head from the same samples over the same draft vocabulary (``specrl warm-draft spec=eagle3``'s,
+   benchmarks/gpu_eagle.py).
 5. engine: the torch engine, plain decoding against each speculative method (``ngram`` from
    the prompt and the GRPO group, the untrained ``early_exit``, the trained self-draft
-   ``adapter``, ``hybrid`` = adapter + n-grams), each with fixed k and with the adaptive draft
+   ``adapter``, ``hybrid`` = adapter + n-grams, the EAGLE-3 head ``eagle3``), each with fixed k and with the adaptive draft
    length (``*_adaptive``), at batch 1 (one prompt, one sample) and 8, 32, 128 (prompts x 8
    samples). Per row: tokens/s (median over timed calls), ratio to plain, tokens per verifier
    forward (per row and step: 1 to k + 1), acceptance, chosen draft lengths. Acceptance is this
@@ -39,7 +41,9 @@ order measured:
 Headline keys: ``gpu_speedup_b8_best_lossless`` (the best speculative row's tokens/s over
 plain at batch 8; 0 unless ``lossless``), ``gpu_adaptive_min_ratio`` (the smallest ratio to
 plain of any adaptive row at any batch), ``gpu_tokens_per_verify_b8`` (the trained
-self-draft's, fixed k, batch 8). The JSON is rewritten after every stage, so a run stopped
+self-draft's, fixed k, batch 8), ``gpu_eagle_tokens_per_verify_b8`` (the EAGLE-3 head's) and
+``gpu_eagle_membound_bound_b8`` (its tokens per verify x 1 / (1 + k x its parameters over the
+target's): the memory-bound ceiling, a bound, not a speed). The JSON is rewritten after every stage, so a run stopped
 early leaves what it measured; a stage that fails is recorded under ``errors`` and the exit
 status is 1.
 """
@@ -58,6 +62,7 @@ if __name__ == "__main__":
         sys.modules.setdefault(_name, None)  # type: ignore[arg-type]
 
 import copy  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -77,7 +82,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from benchmarks import cli  # noqa: E402
+from benchmarks import cli, gpu_eagle  # noqa: E402
 from common import metric_names as mn  # noqa: E402
 from common.config.actor import SpecConfig  # noqa: E402
 from common.config.learner import LearnerConfig  # noqa: E402
@@ -607,7 +612,7 @@ def methods(k: int, exit_layer: int) -> dict[str, SpecConfig]:
     }
     rows = {"none": SpecConfig(method="none"), **fixed}
     rows.update({f"{name}_adaptive": replace(spec, adaptive=True) for name, spec in fixed.items()})
-    return rows
+    return rows | gpu_eagle.methods(k)
 
 
 def lossless(plan: Plan, device: torch.device, run: Run) -> dict[str, Any]:
@@ -618,6 +623,7 @@ def lossless(plan: Plan, device: torch.device, run: Run) -> dict[str, Any]:
         SpecConfig(method="early_exit", exit_layer=1, adapter=True),
         ADAPTER_VOCAB,
     )
+    gpu_eagle.with_fresh_head(reference, ADAPTER_VOCAB)
     model = copy.deepcopy(reference).to(device)
     prompt, max_new = [1, 4, 5, 4], 3
     pvalues, rates = {}, {}
@@ -761,7 +767,9 @@ def warm_draft(plan: Plan, policy: Transformer, chain: Chain, run: Run) -> dict[
     steps, loss = train_adapter(policy, train, opts, 1.0, WARMUP_SEED)
     after = held_out_acceptance(policy, evaluation, 1.0, opts.batch, opts.chunk)
     run.say("structure", f"draft acceptance {before:.3f} -> {after:.3f} ({steps} steps)")
-    return {
+    say = functools.partial(run.say, "structure")
+    head = gpu_eagle.warm_head(policy, train, evaluation, ids, plan.warmup_epochs, say, WARMUP_SEED)
+    return head | {
         "draft_exit_layer": exit_layer,
         "draft_vocab": int(ids.numel()) if ids is not None else args.vocab_size,
         "draft_train_samples": len(train),
@@ -877,6 +885,12 @@ def summarise(figures: dict[str, Any]) -> dict[str, Any]:
         out["gpu_speedup_b8_best"] = ratios[best]
         out["gpu_speedup_b8_best_lossless"] = ratios[best] if figures.get("lossless") else 0.0
         out["gpu_tokens_per_verify_b8"] = figures["gpu_adapter_b8_tokens_per_verify"]
+        tpv = figures["gpu_eagle3_b8_tokens_per_verify"]
+        out["gpu_eagle_tokens_per_verify_b8"] = tpv
+        if tpv is not None and "eagle_draft_param_frac" in figures:
+            # The memory-bound ceiling from the two measured figures: a bound, not a speed.
+            frac = figures["eagle_draft_param_frac"]
+            out["gpu_eagle_membound_bound_b8"] = round(tpv / (1 + figures["gpu_k"] * frac), 4)
     adaptive = [
         figures[f"gpu_{n}_b{b}_ratio"]
         for n in names
@@ -947,6 +961,8 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_best_method_b8",
             "gpu_adaptive_min_ratio",
             "gpu_tokens_per_verify_b8",
+            "gpu_eagle_tokens_per_verify_b8",
+            "gpu_eagle3_b8_ratio",
             "learner_step_s",
             "weights_publish_gbps",
             "weights_fetch_gbps",

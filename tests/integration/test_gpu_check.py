@@ -44,7 +44,8 @@ def test_cpu_mode_writes_sane_figures(tmp_path: Path) -> None:
     assert fig["gpu_batches"] == list(CPU_PLAN.batches) and fig["gpu_skipped_batches"] == []
     rows = fig["gpu_rows"]
     fixed = ["ngram", "early_exit", "adapter", "hybrid"]
-    assert rows == ["none", *fixed, *(f"{n}_adaptive" for n in fixed)]
+    eagle = ["eagle3", "eagle3_adaptive"]
+    assert rows == ["none", *fixed, *(f"{n}_adaptive" for n in fixed), *eagle]
     for batch in CPU_PLAN.batches:
         assert fig[f"gpu_none_b{batch}_ratio"] == 1.0
         for name in rows:
@@ -75,6 +76,14 @@ def test_cpu_mode_writes_sane_figures(tmp_path: Path) -> None:
     assert fig["structure_loss_last"] < 0.5 * fig["structure_loss_first"]
     assert fig["structure_loss_last"] < fig["structure_uniform_loss"]
     assert fig["draft_acceptance_after"] > fig["draft_acceptance_before"]
+    # And its EAGLE-3 head (the same samples), whose rows the engine ran: tokens per verify and
+    # the memory-bound ceiling computed from it and the head's share of the target's parameters.
+    assert fig["eagle_acceptance_after"] > fig["eagle_acceptance_before"]
+    assert 0 < fig["eagle_draft_param_frac"] < 1
+    tpv = fig["gpu_eagle_tokens_per_verify_b8"]
+    assert tpv == fig["gpu_eagle3_b8_tokens_per_verify"] and 1.0 <= tpv <= k + 1
+    bound = tpv / (1 + k * fig["eagle_draft_param_frac"])
+    assert fig["gpu_eagle_membound_bound_b8"] == pytest.approx(bound, abs=1e-3)
 
     assert fig["learner_step_s"] > 0 and fig["learner_tokens_per_s"] > 0
     assert fig["learner_completion_tokens"] > 0 and fig["learner_peak_mem_gb"] > 0
