@@ -21,6 +21,11 @@ class Rollout:
     """True when the completion ended with EOS, False when it hit the length budget."""
 
 
+class StaleDraftError(RuntimeError):
+    """A draft whose weights are not the target's version (or a version without the draft the
+    engine drafts with): refused, never used."""
+
+
 WeightSource: TypeAlias = Callable[[], tuple[int, Mapping[str, torch.Tensor]] | None]
 """Polled by ``generate`` while rollouts are in flight: ``(version, state_dict)`` when newer
 weights are published, else None."""

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from actors.drafting import EagleDrafter
+from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.torch_rows import Counters, Row
 from actors.paged_cache import PagedKVCache
 from actors.speculative import rejection_sample
@@ -73,12 +74,6 @@ def concat_aux(model: Transformer, found: dict[int, Tensor] | list[Tensor]) -> T
     return torch.cat(list(found), dim=-1)
 
 
-def stale_draft(message: str) -> Exception:
-    from actors.engines.vllm_selfdraft import StaleDraftError  # no vLLM import behind it
-
-    return StaleDraftError(message)
-
-
 class EagleSteps:
     """The EAGLE-3 half of :class:`actors.engines.torch_engine.TorchEngine`'s decoding."""
 
@@ -101,7 +96,7 @@ class EagleSteps:
         """Refuse a version without the head while the head drafts (before anything changes)."""
         if self.eagle is None or any(name.startswith(EAGLE_PREFIX) for name in state_dict):
             return
-        raise stale_draft(
+        raise StaleDraftError(
             f"weights version {version} has no EAGLE-3 head ({EAGLE_PREFIX}* tensors), but "
             f"spec.method=eagle3 drafts with the head of every version: refused, the engine "
             f"stays on version {self.version}; publish the head with every version"
@@ -195,7 +190,7 @@ class EagleSteps:
         eagle = self.eagle
         assert eagle is not None
         if eagle.version != self.version or eagle.model is not self.model:
-            raise stale_draft(
+            raise StaleDraftError(
                 f"the EAGLE-3 head holds weights version {eagle.version}, the policy "
                 f"{self.version}: the head must come with the policy"
             )

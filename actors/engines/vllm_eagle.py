@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from actors.engines.vllm_selfdraft import StaleDraftError
+from actors.engines.rollout_engine import StaleDraftError
 from common import metric_names as mn
 from common.model import EAGLE_PREFIX
 

@@ -40,6 +40,7 @@ from safetensors import safe_open
 from torch import nn
 
 from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
+from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.vllm_compat import request_key
 from actors.paged_cache import PagedKVCache
 from common.model import (
@@ -61,10 +62,6 @@ SELFDRAFT_PATH = "actors.engines.vllm_selfdraft.SpecrlSelfDraftProposer"
 BLOCK_SIZE = 16
 
 _PENDING: list[SpecrlSelfDraftProposerSetup] = []
-
-
-class StaleDraftError(RuntimeError):
-    """The draft's weights are not the target's version."""
 
 
 class SelfDraft:

@@ -26,6 +26,7 @@ from testing.vllm_eagle import HEAD_FILE, head_of, published, save_with_head, wi
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from actors.engines.rollout_engine import StaleDraftError  # noqa: E402
 from actors.engines.vllm_eagle import (  # noqa: E402
     EagleHeadError,
     draft_module,
@@ -34,7 +35,6 @@ from actors.engines.vllm_eagle import (  # noqa: E402
     set_draft_version,
 )
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from actors.engines.vllm_selfdraft import StaleDraftError  # noqa: E402
 
 PROMPT, NO_EOS, NEW = [1, 4, 5, 4], 99, 3
 AUX, VOCAB_IDS, K = (1, 2, 3), (0, 2, 3, 4, 5), 2

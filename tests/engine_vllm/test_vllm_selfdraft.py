@@ -25,8 +25,8 @@ from testing.models import random_model
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from actors.engines.rollout_engine import StaleDraftError  # noqa: E402
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from actors.engines.vllm_selfdraft import StaleDraftError  # noqa: E402
 from testing.vllm import EOS, PROMPTS, tokens  # noqa: E402
 
 SELFDRAFT = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
