@@ -56,7 +56,7 @@ from learner.draft_warmup import (
     training_prompts,
     turn_end_ids,
 )
-from learner.eagle_loss import eagle_kl_terms, eagle_states
+from learner.eagle_loss import eagle_kl_terms, eagle_states, unrolled_states
 from learner.microbatch import over_chunks
 from learner.warm_start import ensure_model
 
@@ -168,20 +168,45 @@ def restricted_kl_sum(
     return sum(parts, prenorm.new_zeros((), dtype=torch.float32))
 
 
-def head_outputs(policy: Transformer, part: Sequence[HeadSample]) -> tuple[Tensor, Tensor]:
-    """(the policy's states at t+1 [N, H], the head's outputs at t [N, H]) of a batch."""
-    ids, aux, mask, h_next = batch_inputs(part, policy.lm_head.weight.device)
-    return h_next, eagle_states(policy, ids, [aux])[mask]
+def head_outputs(
+    policy: Transformer, part: Sequence[HeadSample], steps: int = 1
+) -> list[tuple[Tensor, Tensor]]:
+    """Per draft step (1 .. ``steps``, at most 2) of a batch: (the policy's states the step
+    predicts [N, H], the head's outputs for them [N, H]). Step 1: the head at t toward the
+    policy at t+1; step 2 (``eagle_loss.unrolled_states``): the head reading its own step-1
+    output at t and the token at t+2, toward the policy at t+2, as the second token of a draft
+    chain is drafted."""
+    device = policy.lm_head.weight.device
+    ids, aux, mask, h_next = batch_inputs(part, device)
+    first = eagle_states(policy, ids, [aux])
+    out = [(h_next, first[mask])]
+    if steps >= 2:
+        second = unrolled_states(policy, ids, [aux], first)  # [B, S-2, H]
+        mask2 = torch.zeros(second.shape[:2], dtype=torch.bool)
+        targets = []
+        for i, s in enumerate(part):
+            n, p = len(s.ids), len(s.prompt)
+            low = max(p - 3, 0)  # entry t is taught the policy's position t + 2 >= P - 1
+            mask2[i, low : n - 2] = True
+            targets.append(s.full[low + 3 - p :])
+        out.append((torch.cat(targets).to(device), second[mask2.to(device)]))
+    return out
 
 
 def held_out_acceptance(
-    policy: Transformer, samples: Sequence[HeadSample], temperature: float, batch: int, chunk: int
+    policy: Transformer,
+    samples: Sequence[HeadSample],
+    temperature: float,
+    batch: int,
+    chunk: int,
+    step: int = 1,
 ) -> float:
-    """Mean per-token acceptance, sum_v min(p, q), of the policy's head over ``samples``."""
+    """Mean per-token acceptance, sum_v min(p, q), of the policy's head at draft step ``step``
+    (1 or 2, teacher-forced: :func:`head_outputs`) over ``samples``."""
     total, positions = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(samples), batch):
-            h_next, prenorm = head_outputs(policy, samples[i : i + batch])
+            h_next, prenorm = head_outputs(policy, samples[i : i + batch], step)[step - 1]
             total += float(eagle_kl_terms(policy, h_next, prenorm, temperature, chunk)[1])
             positions += h_next.shape[0]
     return total / max(positions, 1)
@@ -194,10 +219,12 @@ def train_head(
     lr: float,
     temperature: float,
     seed: int,
+    draft_steps: int = 1,
 ) -> tuple[int, float]:
-    """AdamW on the head's parameters only, teacher-forced, a linear warm-up over 5% of the
-    steps then a cosine decay to a tenth (as the adapter's); returns (steps, mean loss of the
-    last epoch)."""
+    """AdamW on the head's parameters only, teacher-forced on ``draft_steps`` draft steps
+    (``spec.eagle_steps``: the KL of each, summed, over the first step's positions, as the
+    learner's loss), a linear warm-up over 5% of the steps then a cosine decay to a tenth (as
+    the adapter's); returns (steps, mean loss of the last epoch)."""
     policy.requires_grad_(False)
     params = list(policy.eagle.parameters())
     for p in params:
@@ -217,9 +244,9 @@ def train_head(
         order, losses = list(samples), []
         rng.shuffle(order)
         for i in range(0, len(order), opts.batch):
-            h_next, prenorm = head_outputs(policy, order[i : i + opts.batch])
-            loss = restricted_kl_sum(policy, h_next, prenorm, temperature, opts.chunk)
-            loss = loss / max(h_next.shape[0], 1)
+            parts = head_outputs(policy, order[i : i + opts.batch], draft_steps)
+            loss = sum(restricted_kl_sum(policy, *part, temperature, opts.chunk) for part in parts)
+            loss = loss / max(parts[0][0].shape[0], 1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -300,8 +327,10 @@ def warm_eagle(
     before = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
     log.info("held-out acceptance before training %.4f, vocabulary coverage %.4f", before, covered)
     lr = opts.lr or (cfg.spec.eagle_lr if cfg.spec.eagle_lr != SpecConfig.eagle_lr else WARMUP_LR)
-    steps, loss = train_head(policy, train, opts, lr, temperature, cfg.run.seed)
+    draft_steps = cfg.spec.eagle_steps
+    steps, loss = train_head(policy, train, opts, lr, temperature, cfg.run.seed, draft_steps)
     after = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
+    second = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk, 2)
     out = _save(policy, model_dir, opts.out)
     summary = {
         "model_dir": str(out),
@@ -321,6 +350,8 @@ def warm_eagle(
         "final_loss": round(loss, 4),
         "acceptance_before": round(before, 4),
         "acceptance_after": round(after, 4),
+        "draft_steps_trained": draft_steps,
+        "acceptance_after_step2": round(second, 4),
         "k": cfg.spec.k,
         "tokens_per_verify_before": round(tokens_per_verify(before, cfg.spec.k), 3),
         "tokens_per_verify_after": round(tokens_per_verify(after, cfg.spec.k), 3),

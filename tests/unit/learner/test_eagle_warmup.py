@@ -64,12 +64,14 @@ def test_records_and_loss_are_the_learners():
     records = teacher_states(model, samples, batch=4)
     ids, aux, mask, h_next = batch_inputs(records, torch.device("cpu"))
     assert ids.shape == aux.shape[:2] and aux.shape[2] == 3 * 64  # vLLM's inputs (0, 1, 2)
-    h_next2, prenorm = head_outputs(model, records)  # the head's outputs, as the warm-up's
+    # The head's outputs, as the warm-up's, for the first draft step and the unrolled second.
+    (h_next2, prenorm), second = head_outputs(model, records, steps=2)
     torch.testing.assert_close(h_next2, h_next)
     with torch.no_grad():
         warm = restricted_kl_sum(model, h_next, prenorm, 0.8, chunk=5)
+        warm2 = warm + restricted_kl_sum(model, *second, 0.8, chunk=5)
     # The learner's step over the same rows: completion positions are its mask.
-    learner_kl, positions = 0.0, 0
+    learner_kl, learner_kl2, positions = 0.0, 0.0, 0
     for s in samples:
         row = torch.tensor([s.prompt + s.completion])
         sel = torch.zeros(1, row.shape[1] - 1, dtype=torch.bool)
@@ -78,9 +80,13 @@ def test_records_and_loss_are_the_learners():
         with torch.no_grad():
             h, _ = backbone(model, row, aux=taps)
             kl, _, n = eagle_terms(model, row, taps, h, sel, 0.8, 0)
+            kl2, _, _ = eagle_terms(model, row, taps, h, sel, 0.8, 0, steps=2)
         learner_kl, positions = learner_kl + float(kl), positions + n
+        learner_kl2 += float(kl2)
     assert positions == h_next.shape[0] == int(mask.sum())
     assert float(warm) == pytest.approx(learner_kl, rel=1e-4)
+    assert 0 < second[0].shape[0] < positions  # a one-token prompt's first target is not there
+    assert float(warm2) == pytest.approx(learner_kl2, rel=1e-4)
 
 
 def test_warm_up_raises_held_out_acceptance_and_saves_the_head(tiny_dir, tmp_path):
