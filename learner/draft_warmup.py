@@ -429,13 +429,37 @@ def train_adapter(
     temperature: float,
     seed: int,
 ) -> tuple[int, float]:
-    """AdamW on the adapter's parameters only, teacher-forced, a linear warm-up over 5% of the
-    steps then a cosine decay to a tenth; returns (steps, mean loss of the last epoch)."""
+    """Train the adapter teacher-forced on ``samples`` (:func:`train_draft`); returns (steps,
+    mean loss of the last epoch)."""
+    device = policy.lm_head.weight.device
+
+    def batch_loss(part: list[Sample]) -> Tensor:
+        h_exit, mask, h_full = batch_states(part, device)
+        d = draft_states(policy, h_exit)[mask]
+        return restricted_kl_sum(policy, h_full, d, temperature, opts.chunk) / len(h_full)
+
+    lr = opts.lr or WARMUP_LR
+    return train_draft(policy, policy.draft, samples, opts, lr, seed, batch_loss)
+
+
+def train_draft(
+    policy: Transformer,
+    draft: torch.nn.Module,
+    samples: list,
+    opts: WarmDraftOptions,
+    lr: float,
+    seed: int,
+    batch_loss: Callable[[list], Tensor],
+) -> tuple[int, float]:
+    """AdamW on ``draft``'s parameters only (the rest of ``policy`` frozen), ``opts.epochs``
+    shuffled passes over ``samples`` in batches of ``opts.batch``, each step's loss
+    ``batch_loss(batch)``, a linear warm-up over 5% of the steps then a cosine decay to a tenth;
+    returns (steps, mean loss of the last epoch)."""
     policy.requires_grad_(False)
-    params = list(policy.draft.parameters())
+    params = list(draft.parameters())
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=opts.lr or WARMUP_LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     steps = opts.epochs * math.ceil(len(samples) / opts.batch)
     warmup = max(1, steps // 20)
 
@@ -445,15 +469,13 @@ def train_adapter(
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    rng, device = random.Random(seed), policy.lm_head.weight.device
+    rng = random.Random(seed)
     started, step, losses = time.perf_counter(), 0, [float("nan")]
     for epoch in range(opts.epochs):
         order, losses = list(samples), []
         rng.shuffle(order)
         for i in range(0, len(order), opts.batch):
-            h_exit, mask, h_full = batch_states(order[i : i + opts.batch], device)
-            d = draft_states(policy, h_exit)[mask]
-            loss = restricted_kl_sum(policy, h_full, d, temperature, opts.chunk) / len(h_full)
+            loss = batch_loss(order[i : i + opts.batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -520,6 +542,90 @@ def warm_draft(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, 
         return _warm_draft(cfg, opts, time.perf_counter())
 
 
+@dataclass
+class Sampled:
+    """The warm start's data: the policy's own completions of the task's training prompts,
+    split by prompt, and the draft vocabulary the training ones use most."""
+
+    train: list[Sample]
+    evaluation: list[Sample]
+    """Completions of the held-out prompts: they only measure the acceptance."""
+    vocab_ids: Tensor | None
+    coverage: float
+    """Share of the held-out completion tokens inside ``vocab_ids``."""
+    seconds: float
+
+
+def sample_for_warmup(
+    cfg: SpecRLConfig,
+    opts: WarmDraftOptions,
+    policy: Transformer,
+    tokenizer,
+    exit_layer: int,
+    vocab: int,
+) -> Sampled:
+    """Sample ``opts.samples_per_prompt`` completions of ``opts.prompts`` training prompts at
+    the run's sampling settings (plain decoding, recording the states after ``exit_layer``),
+    hold a share of the prompts out and pick the ``vocab`` tokens the rest use most (0: all)."""
+    started = time.perf_counter()
+    prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)
+    held = max(1, round(len(prompts) * opts.holdout))
+    if len(prompts) <= held:
+        raise WarmDraftError(f"{len(prompts)} distinct prompts: too few to hold {held} out")
+    log.info(
+        "sampling %d prompts (%d held out) x %d completions",
+        len(prompts),
+        held,
+        opts.samples_per_prompt,
+    )
+    sampling = cfg.sampling
+    decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, sampling.temperature, sampling.top_p)
+    groups = sample_all(_sampler(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed)
+    evaluation = [s for g in groups[:held] for s in g]
+    train = [s for g in groups[held:] for s in g]
+    keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
+    completions = [s.completion for s in train]
+    ids = draft_vocabulary(completions, prompts[held:], vocab, policy.args.vocab_size, keep)
+    covered = coverage(ids, [s.completion for s in evaluation])
+    return Sampled(train, evaluation, ids, covered, time.perf_counter() - started)
+
+
+def write_summary(
+    cfg: SpecRLConfig,
+    opts: WarmDraftOptions,
+    sampled: Sampled,
+    own: dict,
+    trained: dict,
+    default_file: Path,
+    started: float,
+) -> dict:
+    """The warm start's summary: ``own`` (the draft's own fields), the data's, ``trained`` (steps,
+    lr, final_loss, acceptance_before, acceptance_after, and any more) and the timings; written
+    as JSON to ``opts.summary`` or ``default_file``, returned with its path."""
+    k = cfg.spec.k
+    summary = {
+        **own,
+        "heldout_coverage": round(sampled.coverage, 4),
+        "train_samples": len(sampled.train),
+        "heldout_samples": len(sampled.evaluation),
+        "train_tokens": sum(len(s.completion) for s in sampled.train),
+        "heldout_tokens": sum(len(s.completion) for s in sampled.evaluation),
+        "epochs": opts.epochs,
+        **trained,
+        "k": k,
+        "tokens_per_verify_before": round(tokens_per_verify(trained["acceptance_before"], k), 3),
+        "tokens_per_verify_after": round(tokens_per_verify(trained["acceptance_after"], k), 3),
+        "sample_seconds": round(sampled.seconds, 1),
+        "train_seconds": round(time.perf_counter() - started - sampled.seconds, 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": " ".join(opts.command),
+    }
+    path = opts.summary or default_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return {**summary, "summary_file": str(path)}
+
+
 def _warm_draft(
     cfg: SpecRLConfig, opts: WarmDraftOptions, started: float
 ) -> tuple[Transformer, dict]:
@@ -529,58 +635,29 @@ def _warm_draft(
     args = policy.args
     exit_layer = resolve_exit_layer(cfg, args.num_hidden_layers, opts.exit_layer)
     vocab = resolve_vocab(cfg, args.vocab_size, opts.vocab)
-    tokenizer = load_tokenizer(model_dir)
-    prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)
-    held = max(1, round(len(prompts) * opts.holdout))
-    if len(prompts) <= held:
-        raise WarmDraftError(f"{len(prompts)} distinct prompts: too few to hold {held} out")
-    log.info(
-        "warm-draft %s: exit layer %d of %d, %d prompts (%d held out) x %d completions",
-        *(model_dir, exit_layer, args.num_hidden_layers, len(prompts), held),
-        opts.samples_per_prompt,
-    )
+    log.info("warm-draft %s: exit layer %d of %d", model_dir, exit_layer, args.num_hidden_layers)
+    data = sample_for_warmup(cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab)
     temperature = cfg.sampling.temperature
-    decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, temperature, cfg.sampling.top_p)
-    groups = sample_all(_sampler(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed)
-    sample_s = time.perf_counter() - started
-    evaluation = [s for g in groups[:held] for s in g]
-    train = [s for g in groups[held:] for s in g]
-    keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
-    completions = [s.completion for s in train]
-    ids = draft_vocabulary(completions, prompts[held:], vocab, args.vocab_size, keep)
-    covered = coverage(ids, [s.completion for s in evaluation])
-    attach_draft(policy, exit_layer, ids)
-    before = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
-    log.info("held-out acceptance before training %.4f, vocabulary coverage %.4f", before, covered)
-    steps, loss = train_adapter(policy, train, opts, temperature, cfg.run.seed)
-    after = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
+    attach_draft(policy, exit_layer, data.vocab_ids)
+    before = held_out_acceptance(policy, data.evaluation, temperature, opts.batch, opts.chunk)
+    log.info(
+        "held-out acceptance before training %.4f, vocabulary coverage %.4f", before, data.coverage
+    )
+    steps, loss = train_adapter(policy, data.train, opts, temperature, cfg.run.seed)
+    after = held_out_acceptance(policy, data.evaluation, temperature, opts.batch, opts.chunk)
     out = _save(policy, model_dir, opts.out)
-    summary = {
+    own = {
         "model_dir": str(out),
         "exit_layer": exit_layer,
         "num_layers": args.num_hidden_layers,
         "draft_vocab": vocab or args.vocab_size,
         "vocab_size": args.vocab_size,
-        "heldout_coverage": round(covered, 4),
-        "train_samples": len(train),
-        "heldout_samples": len(evaluation),
-        "train_tokens": sum(map(len, completions)),
-        "heldout_tokens": sum(len(s.completion) for s in evaluation),
-        "epochs": opts.epochs,
+    }
+    trained = {
         "steps": steps,
         "lr": opts.lr or WARMUP_LR,
         "final_loss": round(loss, 4),
         "acceptance_before": round(before, 4),
         "acceptance_after": round(after, 4),
-        "k": cfg.spec.k,
-        "tokens_per_verify_before": round(tokens_per_verify(before, cfg.spec.k), 3),
-        "tokens_per_verify_after": round(tokens_per_verify(after, cfg.spec.k), 3),
-        "sample_seconds": round(sample_s, 1),
-        "train_seconds": round(time.perf_counter() - started - sample_s, 1),
-        "seconds": round(time.perf_counter() - started, 1),
-        "command": " ".join(opts.command),
     }
-    path = opts.summary or out / SUMMARY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    return policy, {**summary, "summary_file": str(path)}
+    return policy, write_summary(cfg, opts, data, own, trained, out / SUMMARY_FILE, started)

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import random
 import shutil
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,19 +39,14 @@ from common.tokenizer import load_tokenizer
 from learner.draft_loss import loss_temperature
 from learner.draft_warmup import (
     WARMUP_LR,
-    Decoding,
     Sample,
     WarmDraftError,
     WarmDraftOptions,
     _device,
-    _sampler,
-    coverage,
-    draft_vocabulary,
     load_policy,
-    sample_all,
-    tokens_per_verify,
-    training_prompts,
-    turn_end_ids,
+    sample_for_warmup,
+    train_draft,
+    write_summary,
 )
 from learner.eagle_loss import eagle_kl_terms, eagle_states, unrolled_states
 from learner.microbatch import over_chunks
@@ -221,48 +213,17 @@ def train_head(
     seed: int,
     draft_steps: int = 1,
 ) -> tuple[int, float]:
-    """AdamW on the head's parameters only, teacher-forced on ``draft_steps`` draft steps
-    (``spec.eagle_steps``: the KL of each, summed, over the first step's positions, as the
-    learner's loss), a linear warm-up over 5% of the steps then a cosine decay to a tenth (as
-    the adapter's); returns (steps, mean loss of the last epoch)."""
-    policy.requires_grad_(False)
-    params = list(policy.eagle.parameters())
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps = opts.epochs * math.ceil(len(samples) / opts.batch)
-    warmup = max(1, steps // 20)
+    """Train the head teacher-forced on ``draft_steps`` draft steps (``spec.eagle_steps``: the
+    KL of each, summed, over the first step's positions, as the learner's loss), with the
+    adapter's schedule (``draft_warmup.train_draft``); returns (steps, mean loss of the last
+    epoch)."""
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    def batch_loss(part: list[HeadSample]) -> Tensor:
+        parts = head_outputs(policy, part, draft_steps)
+        loss = sum(restricted_kl_sum(policy, *p, temperature, opts.chunk) for p in parts)
+        return loss / max(parts[0][0].shape[0], 1)
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    rng, step, losses = random.Random(seed), 0, [float("nan")]
-    for epoch in range(opts.epochs):
-        order, losses = list(samples), []
-        rng.shuffle(order)
-        for i in range(0, len(order), opts.batch):
-            parts = head_outputs(policy, order[i : i + opts.batch], draft_steps)
-            loss = sum(restricted_kl_sum(policy, *part, temperature, opts.chunk) for part in parts)
-            loss = loss / max(parts[0][0].shape[0], 1)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            step, losses = step + 1, [*losses, loss.item()]
-            if step % max(1, steps // 20) == 0 or step == steps:
-                log.info(
-                    "training the head: step %d/%d (epoch %d), loss %.4f",
-                    step,
-                    steps,
-                    epoch + 1,
-                    losses[-1],
-                )
-    policy.requires_grad_(False)
-    return steps, sum(losses) / max(len(losses), 1)
+    return train_draft(policy, policy.eagle, samples, opts, lr, seed, batch_loss)
 
 
 def save_eagle(model: Transformer, path: str | Path) -> None:
@@ -306,45 +267,31 @@ def warm_eagle(
     policy, model_dir = _load(cfg, opts)
     args = policy.args
     vocab = resolve_eagle_vocab(cfg, args.vocab_size, opts.vocab)
-    tokenizer = load_tokenizer(model_dir)
-    prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)
-    held = max(1, round(len(prompts) * opts.holdout))
-    if len(prompts) <= held:
-        raise WarmDraftError(f"{len(prompts)} distinct prompts: too few to hold {held} out")
-    temperature = cfg.sampling.temperature
     exit_layer = min(1, args.num_hidden_layers)  # the sampler's split: any layer will do
-    decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, temperature, cfg.sampling.top_p)
-    groups = sample_all(_sampler(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed)
-    sample_s = time.perf_counter() - started
-    keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
-    train_raw = [s for g in groups[held:] for s in g]
-    completions = [s.completion for s in train_raw]
-    ids = draft_vocabulary(completions, prompts[held:], vocab, args.vocab_size, keep)
-    attach_eagle(policy, vocab_ids=ids, seed=cfg.run.seed)  # its inputs: what to record
-    evaluation = teacher_states(policy, [s for g in groups[:held] for s in g], opts.batch)
-    train = teacher_states(policy, train_raw, opts.batch)
-    covered = coverage(ids, [s.completion for s in evaluation])
+    data = sample_for_warmup(cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab)
+    temperature = cfg.sampling.temperature
+    attach_eagle(policy, vocab_ids=data.vocab_ids, seed=cfg.run.seed)  # its inputs: what to record
+    evaluation = teacher_states(policy, data.evaluation, opts.batch)
+    train = teacher_states(policy, data.train, opts.batch)
     before = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
-    log.info("held-out acceptance before training %.4f, vocabulary coverage %.4f", before, covered)
+    log.info(
+        "held-out acceptance before training %.4f, vocabulary coverage %.4f", before, data.coverage
+    )
     lr = opts.lr or (cfg.spec.eagle_lr if cfg.spec.eagle_lr != SpecConfig.eagle_lr else WARMUP_LR)
     draft_steps = cfg.spec.eagle_steps
     steps, loss = train_head(policy, train, opts, lr, temperature, cfg.run.seed, draft_steps)
     after = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
     second = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk, 2)
     out = _save(policy, model_dir, opts.out)
-    summary = {
+    own = {
         "model_dir": str(out),
         "method": "eagle3",
         "aux_layers": list(policy.args.eagle_aux_layers),
         "num_layers": args.num_hidden_layers,
         "draft_vocab": vocab or args.vocab_size,
         "vocab_size": args.vocab_size,
-        "heldout_coverage": round(covered, 4),
-        "train_samples": len(train),
-        "heldout_samples": len(evaluation),
-        "train_tokens": sum(map(len, completions)),
-        "heldout_tokens": sum(len(s.completion) for s in evaluation),
-        "epochs": opts.epochs,
+    }
+    trained = {
         "steps": steps,
         "lr": lr,
         "final_loss": round(loss, 4),
@@ -352,18 +299,9 @@ def warm_eagle(
         "acceptance_after": round(after, 4),
         "draft_steps_trained": draft_steps,
         "acceptance_after_step2": round(second, 4),
-        "k": cfg.spec.k,
-        "tokens_per_verify_before": round(tokens_per_verify(before, cfg.spec.k), 3),
-        "tokens_per_verify_after": round(tokens_per_verify(after, cfg.spec.k), 3),
-        "sample_seconds": round(sample_s, 1),
-        "train_seconds": round(time.perf_counter() - started - sample_s, 1),
-        "seconds": round(time.perf_counter() - started, 1),
-        "command": " ".join(opts.command),
     }
-    path = opts.summary or out / EAGLE_SUMMARY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    return policy, {**summary, "summary_file": str(path)}
+    summary = write_summary(cfg, opts, data, own, trained, out / EAGLE_SUMMARY_FILE, started)
+    return policy, summary
 
 
 def _load(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, Path]:
