@@ -3,7 +3,8 @@
 refused before vLLM starts; then, on one engine: exact sampling through vLLM's rejection sampler
 with the head's q (chi-square over complete sequences at T=1 and at T=0.7 / top-p 0.9, and a
 control with a wrong q that fails), the draft reloaded with the target in every swap (between
-calls, and mid-rollout with delayed verification), and a stale or missing head refused.
+calls, and mid-rollout with delayed verification, at T=1 and at T=0.7 / top-p 0.9), and a stale
+or missing head refused.
 
 The models are enumerable (vocabulary 6, 3 new tokens, EOS outside the vocabulary): the head
 drafts over 5 of the 6 tokens (``d2t``), reads the residual stream after layers 1, 2 and 3.
@@ -261,12 +262,14 @@ def test_a_swap_reloads_the_draft_with_the_target(engine):
 SWAPS = 5  # calls of 100 requests, each swapped once
 
 
-def test_a_swap_mid_rollout_with_delayed_verification_stays_exact(engine):
-    # verify_on_swap: every request holds its first token (v1's) when v2 lands; it is verified
-    # against v2 and the rest is drafted by v2's head: complete sequences follow v2's law.
+def swapped_mid_rollout(engine: VllmEngine, temperature: float, top_p: float):
+    """SWAPS calls of 100 requests under verify_on_swap, each swapped from v1 to v2 when its
+    first tokens are out: (the rollouts, the engine's stats, the two models)."""
     v1_model, _ = policy(1)
     v2_model, _ = policy(2)
     old, new = published(v1_model), published(v2_model)
+    inflight = engine.inflight
+    engine.temperature, engine.top_p = temperature, top_p
     engine.inflight = "verify_on_swap"  # read per call and per request (_params, _swap)
     out = []
     try:
@@ -281,13 +284,39 @@ def test_a_swap_mid_rollout_with_delayed_verification_stays_exact(engine):
             out += engine.generate([PROMPT], 100, NEW, weight_source=source)[0]
         stats = engine.stats()
     finally:
-        engine.inflight = "keep"
+        engine.inflight = inflight
+        engine.temperature, engine.top_p = 1.0, 1.0
         engine.load_weights(12, old)
     assert stats["verify/swaps"] == SWAPS and 0 < stats["verify/salvaged_frac"] < 1
     assert stats["spec/draft_tokens"] > 300 and stats["spec/draft_version"] == 11
     assert all(r.token_versions.tolist() == [11] * NEW for r in out)
+    return out, stats, v1_model, v2_model
+
+
+def test_a_swap_mid_rollout_with_delayed_verification_stays_exact(engine):
+    # verify_on_swap: every request holds its first token (v1's) when v2 lands; it is verified
+    # against v2 and the rest is drafted by v2's head: complete sequences follow v2's law.
+    out, _, v1_model, v2_model = swapped_mid_rollout(engine, 1.0, 1.0)
     assert rollouts_pvalue(exact(v2_model), out) > 0.01
     assert control_pvalue(exact(v1_model), out) < 0.01
+
+
+def test_a_swap_mid_rollout_at_temperature_and_top_p_stays_exact(engine):
+    # The same at T = 0.7 / top-p 0.9: the stale tokens are scored with the processed
+    # distribution (vllm_verify's runner hook, which an engine started at this setting with
+    # verify_on_swap installs; installed here on the head's engine, started at T = 1), and the
+    # head's q is processed the same way: complete sequences follow v2's processed law.
+    from actors.engines.vllm_verify import install_processed_prompt_logprobs
+
+    engine.llm.collective_rpc(install_processed_prompt_logprobs)
+    engine.score_processed = True
+    try:
+        out, _, v1_model, v2_model = swapped_mid_rollout(engine, 0.7, 0.9)
+    finally:
+        engine.score_processed = False
+        engine.temperature, engine.top_p = 1.0, 1.0
+    assert rollouts_pvalue(exact(v2_model, 0.7, 0.9), out) > 0.01
+    assert control_pvalue(exact(v1_model, 0.7, 0.9), out) < 0.01
 
 
 def test_a_version_without_the_head_or_a_stale_draft_is_refused(engine):
