@@ -89,6 +89,7 @@ def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> N
         "rollout_real",
         "eagle_rows",
         "engines_eagle",
+        "gpu_eagle",
     ):
         assert callable(module.main), script
 
