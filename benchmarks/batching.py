@@ -1,6 +1,6 @@
 """Continuous vs static batching in the torch engine, side by side in one run.
 
-    python benchmarks/batching.py [--json PATH] [--prompts N] [--repeats R] [--device cpu|cuda]
+    python -m benchmarks.batching [--json PATH] [--prompts N] [--repeats R] [--device cpu|cuda]
 
 Workload: the RL-trained `scratchpad` model of benchmarks/rollout.py (task=scratchpad,
 model=small; trained with `specrl run` on first use and cached under runs/bench/), sampling at
@@ -45,18 +45,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from actors.engines.torch_engine import TorchEngine
+from benchmarks import cli
+from benchmarks.rollout import provenance, rl_model, workloads
+from common import metric_names as mn
+from common.config import load_config
+from common.config.actor import SpecConfig
+from common.model import load_pretrained
+from common.tasks import PromptPool, task_from_config
+from common.tokenizer import encode_prompt, load_tokenizer
 
-from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from benchmarks import cli  # noqa: E402
-from benchmarks.rollout import provenance, rl_model, workloads  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.config.actor import SpecConfig  # noqa: E402
-from common.model import load_pretrained  # noqa: E402
-from common.tasks import PromptPool, task_from_config  # noqa: E402
-from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ROWS = 32
 GROUP = 8

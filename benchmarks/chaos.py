@@ -1,6 +1,6 @@
 """Chaos run: the real pipeline under the faults a cluster inflicts, with an exactly-once ledger.
 
-    python benchmarks/chaos.py [--quick] [--json PATH]
+    python -m benchmarks.chaos [--quick] [--json PATH]
 
 Starts a private Redis, a learner and two actors as OS processes (CurveZMQ on, with an allow-list
 of the actors' keys; ``run.ledger=true``), lets training run, and injects in turn:
@@ -49,29 +49,27 @@ import numpy as np
 import torch
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors.sender import GroupSender  # noqa: E402
-from benchmarks import cli  # noqa: E402
+from actors.sender import GroupSender
+from benchmarks import cli
 from common import metric_names as mn
-from common.config import load_config  # noqa: E402
-from common.curve_keys import CurveKeys, actor_keys, learner_keys  # noqa: E402
-from common.model import load_pretrained  # noqa: E402
-from common.protocol import (  # noqa: E402
+from common.config import load_config
+from common.curve_keys import CurveKeys, actor_keys, learner_keys
+from common.model import load_pretrained
+from common.protocol import (
     Ack,
     TrajectoryGroup,
     encode,
 )
-from common.transport import connect_dealer  # noqa: E402
-from learner.checkpoint import latest_checkpoint  # noqa: E402
-from learner.warm_start import ensure_model  # noqa: E402
-from ops import processes  # noqa: E402
-from ops.keys import write_keys  # noqa: E402
-from ops.ledger import read_ledger  # noqa: E402
-from ops.metrics_file import read_metrics  # noqa: E402
-from ops.processes import ROOT  # noqa: E402
-from ops.redis_server import RedisServer, find_free_port  # noqa: E402
-from testing.hostile import (  # noqa: E402
+from common.transport import connect_dealer
+from learner.checkpoint import latest_checkpoint
+from learner.warm_start import ensure_model
+from ops import processes
+from ops.keys import write_keys
+from ops.ledger import read_ledger
+from ops.metrics_file import read_metrics
+from ops.processes import ROOT
+from ops.redis_server import RedisServer, find_free_port
+from testing.hostile import (
     poisoned_frames,
     refused_seqs,
     replies,

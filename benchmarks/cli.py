@@ -66,7 +66,7 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def command_line(argv: Sequence[str]) -> str:
-    """``argv`` as typed from the repository root: ``python benchmarks/x.py ...`` for a script,
+    """``argv`` as typed from the repository root: ``python -m benchmarks.x ...`` for a script,
     ``python -m benchmarks.x ...`` when the script runs as a module."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)

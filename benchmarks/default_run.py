@@ -1,7 +1,7 @@
 """The README's "default run, measured" table: ``specrl run`` on the embedded default, from a fresh
 working directory (no cached warm-start model), timed end to end.
 
-    python benchmarks/default_run.py [--json PATH] [overrides ...]
+    python -m benchmarks.default_run [--json PATH] [overrides ...]
 
 Runs ``python -m ops.cli run run.name=readme-default`` (what ``bash scripts/run.sh`` runs after
 its set-up) in a new temporary directory, so the warm start of the built-in model is part of the
@@ -19,10 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import cli
 
-from benchmarks import cli  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 KEYS = (
     "wall_s",

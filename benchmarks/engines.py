@@ -1,7 +1,7 @@
 """vLLM plain vs vLLM with self-speculative drafts vs the torch engine, and delayed verification
 on vLLM, side by side in one process.
 
-    python benchmarks/engines.py [--quick] [--json PATH] [--only demo|scratchpad]
+    python -m benchmarks.engines [--quick] [--json PATH] [--only demo|scratchpad]
                                                   (needs vLLM: SPECRL_WITH_VLLM=1 setup)
 
 Models: the RL-trained models of benchmarks/rollout.py (``demo``: task=reverse, tiny 4-layer
@@ -59,29 +59,28 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-LD_PRELOAD_AT_START = os.environ.get("LD_PRELOAD", "")  # vLLM's import sets it for its children
-sys.path.insert(0, str(ROOT))
-
-from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.engines.vllm_verify import verified_token_distribution  # noqa: E402
-from benchmarks import cli, engines_eagle  # noqa: E402
-from benchmarks.rollout import rl_model, workloads  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.config.actor import EngineConfig, SpecConfig  # noqa: E402
-from common.model import Transformer, load_pretrained, save_pretrained  # noqa: E402
-from common.sampling import processed_logprobs  # noqa: E402
-from common.tasks import task_from_config  # noqa: E402
-from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
-from ops.launcher import cpu_vllm_preload  # noqa: E402
-from testing.lossless_check import (  # noqa: E402
+from actors.engines.torch_engine import TorchEngine
+from actors.engines.vllm_verify import verified_token_distribution
+from benchmarks import cli, engines_eagle
+from benchmarks.rollout import rl_model, workloads
+from common import metric_names as mn
+from common.config import load_config
+from common.config.actor import EngineConfig, SpecConfig
+from common.model import Transformer, load_pretrained, save_pretrained
+from common.sampling import processed_logprobs
+from common.tasks import task_from_config
+from common.tokenizer import encode_prompt, load_tokenizer
+from ops.launcher import cpu_vllm_preload
+from testing.lossless_check import (
     exact_sequence_logprobs,
     peaky_model,
     perturbed_pair,
     rollouts_pvalue,
 )
-from testing.models import random_model  # noqa: E402
+from testing.models import random_model
+
+ROOT = Path(__file__).resolve().parent.parent
+LD_PRELOAD_AT_START = os.environ.get("LD_PRELOAD", "")  # vLLM's import sets it for its children
 
 GROUP = 8
 # k = 8 drafts from a suffix match of 3 to 6 tokens: the best of the settings probed on the small
@@ -342,11 +341,20 @@ def preloads() -> dict[str, str]:
 def child_speed(label: str, rows: tuple[str, ...], batches, repeats: int, env=None) -> dict:
     """Speed rows timed in a child process (``--speed-only``): the figures it writes."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--only", label, "--speed-only", "--rows", ",".join(rows)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.engines",
+            "--only",
+            label,
+            "--speed-only",
+            "--rows",
+            ",".join(rows),
+        ]
         cmd += ["--batches", ",".join(map(str, batches)), "--repeats", str(repeats)]
         cmd += ["--json", out.name]
         print(f"child: {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run(cmd, env=env, cwd=ROOT, check=True)
         return json.loads(Path(out.name).read_text())
 
 

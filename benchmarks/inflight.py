@@ -1,6 +1,6 @@
 """What each in-flight mode does when new weights land mid-rollout, side by side in one process.
 
-    python benchmarks/inflight.py [--quick] [--json PATH]
+    python -m benchmarks.inflight [--quick] [--json PATH]
 
 Versions: the RL-trained demo model (see benchmarks/rollout.py, cached under runs/bench/) is
 trained on for a few more *real* learner steps here (rollouts -> GRPO/PPO step -> next version),
@@ -25,30 +25,29 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.loop import make_groups  # noqa: E402
-from benchmarks import cli  # noqa: E402
-from benchmarks.rollout import Workload, rl_model  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.config.learner import LearnerConfig  # noqa: E402
-from common.config.modes import INFLIGHT_MODES  # noqa: E402
-from common.config.run import SamplingConfig  # noqa: E402
-from common.model import Transformer, load_pretrained  # noqa: E402
-from common.tasks import task_from_config  # noqa: E402
-from common.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
-from learner.batch import collate  # noqa: E402
-from learner.loss import ppo_clip_loss  # noqa: E402
-from learner.step import make_optimizer, train_step  # noqa: E402
-from testing.lossless_check import (  # noqa: E402
+from actors.engines.torch_engine import TorchEngine
+from actors.loop import make_groups
+from benchmarks import cli
+from benchmarks.rollout import Workload, rl_model
+from common import metric_names as mn
+from common.config import load_config
+from common.config.learner import LearnerConfig
+from common.config.modes import INFLIGHT_MODES
+from common.config.run import SamplingConfig
+from common.model import Transformer, load_pretrained
+from common.tasks import task_from_config
+from common.tokenizer import encode_prompt, load_tokenizer
+from learner.batch import collate
+from learner.loss import ppo_clip_loss
+from learner.step import make_optimizer, train_step
+from testing.lossless_check import (
     exact_sequence_logprobs,
     peaky_model,
     rollouts_pvalue,
 )
-from testing.models import token_logprobs  # noqa: E402
+from testing.models import token_logprobs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GROUP = 8
 PROMPTS_PER_BATCH = 2

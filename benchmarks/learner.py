@@ -1,7 +1,7 @@
 """Learner memory and throughput: the old training step against the new one, and 1 against 2
 FSDP2 ranks.
 
-    python benchmarks/learner.py --json benchmarks/results/learner.json [--quick]
+    python -m benchmarks.learner --json benchmarks/results/learner.json [--quick]
 
 Models (random weights, built in memory): ``small`` (the built-in preset of
 configs/model/small.yaml: 8 layers, width 192, character vocabulary) and ``vocab32k`` (4 layers,
@@ -36,22 +36,18 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from benchmarks import cli
+from common.config.learner import LearnerConfig
+from common.config.run import SamplingConfig
+from common.model import Transformer
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from learner.batch import TrainBatch, collate
+from learner.loss import ppo_clip_loss
+from testing.models import token_logprobs
+
 ROOT = Path(__file__).resolve().parent.parent
-# Run as a script, this file's directory comes first on sys.path and its name would shadow the
-# `learner` package: the repository root replaces it.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from benchmarks import cli  # noqa: E402
-from common.config.learner import LearnerConfig  # noqa: E402
-from common.config.run import SamplingConfig  # noqa: E402
-from common.model import Transformer  # noqa: E402
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
-from learner.batch import TrainBatch, collate  # noqa: E402
-from learner.loss import ppo_clip_loss  # noqa: E402
-from testing.models import token_logprobs  # noqa: E402
 
 CHAR_VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size
 MODELS = {
@@ -203,7 +199,7 @@ def _run_child(*argv: str) -> dict:
     # glibc's heap high-water mark (same setting for every configuration).
     env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072")
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", *argv],
+        [sys.executable, "-m", "benchmarks.learner", "--child", *argv],
         capture_output=True,
         text=True,
         env=env,

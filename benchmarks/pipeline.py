@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL through the real pipeline, side by side in one run.
 
-    python benchmarks/pipeline.py [--quick] [--json PATH] [--steps N] [--repeats R]
+    python -m benchmarks.pipeline [--quick] [--json PATH] [--steps N] [--repeats R]
                                   [--target REWARD] [--window STEPS] [--actors 2,1]
                                   [--set KEY=VALUE ...]
 
@@ -41,7 +41,7 @@ Figures (from the run's metrics.jsonl, plus /proc for the processes):
 With --repeats R each mode runs R times, in alternating order; tables show medians.
 
 Other benchmarks share the cores: take the lock for figures that count, e.g.
-    flock /tmp/specrl-bench.lock python benchmarks/pipeline.py --json pipeline.json
+    flock /tmp/specrl-bench.lock python -m benchmarks.pipeline --json pipeline.json
 Tables also show the CPU used by processes outside the pipeline during each run.
 """
 
@@ -59,16 +59,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import cli
+from benchmarks.procstat import Monitor, proc_figures
+from common import metric_names as mn
+from common.config import load_config
+from learner.warm_start import ensure_model
+from ops.metrics_file import read_metrics
+from ops.redis_server import find_free_port
 
-from benchmarks import cli  # noqa: E402
-from benchmarks.procstat import Monitor, proc_figures  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config import load_config  # noqa: E402
-from learner.warm_start import ensure_model  # noqa: E402
-from ops.metrics_file import read_metrics  # noqa: E402
-from ops.redis_server import find_free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES = {
     "sync": ["learner.max_staleness=0", "actor.wait_for_new_version=true"],

@@ -1,7 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (``model=smollm2-135m``) learning
 ``task=word_problems`` with ``specrl run``, measured.
 
-    python benchmarks/realmodel.py [--json PATH] [--minutes 30] [--eval-problems 200]
+    python -m benchmarks.realmodel [--json PATH] [--minutes 30] [--eval-problems 200]
 
 1. Builds the preset's HF directory if needed (``runs/models/smollm2-135m``).
 2. Evaluates it on the held-out set (``common.word_problems.eval_problems``: none of its prompts is
@@ -41,15 +41,14 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
+from benchmarks import cli
+from benchmarks.procstat import descendants
+from common import metric_names as mn
+from common.config import load_config
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from benchmarks import cli  # noqa: E402
-from benchmarks.procstat import descendants  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config import load_config  # noqa: E402
 
 PRESET = ["model=smollm2-135m", "task=word_problems"]
 KINDS = {
@@ -292,7 +291,7 @@ def main() -> int:
     problems = eval_problems(pool.task, opts.eval_problems, pool.problems)
     temperature, max_new = cfg.sampling.temperature, pool.max_new_tokens
     figures: dict[str, object] = {
-        "command": "python benchmarks/realmodel.py " + " ".join(sys.argv[1:]),
+        "command": cli.command_line(sys.argv),
         "model": str(model_dir),
         "eval_problems": len(problems),
         "eval_samples": opts.eval_samples,

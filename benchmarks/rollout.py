@@ -1,6 +1,6 @@
 """Rollout speed of plain vs self-speculative decoding, with the sources of speed kept apart.
 
-    python benchmarks/rollout.py [--quick] [--json PATH] [--device cpu|cuda]
+    python -m benchmarks.rollout [--quick] [--json PATH] [--device cpu|cuda]
 
 Two RL-trained models, each trained here with `specrl run` on first use and cached under
 runs/bench/ (the RL steps are in the JSON):
@@ -55,24 +55,23 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from benchmarks import cli, rollout_real  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.config.actor import SpecConfig  # noqa: E402
-from common.model import Transformer, load_pretrained  # noqa: E402
-from common.tasks import PromptPool, task_from_config  # noqa: E402
-from common.tokenizer import Tokenizer, encode_prompt, load_tokenizer  # noqa: E402
-from learner.checkpoint import latest_checkpoint  # noqa: E402
-from testing.lossless_check import (  # noqa: E402
+from actors.engines.torch_engine import TorchEngine
+from benchmarks import cli, rollout_real
+from common import metric_names as mn
+from common.config import load_config
+from common.config.actor import SpecConfig
+from common.model import Transformer, load_pretrained
+from common.tasks import PromptPool, task_from_config
+from common.tokenizer import Tokenizer, encode_prompt, load_tokenizer
+from learner.checkpoint import latest_checkpoint
+from testing.lossless_check import (
     ADAPTER_VOCAB,
     peaky_model,
     sequence_pvalue,
     with_adapter,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BATCHES = (1, 8, 32)
 GROUP = 8

@@ -6,7 +6,7 @@ writes from the run's ``metrics.jsonl``: the steps taken, the reward mean of eac
 the steps with its standard error (of the per-step means), reward and draft acceptance over the
 first and last 10% of steps, groups trained and actor tokens/s.
 
-    python benchmarks/scratchpad_rl.py --minutes 15 --json benchmarks/results/scratchpad_rl_15min.json
+    python -m benchmarks.scratchpad_rl --minutes 15 --json benchmarks/results/scratchpad_rl_15min.json
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import cli
+from common import metric_names as mn
+from ops.metrics_file import read_metrics
+from ops.run_summary import step_rows, summarize
 
-from benchmarks import cli  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from ops.metrics_file import read_metrics  # noqa: E402
-from ops.run_summary import step_rows, summarize  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RUN_OVERRIDES = ["task=scratchpad", "model=small", "run.steps=100000"]
 QUARTERS = 4

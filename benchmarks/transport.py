@@ -1,6 +1,6 @@
 """Trajectory transport: groups/s, MB/s and ack latency through the real ZeroMQ path with acks.
 
-    python benchmarks/transport.py [--quick] [--json PATH] [--repeats R]
+    python -m benchmarks.transport [--quick] [--json PATH] [--repeats R]
                                    [--tuned-outbox N] [--tuned-hwm N]
 
 `actors.sender.GroupSender` -> `learner.receiver.GroupReceiver` over tcp://127.0.0.1 (real
@@ -33,7 +33,7 @@ medians shown). Per run, after a warm-up:
                      per group during the N-group run: the cost that bounds groups/s on few cores
 
 Other benchmarks share the cores: run the measured figures under a lock, e.g.
-    flock /tmp/specrl-bench.lock python benchmarks/transport.py --json transport.json
+    flock /tmp/specrl-bench.lock python -m benchmarks.transport --json transport.json
 """
 
 from __future__ import annotations
@@ -47,17 +47,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from actors.sender import GroupSender, unique_actor_id
+from benchmarks import cli
+from benchmarks._procs import Children
+from common import metric_names as mn
+from common.config.actor import ActorConfig
+from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode
+from common.transport import DEFAULT_HWM
+from learner.receiver import GroupReceiver
 
-from actors.sender import GroupSender, unique_actor_id  # noqa: E402
-from benchmarks import cli  # noqa: E402
-from benchmarks._procs import Children  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config.actor import ActorConfig  # noqa: E402
-from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode  # noqa: E402
-from common.transport import DEFAULT_HWM  # noqa: E402
-from learner.receiver import GroupReceiver  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MB = 10**6
 VOCAB = 32000

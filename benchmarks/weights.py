@@ -2,7 +2,7 @@
 host, then publish and fetch throughput and how long until every reader holds a new version,
 for several model sizes and reader counts side by side in one run.
 
-    python benchmarks/weights.py [--quick] [--full] [--json PATH] [--chunk-mb MB]
+    python -m benchmarks.weights [--quick] [--full] [--json PATH] [--chunk-mb MB]
 
 Scaling figures (all in one run, on the same Redis):
 
@@ -98,7 +98,7 @@ steady-state run). The 1 GB model runs only with `--full`; `--quick` publishes f
 and shrinks the scaling figures' runs (a smoke test, not the figures).
 
 Other benchmarks share the cores: run the measured figures under a lock, e.g.
-    flock /tmp/specrl-bench.lock python benchmarks/weights.py --json weights.json
+    flock /tmp/specrl-bench.lock python -m benchmarks.weights --json weights.json
 """
 
 from __future__ import annotations
@@ -114,26 +114,25 @@ from pathlib import Path
 import redis
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from actors.engines.torch_engine import TorchEngine
+from actors.host_cache import HostCache
+from actors.weight_feed import RedisWeightFeed, StallMeter, meter_loads, take
+from actors.weight_reader import WeightReader
+from actors.weight_watcher import VersionWatcher
+from benchmarks import cli, weights_collective
+from benchmarks._procs import Children
+from benchmarks.gpu_check.plan import QWEN25_05B
+from benchmarks.weight_scaling import GOALS, scaling_figures, shm_root
+from common import metric_names as mn
+from common.config.run import RedisConfig
+from common.model import Transformer
+from common.policy_meta import model_args_from_meta
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from learner.publisher import Publisher
+from learner.weight_writer import WeightWriter
+from ops.redis_server import RedisServer
 
-from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.host_cache import HostCache  # noqa: E402
-from actors.weight_feed import RedisWeightFeed, StallMeter, meter_loads, take  # noqa: E402
-from actors.weight_reader import WeightReader  # noqa: E402
-from actors.weight_watcher import VersionWatcher  # noqa: E402
-from benchmarks import cli, weights_collective  # noqa: E402
-from benchmarks._procs import Children  # noqa: E402
-from benchmarks.gpu_check import QWEN25_05B  # noqa: E402
-from benchmarks.weight_scaling import GOALS, scaling_figures, shm_root  # noqa: E402
-from common import metric_names as mn  # noqa: E402
-from common.config.run import RedisConfig  # noqa: E402
-from common.model import Transformer  # noqa: E402
-from common.policy_meta import model_args_from_meta  # noqa: E402
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer  # noqa: E402
-from learner.publisher import Publisher  # noqa: E402
-from learner.weight_writer import WeightWriter  # noqa: E402
-from ops.redis_server import RedisServer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MB = 10**6
 GB = 10**9

@@ -1,6 +1,6 @@
 """Weights delivery over the learner's weights group against Redis, side by side in one run.
 
-    python benchmarks/weights_collective.py [--json PATH] [--versions N] [--bucket-mb MB] [--quick]
+    python -m benchmarks.weights_collective [--json PATH] [--versions N] [--bucket-mb MB] [--quick]
 
 A random model of Qwen2.5-0.5B's shape (494 M parameters, tied embedding, bf16: 988 MB) goes to
 2 actor processes (spawn) by both paths, one version after another, alternating:
@@ -32,26 +32,22 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors.collective_feed import CollectiveFeed  # noqa: E402
-from actors.weight_reader import WeightReader  # noqa: E402
-from actors.weight_watcher import VersionWatcher  # noqa: E402
-from benchmarks import cli  # noqa: E402
-from common.config.run import RedisConfig  # noqa: E402
-from common.weights.collective import bucket_sha256  # noqa: E402
-from common.weights.format import weights_digest  # noqa: E402
-from learner.collective_sender import CollectiveSender  # noqa: E402
-from learner.weight_writer import WeightWriter  # noqa: E402
-from ops.redis_server import RedisServer, find_free_port  # noqa: E402
+from actors.collective_feed import CollectiveFeed
+from actors.weight_reader import WeightReader
+from actors.weight_watcher import VersionWatcher
+from benchmarks import cli
+from common.config.run import RedisConfig
+from common.weights.collective import bucket_sha256
+from common.weights.format import weights_digest
+from learner.collective_sender import CollectiveSender
+from learner.weight_writer import WeightWriter
+from ops.redis_server import RedisServer, find_free_port
 
 QWEN25_05B = dict(vocab=151936, hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2)
 QUICK = dict(vocab=4096, hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2)

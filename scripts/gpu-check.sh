@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU machine (benchmarks/gpu_check.py's docstring says what it
+# The prepared check for a lent GPU machine (benchmarks/gpu_check/__init__.py's docstring says what it
 # measures): the torch engine's speculative methods against plain decoding at batch 1 to 128, one
 # learner step of a 0.5B model, a weight publish and fetch. Runs in the repository root with the
 # machine's own python3 (no .venv there), or .venv/bin/python where one exists; needs torch,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,13 @@ import redis
 from ops.redis_server import RedisServer
 
 REDIS_TEST_PASSWORD = "specrl-test"
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """tests/engine_vllm/ is left out of collection without vLLM: said once, at the top."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm tier (tests/engine_vllm/): not collected, vLLM is not installed"
+    return None
 
 
 @pytest.fixture(scope="session")

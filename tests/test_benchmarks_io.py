@@ -76,20 +76,31 @@ def test_transport_quick_writes_its_figures(
             assert figures[f"ack_rtt_ms_p50_{label}{suffix}"] > 0
 
 
-@pytest.mark.parametrize(
-    "script", sorted(p.stem for p in (Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+# Every module of benchmarks/, a package's modules (the GPU check's stages) included, by name.
+MODULES = sorted(
+    ".".join(p.relative_to(BENCHMARKS).with_suffix("").parts).removesuffix(".__init__")
+    for p in BENCHMARKS.rglob("*.py")
 )
+
+
+def test_the_module_list_sees_packages() -> None:
+    assert {"rollout", "gpu_check", "gpu_check.__main__", "gpu_check.run"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("script", MODULES)
 def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> None:
     # A benchmark broken by a change elsewhere (a renamed helper) fails here, not in a long run.
     module = importlib.import_module(f"benchmarks.{script}")
-    if not script.startswith("_") and script not in (
+    if script.startswith("gpu_check"):
+        assert callable(importlib.import_module("benchmarks.gpu_check.__main__").main)
+    elif not script.startswith("_") and script not in (
         "cli",
         "procstat",
         "weight_scaling",
         "rollout_real",
         "eagle_rows",
         "engines_eagle",
-        "gpu_eagle",
     ):
         assert callable(module.main), script
 
@@ -196,7 +207,7 @@ def test_every_committed_result_says_where_it_comes_from() -> None:
 
 def test_every_benchmark_writes_its_json_through_cli() -> None:
     # cli.write_json adds the provenance; a script that writes its figures itself would not.
-    for path in sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py")):
+    for path in sorted(BENCHMARKS.rglob("*.py")):
         if path.name == "cli.py":
             continue
         text = path.read_text()

@@ -9,32 +9,30 @@ from __future__ import annotations
 import logging
 
 import pytest
+import vllm
+import vllm._custom_ops as ops
+import vllm.v1.sample.rejection_sampler as rejection_sampler
+from vllm.model_executor.model_loader.reload import inplace
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.spec_decode import custom_class_proposer
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from common.config.actor import SpecConfig
-from common.model import save_pretrained
-
-pytestmark = pytest.mark.vllm
-vllm = pytest.importorskip("vllm")
-
-import vllm._custom_ops as ops  # noqa: E402
-import vllm.v1.sample.rejection_sampler as rejection_sampler  # noqa: E402
-from vllm.model_executor.model_loader.reload import inplace  # noqa: E402
-from vllm.v1.engine.input_processor import InputProcessor  # noqa: E402
-from vllm.v1.spec_decode import custom_class_proposer  # noqa: E402
-from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
-
-from actors.engines import vllm_compat, vllm_engine  # noqa: E402
-from actors.engines.vllm_compat import (  # noqa: E402
+from actors.engines import vllm_compat, vllm_engine
+from actors.engines.vllm_compat import (
     ALLOW_VERSION_ENV,
     SUPPORTED_VLLM,
     VllmCompatError,
     check_runner,
     check_vllm,
 )
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from actors.engines.vllm_setup import attach_proposer  # noqa: E402
-from testing.vllm import greedy_vllm, weights  # noqa: E402
+from actors.engines.vllm_engine import VllmEngine
+from actors.engines.vllm_setup import attach_proposer
+from common.config.actor import SpecConfig
+from common.model import save_pretrained
+from testing.vllm import greedy_vllm, weights
+
+pytestmark = pytest.mark.vllm
 
 
 def test_the_probes_pass_on_the_installed_vllm():

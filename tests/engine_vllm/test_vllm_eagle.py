@@ -17,6 +17,15 @@ import json
 import pytest
 import torch
 
+from actors.engines.rollout_engine import StaleDraftError
+from actors.engines.vllm_eagle import (
+    EagleHeadError,
+    draft_module,
+    draft_version,
+    eagle3_support,
+    set_draft_version,
+)
+from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.policy_meta import policy_meta
 from common.tokenizer import CharTokenizer
@@ -25,17 +34,6 @@ from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollout
 from testing.vllm_eagle import HEAD_FILE, head_of, published, save_with_head, with_head
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.rollout_engine import StaleDraftError  # noqa: E402
-from actors.engines.vllm_eagle import (  # noqa: E402
-    EagleHeadError,
-    draft_module,
-    draft_version,
-    eagle3_support,
-    set_draft_version,
-)
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 
 PROMPT, NO_EOS, NEW = [1, 4, 5, 4], 99, 3
 AUX, VOCAB_IDS, K = (1, 2, 3), (0, 2, 3, 4, 5), 2

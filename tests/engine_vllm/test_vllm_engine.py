@@ -12,11 +12,9 @@ from actors.weight_reader import WeightReader
 from common.model import Transformer, save_pretrained
 from learner.weight_writer import WeightWriter
 from testing.models import token_logprobs
+from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 
 def greedy_torch(model: Transformer, n: int = 1) -> list[list[int]]:

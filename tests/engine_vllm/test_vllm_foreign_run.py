@@ -24,7 +24,6 @@ from ops.processes import ROOT
 from testing.models import random_hf_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
-pytest.importorskip("vllm")
 
 STEPS = 4
 SHORT = [

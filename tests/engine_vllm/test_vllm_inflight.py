@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig
 from common.model import save_pretrained
 from testing.goodness_of_fit import chi_square_pvalue
@@ -22,9 +23,6 @@ from testing.lossless_check import (
 )
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 
 NO_EOS = 99  # outside the vocabulary: every sample runs to the budget, so all are in flight
 PROMPT = [1, 4, 5, 4]

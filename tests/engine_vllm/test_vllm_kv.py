@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 
 from actors.engines.torch_engine import TorchEngine
+from actors.engines.vllm_engine import VllmEngine
 from common.model import save_pretrained
+from testing.vllm import greedy_vllm, weights
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from testing.vllm import greedy_vllm, weights  # noqa: E402
 
 # Longer than one KV block (32 here), so the prefix cache holds a full block of it.
 LONG = [1] + [3 + (i * 7) % 50 for i in range(44)]

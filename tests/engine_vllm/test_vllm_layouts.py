@@ -12,6 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from actors.engines.vllm_engine import VllmEngine
 from actors.loop import build_engine
 from actors.weight_reader import WeightReader
 from common.config import load_config
@@ -31,9 +32,6 @@ from testing.groups import make_groups
 from testing.models import FOREIGN_LAYOUTS, random_hf_model, token_logprobs
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
 VOCAB = 64  # padded past the tokenizer's ids, as real vocabularies often are

@@ -10,7 +10,6 @@ from ops.ledger import read_ledger
 from testing.pipeline import Pipeline, stop, wait_exit, warm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
-pytest.importorskip("vllm")
 
 
 def test_vllm_and_torch_actors_feed_one_learner(tmp_path, redis_server):

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from actors.exporter import ActorExporter
 from common import metric_names as mn
 from common.config import load_config
 from common.model import save_pretrained
+from testing.prometheus import scrape
+from testing.vllm import greedy_vllm, weights
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.exporter import ActorExporter  # noqa: E402
-from testing.prometheus import scrape  # noqa: E402
-from testing.vllm import greedy_vllm, weights  # noqa: E402
 
 MAX_LEN = 16
 

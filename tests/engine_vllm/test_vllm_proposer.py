@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
+from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import save_pretrained
 from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
+from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 # Fixed draft lengths: these tests check the drafter, not the adaptive controller.
 NGRAM = SpecConfig(method="ngram", k=3, ngram_max_n=3, ngram_min_n=1, adaptive=False)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.torch_engine import TorchEngine
+from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import Transformer, attach_draft, save_pretrained
 from testing.lossless_check import (
@@ -21,13 +23,9 @@ from testing.lossless_check import (
     with_adapter,
 )
 from testing.models import random_model
+from testing.vllm import EOS, PROMPTS, tokens
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.rollout_engine import StaleDraftError  # noqa: E402
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from testing.vllm import EOS, PROMPTS, tokens  # noqa: E402
 
 SELFDRAFT = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
 

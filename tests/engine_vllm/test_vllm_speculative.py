@@ -11,11 +11,9 @@ import pytest
 
 from actors.engines.torch_engine import TorchEngine
 from common.model import save_pretrained
+from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights  # noqa: E402
 
 
 def test_ngram_speculation_is_lossless_for_greedy_and_counts(tmp_path):

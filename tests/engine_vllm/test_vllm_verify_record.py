@@ -8,15 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from actors.engines.vllm_engine import VllmEngine
 from actors.engines.vllm_verify import verified_token_distribution
 from common.config.actor import EngineConfig
 from common.model import save_pretrained
 from testing.models import random_model
 
 pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-from actors.engines.vllm_engine import VllmEngine  # noqa: E402
 
 VOCAB = 151_936
 

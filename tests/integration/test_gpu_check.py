@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu_check import ABSENT_ON_DEVICE, CPU_PLAN
+from benchmarks.gpu_check import ABSENT_ON_DEVICE
+from benchmarks.gpu_check.plan import CPU_PLAN
 
 pytestmark = pytest.mark.integration
 

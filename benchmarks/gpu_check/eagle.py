@@ -1,4 +1,4 @@
-"""The policy's EAGLE-3 head in the GPU check (benchmarks/gpu_check.py): warm-started on the
+"""The policy's EAGLE-3 head in the GPU check (benchmarks/gpu_check/): warm-started on the
 engine model as ``specrl warm-draft spec=eagle3`` does (learner/eagle_warmup.py's functions),
 from the very samples and draft vocabulary the adapter's warm start used, then run by the torch
 engine as the rows ``eagle3`` (k fixed) and ``eagle3_adaptive`` beside the adapter's.
