@@ -19,15 +19,13 @@ import torch
 from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.engines.torch_engine import TorchEngine
 from actors.exporter import ActorExporter
-from actors.sender import GroupSender, unique_actor_id
-from actors.spool import Spool, orphans
-from actors.weight_feed import RedisWeightFeed, StallMeter, WeightFeed, meter_loads, take
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.curve_keys import actor_keys
 from common.entrypoint import StopFlag
+from common.link.protocol import Completion, DecodeLimits, TrajectoryGroup
+from common.link.send.sender import GroupSender, unique_actor_id
+from common.link.send.spool import Spool, orphans
 from common.metrics import MetricsWriter
 from common.model import CONFIG_FILE, Transformer, write_weights
 from common.model_args import Layout, ModelArgs
@@ -38,10 +36,12 @@ from common.policy_meta import (
     tokenizer_from_meta,
 )
 from common.prompts import prompt_encoder
-from common.protocol import Completion, DecodeLimits, TrajectoryGroup
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import Tokenizer
 from common.weights.connection import retry_redis
+from common.weights.fetch.feed import RedisWeightFeed, StallMeter, WeightFeed, meter_loads, take
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import WeightsError
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class ActorPhases:
     def __post_init__(self) -> None:
         # The engine takes in each version on this thread, the decode loop's: its load and the
         # delayed verification of the rows in flight block decoding, so the stall meter counts
-        # them beside take() (actors/weight_feed.py).
+        # them beside take() (common/weights/fetch/feed.py).
         meter_loads(self.engine, self.stall, self.feed)
 
     def fetch(self, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -515,10 +515,10 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     spool = Spool(spool_root(cfg) / name / actor_id) if cfg.actor.spool else None
     recovery = Recovery(cfg, name, actor_id, limits) if cfg.actor.spool else None
 
-    # From here on a thread fetches new versions while the engine decodes (actors/weight_feed.py).
+    # From here on a thread fetches new versions while the engine decodes (common/weights/fetch/feed.py).
     feed: WeightFeed
     if cfg.actor.weights_group:  # the learner's weights group, with Redis where it cannot serve
-        from actors.collective_feed import CollectiveFeed
+        from common.weights.fetch.collective_feed import CollectiveFeed
 
         feed = CollectiveFeed.from_config(cfg, store, engine.version)
     else:

@@ -49,18 +49,18 @@ import numpy as np
 import torch
 import zmq
 
-from actors.sender import GroupSender
 from benchmarks import cli
 from common import metric_names as mn
 from common.config import load_config
 from common.curve_keys import CurveKeys, actor_keys, learner_keys
-from common.model import load_pretrained
-from common.protocol import (
+from common.link.protocol import (
     Ack,
     TrajectoryGroup,
     encode,
 )
-from common.transport import connect_dealer
+from common.link.send.sender import GroupSender
+from common.link.transport import connect_dealer
+from common.model import load_pretrained
 from learner.checkpoint import latest_checkpoint
 from learner.warm_start import ensure_model
 from ops import processes

@@ -142,7 +142,7 @@ def random_groups(
     behaviour log-probs: a learner step's input without a model to sample from."""
     import numpy as np
 
-    from common.protocol import Completion, TrajectoryGroup
+    from common.link.protocol import Completion, TrajectoryGroup
 
     rng = np.random.default_rng(seed)
     out = []

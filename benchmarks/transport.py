@@ -3,11 +3,11 @@
     python -m benchmarks.transport [--quick] [--json PATH] [--repeats R]
                                    [--tuned-outbox N] [--tuned-hwm N]
 
-`actors.sender.GroupSender` -> `learner.receiver.GroupReceiver` over tcp://127.0.0.1 (real
+`common.link.send.sender.GroupSender` -> `common.link.receive.receiver.GroupReceiver` over tcp://127.0.0.1 (real
 sockets), each in its own process (spawn, so neither waits on the other's GIL), as an actor and
 the learner are. In the receiver process a consumer (its main thread) takes every group with
 `receiver.get()`, next to the receiver's own I/O thread; the sender process submits from its main
-thread next to the sender's I/O thread. Groups are real `common.protocol.TrajectoryGroup`s of
+thread next to the sender's I/O thread. Groups are real `common.link.protocol.TrajectoryGroup`s of
 `Completion`s (int32 token ids, float32 behaviour log-probs, int32 token versions):
 
   small   G=8 completions x 64 tokens, 32-token prompt (~7 KB on the wire)
@@ -47,14 +47,14 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.sender import GroupSender, unique_actor_id
 from benchmarks import cli
 from benchmarks._procs import Children
 from common import metric_names as mn
 from common.config.actor import ActorConfig
-from common.protocol import Completion, DecodeLimits, TrajectoryGroup, encode
-from common.transport import DEFAULT_HWM
-from learner.receiver import GroupReceiver
+from common.link.protocol import Completion, DecodeLimits, TrajectoryGroup, encode
+from common.link.receive.receiver import GroupReceiver
+from common.link.send.sender import GroupSender, unique_actor_id
+from common.link.transport import DEFAULT_HWM
 
 ROOT = Path(__file__).resolve().parent.parent
 

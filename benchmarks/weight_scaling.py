@@ -14,18 +14,18 @@ import redis
 import torch
 from omegaconf import OmegaConf
 
-from actors.host_cache import HostCache
-from actors.weight_reader import WeightReader
 from benchmarks import cli
 from common.config.learner import LearnerConfig
 from common.config.run import ModelConfig
 from common.model import Transformer
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from common.weights.fetch.host_cache import HostCache
+from common.weights.fetch.reader import WeightReader
 from common.weights.format import weights_digest
 from common.weights.keys import weights_chunk_key
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.writer import WeightWriter
 from common.weights.store import WeightStore
-from learner.publisher import Publisher
-from learner.weight_writer import WeightWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 10**9

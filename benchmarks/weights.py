@@ -37,7 +37,7 @@ Delivery figures (one run: a learner publishing while 2 actor processes decode):
                              shape in bf16 (494M parameters, about 1 GB; a full version's bytes
                              in ``delivery_model_bytes``) with the torch engine (1
                              prompt x 2 completions, plain decoding) and takes new weights from
-                             its background weight feed (actors/weight_feed.py: watcher, verified
+                             its background weight feed (common/weights/fetch/feed.py: watcher, verified
                              fetch, deltas, the host cache shared by both) between decoding
                              steps, as the actor loop does. Its StallMeter, inside the loop,
                              sums the time the loop spent blocked on weights while a version
@@ -72,7 +72,7 @@ Collective figure (benchmarks/weights_collective.py, its own run):
                              ``collective``.
 
 A private redis-server (ops.redis_server.RedisServer, as the tests use) holds the versions;
-the learner side is this process, with a real `learner.weight_writer.WeightWriter`. Models are random
+the learner side is this process, with a real `common.weights.publish.writer.WeightWriter`. Models are random
 fp32 tensors shaped like a Llama-style transformer (untied embedding and LM head, per layer
 q/k/v/o with grouped KV, a gated MLP and two norms), of about 10 MB, 100 MB and 1 GB
 (MB = 10^6 bytes, GB/s = 10^9 bytes/s; the table shows the exact size).
@@ -115,10 +115,6 @@ import redis
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.host_cache import HostCache
-from actors.weight_feed import RedisWeightFeed, StallMeter, meter_loads, take
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
 from benchmarks import cli, weights_collective
 from benchmarks._procs import Children
 from benchmarks.gpu_check.plan import QWEN25_05B
@@ -128,8 +124,12 @@ from common.config.run import RedisConfig
 from common.model import Transformer
 from common.policy_meta import model_args_from_meta
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
-from learner.publisher import Publisher
-from learner.weight_writer import WeightWriter
+from common.weights.fetch.feed import RedisWeightFeed, StallMeter, meter_loads, take
+from common.weights.fetch.host_cache import HostCache
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent

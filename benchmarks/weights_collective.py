@@ -38,15 +38,15 @@ from typing import Any
 import redis
 import torch
 
-from actors.collective_feed import CollectiveFeed
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
 from benchmarks import cli
 from common.config.run import RedisConfig
 from common.weights.collective import bucket_sha256
+from common.weights.fetch.collective_feed import CollectiveFeed
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import weights_digest
-from learner.collective_sender import CollectiveSender
-from learner.weight_writer import WeightWriter
+from common.weights.publish.collective_sender import CollectiveSender
+from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer, find_free_port
 
 QWEN25_05B = dict(vocab=151936, hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2)

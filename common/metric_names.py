@@ -25,7 +25,7 @@ ACTOR_TOKENS = "actor/tokens"
 ACTOR_TOKENS_PER_S = "actor/tokens_per_s"
 ACTOR_WAIT_S = "actor/wait_s"
 ACTOR_WEIGHT_FETCH_S = "actor/weight_fetch_s"
-# The weight feed (actors/weight_feed.py): decode-loop time blocked on weights while a version
+# The weight feed (common/weights/fetch/feed.py): decode-loop time blocked on weights while a version
 # is being delivered (taking it from the feed, and the engine loading it, in-flight verification
 # included), the loop's time during deliveries, their ratio; the engine's load seconds of all
 # versions taken (the load share of the stall, and loads outside the decode loop); versions that
@@ -36,7 +36,7 @@ ACTOR_DECODE_STALL_FRAC = "actor/decode_stall_frac"
 ACTOR_WEIGHT_LOAD_S = "actor/weight_load_s"
 ACTOR_WEIGHT_FETCH_FAILURES = "actor/weight_fetch_failures"
 ACTOR_WEIGHT_SUPERSEDED = "actor/weight_superseded"
-# The host cache (actors/host_cache.py): cached copies refused (not this user's alone, a symlink,
+# The host cache (common/weights/fetch/host_cache.py): cached copies refused (not this user's alone, a symlink,
 # or bytes that do not hash to the manifest's weights_sha256); Redis served those fetches.
 ACTOR_HOST_CACHE_REFUSED = "actor/host_cache_refused"
 # With actor.weights_group: versions received through the learner's weights group, and through
@@ -134,7 +134,7 @@ LEARNER_VERSION = "learner/version"
 LEARNER_WAIT_S = "learner/wait_s"
 LEARNER_WALL_S = "learner/wall_s"
 LEARNER_WAL_SKIPPED = "learner/wal_skipped"
-# The weights group's sender (learner.weights_group, learner/collective_sender.py): actors in the
+# The weights group's sender (learner.weights_group, common/weights/publish/collective_sender.py): actors in the
 # current epoch, the epoch, versions broadcast and the newest, versions skipped for a newer one,
 # refused as non-finite, epochs lost, the last broadcast's seconds, joins refused for a missing
 # or wrong proof of the run's secret, sender errors (a version it failed to send: members fetch

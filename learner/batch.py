@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol import TrajectoryGroup
+from common.link.protocol import TrajectoryGroup
 from learner.loss import grpo_advantages
 
 

@@ -16,8 +16,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from common.link.protocol import TrajectoryGroup
 from common.metrics import MetricsWriter
-from common.protocol import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from common.link.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.model import CONFIG_FILE, DRAFT_FILE, DRAFT_PREFIX, write_weights
-from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.tokenizer import Tokenizer
 from common.weights.format import raw_bytes, safetensors_layout
 from learner.policy import hf_config, load_policy, unwrap
@@ -73,7 +73,7 @@ class TrainerState:
     dedupe: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     wal_from: int = 0
-    """First write-ahead-log segment not covered by this checkpoint (see learner/wal.py)."""
+    """First write-ahead-log segment not covered by this checkpoint (see common/link/receive/wal.py)."""
 
 
 @dataclass

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from common.link.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.model import CONFIG_FILE, Transformer
 from common.model_args import ModelArgs
-from common.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from learner.policy import PolicyModule, choose_impl, decoder_layers
 
 log = logging.getLogger(__name__)

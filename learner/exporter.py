@@ -60,7 +60,7 @@ _LEARNER_METRICS = {
     mn.ACTOR_TOKENS_PER_S: ("actor_tokens_per_s", "Generated tokens/s, sum over live actors."),
     mn.ACTOR_LIVE: ("live_actors", "Actors heard from recently."),
     mn.RECEIVER_QUEUE_SIZE: ("queue_depth", "Groups received, not yet trained on."),
-    # learner.weights_group: the sender's figures (learner/collective_sender.py).
+    # learner.weights_group: the sender's figures (common/weights/publish/collective_sender.py).
     mn.LEARNER_WEIGHTS_GROUP_MEMBERS: ("weights_group_members", "Actors in the weights group."),
     mn.LEARNER_WEIGHTS_GROUP_EPOCH: ("weights_group_epoch", "Current epoch of the weights group."),
     mn.LEARNER_WEIGHTS_GROUP_VERSIONS_SENT: (

@@ -12,20 +12,20 @@ import torch
 from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.entrypoint import StopFlag
+from common.link.protocol import TrajectoryGroup
+from common.link.receive.admission import wire_limits
+from common.link.receive.receiver import GroupReceiver
+from common.link.receive.wal import trim
 from common.metrics import MetricsWriter
-from common.protocol import TrajectoryGroup
-from learner.admission import wire_limits
+from common.weights.publish.publisher import Publisher, publish_dtype
+from common.weights.publish.writer import WeightWriter
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import TrainerState, save_checkpoint
 from learner.distributed import DistContext, init_from_env, shutdown
 from learner.exporter import LearnerExporter
-from learner.publisher import Publisher, publish_dtype
-from learner.receiver import GroupReceiver
 from learner.replay import Readmission, record_refused, replay_wal
 from learner.versions import PolicyView, Republisher, next_version, write_version_mark
-from learner.wal import trim
-from learner.weight_writer import WeightWriter
 from learner.wiring import build_receiver, gather_checkpoint, make_admission, setup, train_on
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class Learner:
         # sender broadcasts the publisher's snapshot of each version: no copy of its own here.
         self.collective = None
         if lcfg.weights_group and (self.dist is None or self.dist.rank == 0):
-            from learner.collective_sender import CollectiveSender
+            from common.weights.publish.collective_sender import CollectiveSender
 
             self.collective = CollectiveSender.from_config(
                 lcfg, store.client, store.run_id, self.device

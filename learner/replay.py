@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import SpecRLConfig
+from common.link.protocol import DecodeLimits, TrajectoryGroup
+from common.link.receive.admission import Admission
+from common.link.receive.wal import replay, trim
 from common.metrics import MetricsWriter
-from common.protocol import DecodeLimits, TrajectoryGroup
-from learner.admission import Admission
-from learner.wal import replay, trim
 from learner.wiring import LearnerState
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,14 @@ from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
 from common.curve_keys import authorized_dir, learner_keys
 from common.eagle import attach_eagle
+from common.link.protocol import DecodeLimits, TrajectoryGroup
+from common.link.receive.admission import Admission
+from common.link.receive.receiver import GroupReceiver
+from common.link.receive.wal import WalWriter
+from common.link.transport import DEFAULT_HWM
 from common.model import attach_draft
 from common.model_args import Layout
-from common.protocol import DecodeLimits, TrajectoryGroup
 from common.tokenizer import Tokenizer, load_tokenizer
-from common.transport import DEFAULT_HWM
-from learner.admission import Admission
 from learner.batch import TrainBatch
 from learner.checkpoint import (
     FullState,
@@ -52,9 +54,7 @@ from learner.policy import (
     set_activation_checkpointing,
     unwrap,
 )
-from learner.receiver import GroupReceiver
 from learner.step import make_optimizer, train_step
-from learner.wal import WalWriter
 from learner.warm_start import ensure_model
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ def build_receiver(
     latest_version: Callable[[], int],
 ) -> GroupReceiver:
     """The receiver on ``learner.bind``: CURVE and its allow-list when ``security.curve_dir`` is
-    set, the write-ahead log when ``learner.wal`` is, and a receive high-water mark of
+    set, the write-ahead log when ``common.link.receive.wal`` is, and a receive high-water mark of
     ``learner.recv_buffer_bytes`` over the decode bound (what a valid frame can be), 64 at most.
 
     Not over the socket's own frame bound: libzmq 4.3.5 aborts the whole process

@@ -29,7 +29,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from actors.host_cache import HostCache
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
 from common.config.run import REDIS_PASSWORD_ENV, redact_redis_url, split_redis_password
@@ -37,6 +36,7 @@ from common.model import DRAFT_FILE, EAGLE_FILE
 from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config
+from common.weights.fetch.host_cache import HostCache
 from learner.presets import PresetError, ensure_preset
 from learner.warm_start import default_model_dir, ensure_model
 from ops import processes

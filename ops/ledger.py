@@ -6,7 +6,7 @@ at a clean exit the seqs still unacked. The learner writes ``ledger/learner.json
 per group (``trained``, ``skipped``, ``stale``, ``rejected``, ``pending_at_exit``, ``refused``), a
 ``checkpoint`` event after each checkpoint is on disk and a ``start`` event when it starts.
 
-``refused`` (admission, learner/admission.py) is final when it is written: the group was acked as
+``refused`` (admission, common/link/receive/admission.py) is final when it is written: the group was acked as
 refused, never logged, and no restart brings it back. It is kept apart from the consumed groups:
 a hostile peer's refused groups were never produced by an actor of the run, and are not
 "unknown" consumption.

@@ -11,6 +11,13 @@ Three layers (docs/design.md §1.2):
   model, tokenizer, tasks, config, sampling) and the small infrastructure both run (metrics,
   Prometheus exporters, signal handling); it imports nothing above it.
 
+Inside the shared layer, the two concerns that cross the process boundary each keep both ends in
+one folder: the weight plane (``common/weights/``: its contract, ``publish/`` the learner's end,
+``fetch/`` the actor's) and the trajectory link (``common/link/``: wire types and transport,
+``send/`` the actor's end, ``receive/`` the learner's). An end never imports the other side's end,
+the contract imports neither, and a side never imports the other side's end: an actor process
+loads no learner code.
+
 Every ``import``/``from ... import`` in a module counts, including those inside functions (a lazy
 import is still a dependency). Run ``python scripts/package_diagram.py`` to print the Mermaid
 diagram, ``--check`` to print the violations and exit 1 if there is one not in
@@ -31,6 +38,15 @@ LAYERS = {"operator": 2, "actors": 1, "learner": 1, "shared": 0}
 # Imports that break the layering today, each with why, until the module moves. The check fails
 # on a violation not listed here and on a listed one that no longer happens.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
+# The ends of the boundary-crossing concerns, by the side whose process runs them.
+ENDS = {
+    "common.weights.publish": "learner",
+    "common.weights.fetch": "actors",
+    "common.link.receive": "learner",
+    "common.link.send": "actors",
+}
+CONCERNS = ("common.weights", "common.link")
+END_LABELS = {"learner": "the learner's end", "actors": "the actor's end"}
 BEGIN = "<!-- package-diagram:begin (scripts/package_diagram.py --write) -->"
 END = "<!-- package-diagram:end -->"
 
@@ -45,6 +61,18 @@ def module_name(path: Path) -> str:
 def layer_of(module: str) -> str:
     top = module.split(".")[0]
     return {"ops": "operator", "common": "shared"}.get(top, top)
+
+
+def end_of(module: str) -> str | None:
+    """The side whose process runs ``module``'s end of a concern (None: not in an end)."""
+    for prefix, side in ENDS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return side
+    return None
+
+
+def concern_of(module: str) -> str | None:
+    return next((c for c in CONCERNS if module == c or module.startswith(c + ".")), None)
 
 
 def project_imports(path: Path, modules: set[str]) -> set[str]:
@@ -85,6 +113,11 @@ def violations(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
                 bad.append((src, dst, f"upward: {a} imports {b}"))
             elif LAYERS[a] == LAYERS[b] == 1 and a != b:
                 bad.append((src, dst, f"sideways: {a} imports {b}"))
+            elif (end := end_of(dst)) and (mine := end_of(src) or a) in ("actors", "learner"):
+                if mine != end:
+                    bad.append((src, dst, f"across the boundary: {mine} code imports {end}'s end"))
+            elif end and concern_of(src) and not end_of(src):
+                bad.append((src, dst, "a concern's contract imports one of its ends"))
     return bad
 
 
@@ -98,6 +131,10 @@ def mermaid(graph: dict[str, set[str]]) -> str:
     node = {m: m.replace(".", "_") for m in graph}
     for side in ("actors", "learner"):
         node.update({m: side for m in graph if m.split(".")[0] == side})
+    for prefix in ENDS:  # a concern's end is one node
+        node.update(
+            {m: prefix.replace(".", "_") for m in graph if end_of(m) and m.startswith(prefix)}
+        )
     lines = ["flowchart TB"]
     titles = {"operator": "operator layer (ops/)", "shared": "shared layer (common/)"}
     for layer in ("operator", "sides", "shared"):
@@ -111,13 +148,27 @@ def mermaid(graph: dict[str, set[str]]) -> str:
             ]
             continue
         lines.append(f'  subgraph {layer}["{titles[layer]}"]')
+        named: dict[str, str] = {}
         for m in sorted(m for m in graph if layer_of(m) == layer and m not in PACKAGES):
-            lines.append(f'    {node[m]}["{m.split(".", 1)[1]}"]')
+            if m in CONCERNS and not graph[m]:
+                continue  # an empty package file: the folder, not a module
+            end = next((e for e in ENDS if m == e or m.startswith(e + ".")), None)
+            named.setdefault(
+                node[m],
+                f"{end.split('.', 1)[1].replace('.', '/')}/ ({END_LABELS[ENDS[end]]})"
+                if end
+                else m.split(".", 1)[1],
+            )
+        lines += [f'    {n}["{label}"]' for n, label in named.items()]
         lines.append("  end")
     edges: set[tuple[str, str, str]] = set()
     for src, targets in graph.items():
         for dst in targets:
-            if layer_of(src) == layer_of(dst):
+            if layer_of(src) == layer_of(dst) and not (end_of(src) or end_of(dst)):
+                continue
+            if node[src] == node[dst] or (
+                layer_of(src) == layer_of(dst) and layer_of(src) != "shared"
+            ):
                 continue
             # A violation keeps its importing module in the label.
             label = f"violation: {src}" if (src, dst) in KNOWN_VIOLATIONS else ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.protocol import Completion, TrajectoryGroup
+from common.link.protocol import Completion, TrajectoryGroup
 
 
 def make_groups(vocab: int, n: int = 3, g: int = 4, version: int = 0) -> list[TrajectoryGroup]:

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from common.protocol import Ack, Completion, DecodeLimits, TrajectoryGroup, decode, encode
+from common.link.protocol import Ack, Completion, DecodeLimits, TrajectoryGroup, decode, encode
 
 
 @dataclass(frozen=True)

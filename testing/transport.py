@@ -11,7 +11,7 @@ from typing import TypeVar
 import numpy as np
 import zmq
 
-from common.protocol import (
+from common.link.protocol import (
     Ack,
     Completion,
     DecodeLimits,
@@ -20,8 +20,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.transport import ready
-from learner.receiver import GroupReceiver, bind_router, bound_endpoint
+from common.link.receive.receiver import GroupReceiver, bind_router, bound_endpoint
+from common.link.transport import ready
 
 T = TypeVar("T")
 

@@ -53,10 +53,10 @@ def test_every_module_has_its_folders_layer():
 
 def test_checker_catches_upward_and_sideways_imports():
     graph = {
-        "ops.cli": {"common.protocol", "actors.loop"},  # operator -> anything: fine
-        "actors.loop": {"common.protocol", "ops.launcher", "learner.loss"},
+        "ops.cli": {"common.link.protocol", "actors.loop"},  # operator -> anything: fine
+        "actors.loop": {"common.link.protocol", "ops.launcher", "learner.loss"},
         "learner.loss": {"common.sampling"},
-        "common.protocol": {"ops.report", "learner.loss"},
+        "common.link.protocol": {"ops.report", "learner.loss"},
         "ops.report": set(),
         "common.sampling": set(),
         "ops.launcher": set(),
@@ -65,8 +65,8 @@ def test_checker_catches_upward_and_sideways_imports():
     assert found == {
         ("actors.loop", "ops.launcher"),  # a side imports the operator layer
         ("actors.loop", "learner.loss"),  # sideways
-        ("common.protocol", "ops.report"),  # shared imports operator
-        ("common.protocol", "learner.loss"),  # shared imports a side
+        ("common.link.protocol", "ops.report"),  # shared imports operator
+        ("common.link.protocol", "learner.loss"),  # shared imports a side
     }
     # A known violation that disappeared is reported too, so the list cannot go stale.
     known = {("actors.loop", "ops.launcher"): "planted"}
@@ -74,6 +74,40 @@ def test_checker_catches_upward_and_sideways_imports():
         patch.setattr(pd, "KNOWN_VIOLATIONS", known)
         assert any("no longer imported" in p for p in pd.check({"common.sampling": set()}))
         assert not pd.check({"actors.loop": {"ops.launcher"}, "ops.launcher": set()})
+
+
+def test_checker_keeps_each_end_of_a_concern_on_its_side():
+    graph = {
+        "actors.loop": {"common.weights.fetch.reader", "common.weights.publish.writer"},
+        "learner.loop": {"common.link.receive.intake", "common.link.send.sender"},
+        "common.weights.fetch.reader": {"common.weights.store", "common.weights.publish.writer"},
+        "common.weights.publish.writer": {"common.weights.store"},
+        "common.weights.store": {"common.weights.fetch.reader"},
+        "common.link.receive.intake": {"common.link.protocol"},
+        "common.link.send.sender": {"common.link.protocol"},
+        "common.link.protocol": set(),
+    }
+    found = {(s, d) for s, d, _ in pd.violations(graph)}
+    assert found == {
+        ("actors.loop", "common.weights.publish.writer"),  # an actor loads the learner's end
+        ("learner.loop", "common.link.send.sender"),  # the learner loads the actor's end
+        ("common.weights.fetch.reader", "common.weights.publish.writer"),  # end to end
+        ("common.weights.store", "common.weights.fetch.reader"),  # the contract imports an end
+    }
+
+
+def test_an_actor_process_loads_no_learner_code():
+    """What `specrl-actor` imports to start: nothing of learner/ and neither learner's end."""
+    code = (
+        "import sys, actors.main, actors.loop\n"
+        "bad = [m for m in sys.modules if m.startswith(('learner', 'common.weights.publish',"
+        " 'common.link.receive'))]\n"
+        "print(bad)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_import_resolution(tmp_path):

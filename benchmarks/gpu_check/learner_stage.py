@@ -27,10 +27,10 @@ from benchmarks.gpu_check.plan import (
 from common import metric_names as mn
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
+from common.link.protocol import TrajectoryGroup
 from common.model import Transformer
 from common.model_args import ModelArgs
 from common.model_presets import preset_dir
-from common.protocol import TrajectoryGroup
 from common.weights.format import (
     dtype_name,
 )

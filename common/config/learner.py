@@ -75,7 +75,7 @@ class LearnerConfig:
     ``thread`` (a thread of the learner)."""
     weights_group: bool = False
     """Also broadcast each published version to the actors that join the learner's weights group
-    (``learner/collective_sender.py``; gloo, on CPU only: a learner on CUDA, where the group
+    (``common/weights/publish/collective_sender.py``; gloo, on CPU only: a learner on CUDA, where the group
     would use NCCL, refuses to start with it until a GPU has run that path), in bfloat16; Redis
     keeps the manifests and serves the actors outside the group."""
     weights_group_address: str = "127.0.0.1:29650"

@@ -61,4 +61,4 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16")
 PUBLISH_DTYPES: tuple[str, ...] = ("", "bfloat16", "float16", "float32")
 """``learner.publish_dtype``: dtype of published weights; empty: the training dtype."""
 PUBLISH_UPLOADS: tuple[str, ...] = ("process", "thread")
-"""``learner.publish_upload``: where background uploads run (``learner/publisher.py``)."""
+"""``learner.publish_upload``: where background uploads run (``common/weights/publish/publisher.py``)."""

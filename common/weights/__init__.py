@@ -7,8 +7,8 @@ chunked, checksummed and verified end to end. What both sides share lives here:
 - ``manifest``: what a stored version holds and how its chunks are checksummed;
 - ``keys``: the Redis key names;
 - ``store``: ``WeightStore``, a run's settings and the read-only queries (latest version,
-  manifest), the base of the learner's ``learner.weight_writer.WeightWriter`` (publish,
-  retention) and the actors' ``actors.weight_reader.WeightReader`` (fetch, host cache);
+  manifest), the base of the learner's ``common.weights.publish.writer.WeightWriter`` (publish,
+  retention) and the actors' ``common.weights.fetch.reader.WeightReader`` (fetch, host cache);
 - ``connection``: rebuilding a Redis connection in another process, retrying through outages.
 
 Deltas, keyframes and the digest that lets a reader refuse a wrong delta: docs/design.md §6.3.

@@ -2,8 +2,8 @@
 the actors that joined its weights group, and Redis keeps the manifest (docs/design.md §6.7).
 
 The weights group is a torch.distributed process group of its own, never the learner's training
-group: rank 0 is the learner's sender (``learner.collective_sender``), ranks 1..n the actors'
-receivers (``actors.collective_feed``). Gloo on CPU; CUDA devices (NCCL) are refused until a GPU
+group: rank 0 is the learner's sender (``common.weights.publish.collective_sender``), ranks 1..n the actors'
+receivers (``common.weights.fetch.collective_feed``). Gloo on CPU; CUDA devices (NCCL) are refused until a GPU
 has run the group (``check_device``). The sender hosts a
 ``TCPStore`` at ``host:port`` for the rendezvous and the membership, listening on that host only
 (a loopback host unless ``learner.weights_group_allow_remote``):

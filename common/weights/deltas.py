@@ -1,5 +1,5 @@
 """Applying a sparse, bit-exact delta between two versions of the same tensors (format:
-docs/design.md §6.3; learner/weight_writer.py encodes them). Per tensor "same", "sparse" (flat
+docs/design.md §6.3; common/weights/publish/writer.py encodes them). Per tensor "same", "sparse" (flat
 int32/int64 indices and their new values) or "dense" (the whole tensor).
 """
 

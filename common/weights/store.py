@@ -3,8 +3,8 @@
 What both sides share: ``WeightStore`` holds a run's Redis client and settings, rebuilds itself
 in another process (``recipe``/``from_recipe``) or from the config (``from_config``), and answers
 the read-only queries (the latest version, a version's manifest). The learner publishes through
-its subclass ``learner.weight_writer.WeightWriter``, the actors fetch through
-``actors.weight_reader.WeightReader``. The write order that makes every version a reader finds
+its subclass ``common.weights.publish.writer.WeightWriter``, the actors fetch through
+``common.weights.fetch.reader.WeightReader``. The write order that makes every version a reader finds
 complete is docs/design.md §6.1.
 """
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from actors.weight_reader import WeightReader
 from common.model import Transformer, save_pretrained
-from learner.weight_writer import WeightWriter
+from common.weights.fetch.reader import WeightReader
+from common.weights.publish.writer import WeightWriter
 from testing.models import token_logprobs
 from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights
 

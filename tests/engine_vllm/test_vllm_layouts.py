@@ -14,20 +14,20 @@ from safetensors.torch import load_file
 
 from actors.engines.vllm_engine import VllmEngine
 from actors.loop import build_engine
-from actors.weight_reader import WeightReader
 from common.config import load_config
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
 from common.model_args import HFLayout
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from common.weights.fetch.reader import WeightReader
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.writer import WeightWriter
 from learner.batch import collate
 from learner.checkpoint import TrainerState, save_checkpoint
 from learner.policy import is_builtin, load_policy, model_args
-from learner.publisher import Publisher
 from learner.step import make_optimizer, train_step
 from learner.versions import PolicyView
-from learner.weight_writer import WeightWriter
 from testing.groups import make_groups
 from testing.models import FOREIGN_LAYOUTS, random_hf_model, token_logprobs
 

@@ -13,11 +13,11 @@ import msgpack
 import pytest
 import torch
 
+from common.link.protocol import encode
+from common.link.receive.wal import _LEN
+from common.link.transport import connect_dealer
 from common.model import load_pretrained
-from common.protocol import encode
-from common.transport import connect_dealer
 from learner.checkpoint import latest_checkpoint
-from learner.wal import _LEN
 from ops.ledger import read_ledger
 from testing.hostile import (
     oversized_frames,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.protocol import DecodeLimits
+from common.link.protocol import DecodeLimits
 from learner.checkpoint import load_pending
 from ops.processes import ROOT
 from testing.own_model import build_model, write_parquet

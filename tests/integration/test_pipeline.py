@@ -11,8 +11,8 @@ import redis
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.sender import GroupSender
 from common import metric_names as mn
+from common.link.send.sender import GroupSender
 from common.weights.store import WeightStore
 from learner.checkpoint import latest_checkpoint
 from ops.cli import main as cli_main

@@ -13,7 +13,6 @@ import pytest
 import redis
 import torch
 
-from actors.weight_reader import WeightReader
 from benchmarks.weights_collective import Actors, wait_members
 from common.model import Transformer
 from common.tokenizer import CharTokenizer
@@ -25,11 +24,13 @@ from common.weights.collective import (
     read_manifest,
     wire_layout,
 )
+from common.weights.fetch.reader import WeightReader
 from common.weights.format import WeightsError, weights_digest
 from common.weights.manifest import digest_of_digests
-from learner.collective_sender import CollectiveSender
-from learner.publisher import Publisher, Snapshot
-from learner.weight_writer import WeightWriter
+from common.weights.publish.collective_sender import CollectiveSender
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.upload import Snapshot
+from common.weights.publish.writer import WeightWriter
 from ops.redis_server import find_free_port
 from testing.models import random_model
 

@@ -19,15 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.collective_feed import CollectiveFeed
-from actors.weight_reader import WeightReader
 from benchmarks.weights_collective import Actors, wait_members
 from common import metric_names as mn
 from common.weights.collective import JOINS, CollectiveError, join_proof
+from common.weights.fetch.collective_feed import CollectiveFeed
+from common.weights.fetch.reader import WeightReader
 from common.weights.format import weights_digest
-from learner.collective_sender import CollectiveSender
+from common.weights.publish.collective_sender import CollectiveSender
+from common.weights.publish.writer import WeightWriter
 from learner.exporter import LearnerExporter
-from learner.weight_writer import WeightWriter
 from ops.redis_server import find_free_port
 from testing.prometheus import scrape
 

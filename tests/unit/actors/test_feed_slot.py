@@ -1,4 +1,4 @@
-"""The ready-version slot both weight feeds hold (actors.weight_feed.ReadySlot), with real
+"""The ready-version slot both weight feeds hold (common.weights.fetch.feed.ReadySlot), with real
 threads: a producer thread offers versions in any order while the decode loop's thread polls;
 the loop sees only ever newer versions, ends on the newest, and never waits on a delivery."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from actors.weight_feed import ReadySlot
 from common import metric_names as mn
+from common.weights.fetch.feed import ReadySlot
 
 
 def state_of(version: int) -> dict[str, torch.Tensor]:

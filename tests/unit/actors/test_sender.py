@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from actors.sender import GroupSender, unique_actor_id
-from common.protocol import Ack, DecodeLimits, ProtocolError, TrajectoryGroup, encode
+from common.link.protocol import Ack, DecodeLimits, ProtocolError, TrajectoryGroup, encode
+from common.link.send.sender import GroupSender, unique_actor_id
 from testing.transport import FakeLearner, one_completion_group, retry_bind, wait_until
 
 LIMITS = DecodeLimits(vocab_size=50)

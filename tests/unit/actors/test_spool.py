@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.sender import GroupSender
-from actors.spool import Spool, orphans
+from common.link.send.sender import GroupSender
+from common.link.send.spool import Spool, orphans
 from testing.transport import drain, make_group, start_receiver
 
 

@@ -20,15 +20,15 @@ import torch
 from actors.engines.torch_engine import TorchEngine
 from actors.exporter import ActorExporter
 from actors.loop import ActorPhases, ActorStats
-from actors.weight_feed import RedisWeightFeed, StallMeter, meter_loads, take
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
 from common.config import load_config
 from common.tasks import task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from common.weights.fetch.feed import RedisWeightFeed, StallMeter, meter_loads, take
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.keys import weights_chunk_key
-from learner.weight_writer import WeightWriter
+from common.weights.publish.writer import WeightWriter
 from testing.models import random_model
 from testing.prometheus import scrape
 from testing.transport import wait_until

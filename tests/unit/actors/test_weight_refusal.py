@@ -8,11 +8,11 @@ import pytest
 import redis
 import torch
 
-from actors.weight_feed import fetch_newer
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
+from common.weights.fetch.feed import fetch_newer
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.keys import weights_chunk_key, weights_manifest_key
-from learner.weight_writer import WeightWriter
+from common.weights.publish.writer import WeightWriter
 
 RUN = "tamper-run"
 

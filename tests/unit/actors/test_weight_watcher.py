@@ -9,9 +9,9 @@ import pytest
 import redis
 import torch
 
-from actors.weight_watcher import VersionWatcher
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.keys import weights_latest_key
-from learner.weight_writer import WeightWriter
+from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
 
 RUN = "watch-run"

@@ -11,7 +11,6 @@ import transformers
 from safetensors.torch import load_file
 
 from actors.loop import build_engine, write_published
-from actors.weight_reader import WeightReader
 from common.config import load_config
 from common.model import load_pretrained
 from common.model_args import HFLayout, ModelArgs, layout_from_hf_config
@@ -22,7 +21,8 @@ from common.policy_meta import (
     policy_meta,
 )
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
-from learner.weight_writer import WeightWriter
+from common.weights.fetch.reader import WeightReader
+from common.weights.publish.writer import WeightWriter
 from testing.models import FOREIGN_LAYOUTS, SMALL_SHAPE, random_hf_model, random_model
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)

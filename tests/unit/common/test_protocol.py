@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.protocol import (
+from common.link.protocol import (
     PROTOCOL_ERROR_REASONS,
     PROTOCOL_VERSION,
     Ack,

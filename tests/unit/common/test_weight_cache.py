@@ -16,11 +16,11 @@ import pytest
 import redis
 import torch
 
-from actors.host_cache import CacheRefused, HostCache
-from actors.weight_reader import WeightReader
 from common import metric_names as mn
+from common.weights.fetch.host_cache import CacheRefused, HostCache
+from common.weights.fetch.reader import WeightReader
 from common.weights.format import serialize_state_dict, tensors_from_safetensors, weights_digest
-from learner.weight_writer import WeightWriter
+from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
 
 RUN = "cache-run"

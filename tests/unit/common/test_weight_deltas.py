@@ -9,14 +9,14 @@ import redis
 import safetensors.torch
 import torch
 
-import learner.weight_writer as writer_module
-from actors.weight_feed import fetch_newer
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
+import common.weights.publish.writer as writer_module
+from common.weights.fetch.feed import fetch_newer
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite, weights_digest
 from common.weights.keys import weights_chunk_key, weights_manifest_key, weights_versions_key
 from common.weights.manifest import digest_of_digests, sha256_of
-from learner.weight_writer import WeightWriter, encode_delta
+from common.weights.publish.writer import WeightWriter, encode_delta
 
 RUN = "delta-run"
 

@@ -12,9 +12,9 @@ import redis
 import safetensors.torch
 import torch
 
-import actors.weight_chunks as chunks_module
-from actors.weight_reader import WeightReader
+import common.weights.fetch.chunks as chunks_module
 from common.config.run import RedisConfig
+from common.weights.fetch.reader import WeightReader
 from common.weights.format import WeightsCorrupt, WeightsError, serialize_state_dict
 from common.weights.keys import (
     weights_channel,
@@ -22,8 +22,8 @@ from common.weights.keys import (
     weights_manifest_key,
     weights_versions_key,
 )
+from common.weights.publish.writer import WeightWriter
 from common.weights.store import WeightStore
-from learner.weight_writer import WeightWriter
 from ops.redis_server import RedisServer
 
 RUN = "test-run"

@@ -14,8 +14,8 @@ import redis
 
 from common.model import Transformer
 from common.tokenizer import CharTokenizer
-from learner.publisher import Publisher
-from learner.weight_writer import WeightWriter
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.writer import WeightWriter
 from testing.models import random_model
 
 

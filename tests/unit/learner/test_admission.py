@@ -1,4 +1,4 @@
-"""Admission (learner/admission.py): what a decoded group must also be to be trained on, and the
+"""Admission (common/link/receive/admission.py): what a decoded group must also be to be trained on, and the
 decode limits derived from it; the sender's side of a refusal over real sockets."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from actors.sender import GroupSender
-from common.protocol import DecodeLimits, ProtocolError, decode, encode
-from learner.admission import Admission, wire_limits
+from common.link.protocol import DecodeLimits, ProtocolError, decode, encode
+from common.link.receive.admission import Admission, wire_limits
+from common.link.send.sender import GroupSender
 from testing.hostile import poisoned_frames, valid_group
 from testing.transport import drain, start_receiver
 

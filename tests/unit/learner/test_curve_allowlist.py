@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from actors.sender import GroupSender
 from common.curve_keys import CurveKeys, actor_keys, authorized_dir, learner_keys
+from common.link.send.sender import GroupSender
 from ops.cli import main as cli_main
 from ops.keys import write_keys
 from testing.transport import drain, make_group, start_receiver, wait_until

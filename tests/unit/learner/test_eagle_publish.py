@@ -9,15 +9,15 @@ import redis
 import torch
 
 from actors.loop import policy_from_state
-from actors.weight_reader import WeightReader
 from common.config.actor import SpecConfig
 from common.eagle import EAGLE_PREFIX, attach_eagle
 from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support, hf_config_from_meta, layout_from_meta
 from common.tokenizer import CharTokenizer
+from common.weights.fetch.reader import WeightReader
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.writer import WeightWriter
 from learner.policy import model_args
-from learner.publisher import Publisher
-from learner.weight_writer import WeightWriter
 from learner.wiring import attach_eagle_head
 from testing.models import random_hf_model, random_model
 

@@ -11,12 +11,12 @@ import pytest
 import zmq
 
 from common import metric_names as mn
-from common.protocol import encode
-from common.transport import connect_dealer
-from learner.admission import Admission, wire_limits
+from common.link.protocol import encode
+from common.link.receive.admission import Admission, wire_limits
+from common.link.receive.receiver import GroupReceiver
+from common.link.transport import connect_dealer
 from learner.buffer import StalenessBuffer
 from learner.exporter import LearnerExporter
-from learner.receiver import GroupReceiver
 from testing.hostile import MiB, oversized_frames, replies, send_when_connected, valid_group
 from testing.prometheus import scrape
 from testing.transport import ANY_PORT, VOCAB, retry_bind, wait_until

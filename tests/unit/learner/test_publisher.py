@@ -14,12 +14,12 @@ import pytest
 import redis
 import torch
 
-import learner.publisher as publisher_module
-from actors.weight_reader import WeightReader
+import common.weights.publish.publisher as publisher_module
 from common.tokenizer import CharTokenizer
+from common.weights.fetch.reader import WeightReader
 from common.weights.format import WeightsError
-from learner.publisher import Publisher
-from learner.weight_writer import WeightWriter
+from common.weights.publish.publisher import Publisher
+from common.weights.publish.writer import WeightWriter
 
 RUN = "publisher-run"
 

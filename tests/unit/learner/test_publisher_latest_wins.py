@@ -10,13 +10,14 @@ import pytest
 import redis
 import torch
 
-from actors.weight_reader import WeightReader
 from common.model import Transformer
 from common.tokenizer import CharTokenizer
+from common.weights.fetch.reader import WeightReader
 from common.weights.keys import weights_versions_key
-from learner.publisher import LENT_SLOTS, Publisher, Snapshot
+from common.weights.publish.publisher import LENT_SLOTS, Publisher
+from common.weights.publish.upload import Snapshot
+from common.weights.publish.writer import WeightWriter
 from learner.versions import Republisher
-from learner.weight_writer import WeightWriter
 
 RUN = "latest-wins-run"
 

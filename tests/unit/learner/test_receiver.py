@@ -11,16 +11,16 @@ import msgpack
 import pytest
 import zmq
 
-from actors.sender import GroupSender
-from common.protocol import (
+from common.link.protocol import (
     Ack,
     Heartbeat,
     decode,
     encode,
 )
-from common.transport import connect_dealer
-from learner.intake import DedupeWindow
-from learner.receiver import GroupReceiver, bind_router, bound_endpoint
+from common.link.receive.intake import DedupeWindow
+from common.link.receive.receiver import GroupReceiver, bind_router, bound_endpoint
+from common.link.send.sender import GroupSender
+from common.link.transport import connect_dealer
 from testing.transport import (
     ANY_PORT,
     LIMITS,

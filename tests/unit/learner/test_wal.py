@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.sender import GroupSender
-from common.protocol import encode
-from learner.receiver import GroupReceiver
-from learner.wal import MAGIC, WalError, WalWriter, read_segment, replay, segments, trim
+from common.link.protocol import encode
+from common.link.receive.receiver import GroupReceiver
+from common.link.receive.wal import MAGIC, WalError, WalWriter, read_segment, replay, segments, trim
+from common.link.send.sender import GroupSender
 from testing.transport import ANY_PORT, LIMITS, drain, make_group, start_receiver
 
 

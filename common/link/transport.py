@@ -1,7 +1,7 @@
 """ZeroMQ sockets for the actor -> learner link (docs/design.md §5.2).
 
 Every zmq option both ends rely on is set in ``make_socket``, so the sender and the receiver
-(its ROUTER: learner/receiver.py) only deal in frames. ``curve_*`` arguments (z85 keys, as made
+(its ROUTER: common/link/receive/receiver.py) only deal in frames. ``curve_*`` arguments (z85 keys, as made
 by ``zmq.curve_keypair()``) switch a socket to CURVE encryption + server authentication.
 
 :class:`SocketThread` is the I/O thread both ends run: it owns the sockets (zmq sockets are not

@@ -15,7 +15,7 @@ if it is a regular file owned by this user that no one else may write (never thr
 every name is opened with ``O_NOFOLLOW`` relative to its checked directory's descriptor).
 Anything else raises :class:`CacheRefused`, and the reader fetches from Redis instead. The
 reader also hashes what it maps against the manifest's ``weights_sha256`` before it uses it
-(:meth:`actors.weight_reader.WeightReader.fetch`).
+(:meth:`common.weights.fetch.reader.WeightReader.fetch`).
 """
 
 from __future__ import annotations

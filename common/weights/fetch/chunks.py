@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import redis
 import torch
 
-from actors.weight_resp import raw_connection, stream_gets
+from common.weights.fetch.resp import raw_connection, stream_gets
 from common.weights.format import WeightsCorrupt, WeightsError
 from common.weights.keys import weights_chunk_key
 from common.weights.manifest import sha256_of

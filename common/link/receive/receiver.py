@@ -1,6 +1,6 @@
 """The learner's end of the delivery contract (docs/design.md §5.2): the ROUTER socket, its I/O
 thread, the frames it decodes and the acks it sends. What each group does to the queue, dedupe
-record and log is learner/intake.py.
+record and log is common/link/receive/intake.py.
 
 Authentication: with ``curve`` the link is CurveZMQ; with ``authorized_keys`` too, a ZAP handler
 admits only clients whose public key is a ``*.key`` certificate in that directory (re-read when
@@ -31,17 +31,17 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from common.curve_keys import CurveKeys
-from common.protocol import Ack, DecodeLimits, Heartbeat, ProtocolError, decode, encode
-from common.transport import (
+from common.link.protocol import Ack, DecodeLimits, Heartbeat, ProtocolError, decode, encode
+from common.link.receive.admission import Admission
+from common.link.receive.intake import LOG_EVERY_S, Intake, PendingAck
+from common.link.receive.wal import WalWriter
+from common.link.transport import (
     DEFAULT_HWM,
     DEFAULT_MAX_FRAME_BYTES,
     make_socket,
     ready,
     shared_context,
 )
-from learner.admission import Admission
-from learner.intake import LOG_EVERY_S, Intake, PendingAck
-from learner.wal import WalWriter
 
 log = logging.getLogger(__name__)
 

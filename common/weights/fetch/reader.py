@@ -12,11 +12,11 @@ from typing import Any, Self
 import redis
 import torch
 
-from actors.host_cache import CacheRefused, HostCache
-from actors.weight_chunks import read_chunks
 from common import metric_names as mn
 from common.config.run import RedisConfig
 from common.weights.deltas import apply_delta
+from common.weights.fetch.chunks import read_chunks
+from common.weights.fetch.host_cache import CacheRefused, HostCache
 from common.weights.format import (
     WeightsCorrupt,
     WeightsError,

@@ -1,6 +1,6 @@
 """Admission: what a well-formed group must also be before the learner trains on it.
 
-``common.protocol.decode`` checks that a frame *is* a group (types, lengths, ids in the
+``common.link.protocol.decode`` checks that a frame *is* a group (types, lengths, ids in the
 vocabulary, finite float64 numbers, int64 seqs and versions). Admission checks that this run can
 *train* on it, in the units the learner computes in:
 
@@ -28,7 +28,7 @@ from typing import Final
 
 import numpy as np
 
-from common.protocol import DecodeLimits, TrajectoryGroup
+from common.link.protocol import DecodeLimits, TrajectoryGroup
 
 ADMISSION_REFUSAL_REASONS: Final[tuple[str, ...]] = (
     "wrong_group_size",

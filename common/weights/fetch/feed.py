@@ -6,7 +6,7 @@ A feed has this interface (:class:`WeightFeed`), whatever carries the bytes:
 
 - ``poll() -> (version, state_dict) | None``: the newest version held ready that is newer than
   the last one handed out, at once (no I/O); None when there is none. The tensors follow
-  :meth:`actors.weight_reader.WeightReader.fetch`'s contract: verified, never to be modified in
+  :meth:`common.weights.fetch.reader.WeightReader.fetch`'s contract: verified, never to be modified in
   place.
 - ``wait(timeout_s) -> (version, state_dict) | None``: the same, waiting up to ``timeout_s`` for
   one (the synchronous mode's idle wait).
@@ -26,8 +26,8 @@ and meters the engine's loads of what it took with :func:`meter_loads`.
 :class:`ReadySlot` is that interface, for a feed's own threads to fill: the newest ready version
 wins, and no version is handed out after a newer one.
 
-:class:`RedisWeightFeed` is the Redis path: a :class:`~actors.weight_watcher.VersionWatcher`
-notices versions and a :class:`~actors.weight_reader.WeightReader` fetches them (chunk checksums,
+:class:`RedisWeightFeed` is the Redis path: a :class:`~common.weights.fetch.watcher.VersionWatcher`
+notices versions and a :class:`~common.weights.fetch.reader.WeightReader` fetches them (chunk checksums,
 deltas, ``weights_sha256``, the host cache), on one thread that owns both.
 """
 
@@ -43,10 +43,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
 from common.weights.connection import REDIS_DOWN
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import WeightsError
 
 log = logging.getLogger(__name__)

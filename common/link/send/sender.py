@@ -22,10 +22,9 @@ from collections import OrderedDict, deque
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from actors.spool import Spool
 from common import metric_names as mn
 from common.curve_keys import CurveKeys
-from common.protocol import (
+from common.link.protocol import (
     Ack,
     DecodeLimits,
     Heartbeat,
@@ -34,7 +33,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.transport import (
+from common.link.send.spool import Spool
+from common.link.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     SocketThread,
     connect_dealer,
@@ -93,7 +93,7 @@ class GroupSender(SocketThread):
     ) -> None:
         """``limits``: if given, ``submit`` also runs the receiver's full validation, so a group
         the learner would reject (e.g. out-of-vocab ids) fails in ``submit`` instead of being
-        resent forever. ``spool``: every unacked frame is also kept there (actors/spool.py)."""
+        resent forever. ``spool``: every unacked frame is also kept there (common/link/send/spool.py)."""
         identity = actor_id.encode("utf-8")
         if not 1 <= len(identity) <= 255 or identity.startswith(b"\x00"):
             raise ValueError(f"actor_id must be 1..255 UTF-8 bytes, not NUL-led: {actor_id!r}")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from common.protocol import DecodeLimits, ProtocolError, TrajectoryGroup, decode
+from common.link.protocol import DecodeLimits, ProtocolError, TrajectoryGroup, decode
 
 log = logging.getLogger(__name__)
 

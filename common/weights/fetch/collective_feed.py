@@ -1,8 +1,8 @@
 """An actor's weights versions over the learner's weights group, with Redis while it is not a
 member (common/weights/collective.py).
 
-``CollectiveFeed`` is a :class:`~actors.weight_feed.WeightFeed` (its ready version is a
-:class:`~actors.weight_feed.ReadySlot`). Two background threads fill it: one joins
+``CollectiveFeed`` is a :class:`~common.weights.fetch.feed.WeightFeed` (its ready version is a
+:class:`~common.weights.fetch.feed.ReadySlot`). Two background threads fill it: one joins
 the group and receives broadcast versions (each checked against its collective manifest in Redis
 before it is offered), the other follows Redis (``VersionWatcher``, ``WeightReader``) whenever the
 actor is not a member: before it joins, when it cannot, and after the group is lost or the
@@ -28,9 +28,6 @@ import redis
 import torch
 import torch.distributed as dist
 
-from actors.weight_feed import ReadySlot, Update
-from actors.weight_reader import WeightReader
-from actors.weight_watcher import VersionWatcher
 from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.weights.collective import (
@@ -57,6 +54,9 @@ from common.weights.collective import (
     views,
 )
 from common.weights.connection import REDIS_DOWN
+from common.weights.fetch.feed import ReadySlot, Update
+from common.weights.fetch.reader import WeightReader
+from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import WeightsCorrupt, WeightsError
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class CollectiveReceiver:
 
 
 class CollectiveFeed(ReadySlot):
-    """A :class:`~actors.weight_feed.WeightFeed` whose versions come from the weights group at
+    """A :class:`~common.weights.fetch.feed.WeightFeed` whose versions come from the weights group at
     ``address`` while the actor is a member, else from Redis through ``reader`` (``address``
     None: Redis only). ``current``: the version the engine holds (-1: none); ``rejoin_s``: the
     pause before joining again after a failed join or after the learner left; ``fallback_s``:

@@ -3,7 +3,7 @@ weights group, broadcasting each version to the actors that joined it while Redi
 manifests.
 
 In the learner, ``take(snapshot)`` queues the publisher's snapshot of a version
-(learner/publisher.py): published in bfloat16 on a CPU group, its buffer already is the payload
+(common/weights/publish/publisher.py): published in bfloat16 on a CPU group, its buffer already is the payload
 and is broadcast as it is, held (the publisher does not refill it) until a newer version is
 sent; otherwise the sender's thread packs it and releases it at once. ``send(version, state)``
 packs a state dict itself (floats cast to bfloat16), for use without a publisher. A thread of its
@@ -15,7 +15,7 @@ started when a newer one comes are skipped (a member only wants the newest); aft
 is sent again, so a joiner gets it at once. A member that fails an operation ends the epoch; the
 next forms from whoever asks again. Versions still go to Redis through the publisher for actors
 outside the group, and for members the sender fails (they fall back to Redis when Redis is ahead
-of them for long: actors/collective_feed.py). ``metrics()`` exports the sender's counters and its
+of them for long: common/weights/fetch/collective_feed.py). ``metrics()`` exports the sender's counters and its
 errors as ``learner/weights_group_*`` (metrics.jsonl, Prometheus).
 """
 
@@ -69,7 +69,7 @@ from common.weights.collective import (
 from common.weights.format import WeightsError, WeightsNonFinite, check_finite
 
 if TYPE_CHECKING:
-    from learner.publisher import Snapshot
+    from common.weights.publish.upload import Snapshot
 
 log = logging.getLogger(__name__)
 

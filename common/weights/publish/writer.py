@@ -36,8 +36,8 @@ from common.weights.keys import (
     weights_versions_key,
 )
 from common.weights.manifest import MANIFEST_FORMAT, digest_of_digests, sha256_of
+from common.weights.publish.retention import prune
 from common.weights.store import HeldVersion, WeightStore
-from learner.weight_retention import prune
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What the learner's receiver does with each group (docs/design.md §5.2, §5.3): admission,
 dedupe, write-ahead log, queue, and the acks they earn; and the counters and state the learner
-reads. The socket side is learner/receiver.py.
+reads. The socket side is common/link/receive/receiver.py.
 
 A refused group is acked as refused and counted, but neither logged nor queued nor recorded as
 seen: the verdict depends only on the group, except ``version_ahead``, which a later learner
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from common import metric_names as mn
-from common.protocol import PROTOCOL_ERROR_REASONS, Heartbeat, TrajectoryGroup
-from common.transport import SocketThread, guarded
-from learner.admission import ADMISSION_REFUSAL_REASONS, Admission
-from learner.wal import WalWriter
+from common.link.protocol import PROTOCOL_ERROR_REASONS, Heartbeat, TrajectoryGroup
+from common.link.receive.admission import ADMISSION_REFUSAL_REASONS, Admission
+from common.link.receive.wal import WalWriter
+from common.link.transport import SocketThread, guarded
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class PendingAck:
 class Intake(SocketThread):
     """The receiver's state and its verdict on each group; ``get()`` yields each new group once.
     All state is guarded by ``_cond``, notified when the queue gains or loses a group; the I/O
-    thread (learner/receiver.py) hands it decoded messages and sends the acks."""
+    thread (common/link/receive/receiver.py) hands it decoded messages and sends the acks."""
 
     def __init__(
         self,
