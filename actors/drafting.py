@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from common.config.modes import NGRAM_SOURCES
-from common.model import KVCache, Transformer
+from common.layers import KVCache
+from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from actors.speculative import SpecResult, pad_rows, rejection_sample
-from common.model import KVCache, Transformer
+from common.layers import KVCache
+from common.model import Transformer
 from common.sampling import processed_logprobs
 
 

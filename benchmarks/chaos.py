@@ -62,7 +62,7 @@ from common.link.send.sender import GroupSender
 from common.link.transport import connect_dealer
 from common.model import load_pretrained
 from learner.checkpoint import latest_checkpoint
-from learner.warm_start import ensure_model
+from learner.prepare.warm_start import ensure_model
 from ops import processes
 from ops.keys import write_keys
 from ops.ledger import read_ledger

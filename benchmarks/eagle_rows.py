@@ -280,9 +280,9 @@ def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> d
 
 def head_acceptance(policy: Transformer, samples, temperature: float, also=None):
     """Mean per-token acceptance sum_v min(p, q) of ``policy``'s head over ``samples``
-    (``learner.eagle_warmup.held_out_acceptance``, as `specrl warm-draft` measures it); with
+    (``learner.prepare.eagle_warmup.held_out_acceptance``, as `specrl warm-draft` measures it); with
     ``also`` (the same policy, another head), the pair."""
-    from learner.eagle_warmup import held_out_acceptance, teacher_states
+    from learner.prepare.eagle_warmup import held_out_acceptance, teacher_states
 
     records = teacher_states(policy, samples, 8)
     mine = held_out_acceptance(policy, records, temperature, 8, 256)
@@ -293,7 +293,7 @@ def head_acceptance(policy: Transformer, samples, temperature: float, also=None)
 
 def warmup_summary(model_dir) -> dict[str, object] | None:
     """The head's `specrl warm-draft` summary in the model directory, if any."""
-    from learner.eagle_warmup import EAGLE_SUMMARY_FILE
+    from learner.prepare.eagle_warmup import EAGLE_SUMMARY_FILE
 
     path = model_dir / EAGLE_SUMMARY_FILE
     return json.loads(path.read_text()) if path.is_file() else None

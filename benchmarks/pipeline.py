@@ -63,7 +63,7 @@ from benchmarks import cli
 from benchmarks.procstat import Monitor, proc_figures
 from common import metric_names as mn
 from common.config import load_config
-from learner.warm_start import ensure_model
+from learner.prepare.warm_start import ensure_model
 from ops.metrics_file import read_metrics
 from ops.redis_server import find_free_port
 

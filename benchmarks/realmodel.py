@@ -283,7 +283,7 @@ def main() -> int:
 
     from common.tasks import task_from_config
     from common.word_problems import eval_problems
-    from learner.warm_start import ensure_model
+    from learner.prepare.warm_start import ensure_model
 
     cfg = load_config([*PRESET, *opts.overrides])
     model_dir = ensure_model(cfg)

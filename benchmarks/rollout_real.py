@@ -47,7 +47,8 @@ from common.prompts import prompt_encoder
 from common.tasks import PromptPool, task_from_config
 from common.tokenizer import load_tokenizer
 from learner.checkpoint import latest_checkpoint
-from learner.draft_warmup import Decoding, Sample, held_out_acceptance, sample_group
+from learner.prepare.draft_data import Decoding, Sample, sample_group
+from learner.prepare.draft_warmup import held_out_acceptance
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "smollm2-135m"

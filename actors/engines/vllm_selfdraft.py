@@ -43,13 +43,13 @@ from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
 from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.vllm_compat import request_key
 from actors.paged_cache import PagedKVCache
+from common.layers import DecoderLayer
 from common.model import (
     CONFIG_FILE,
     DRAFT_FILE,
     DRAFT_PREFIX,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
-    DecoderLayer,
     DraftAdapter,
     Transformer,
 )

@@ -25,7 +25,7 @@ order measured:
    samples near-uniform noise, which no draft predicts and no n-gram repeats. It is first
    trained briefly on a random first-order Markov chain over a part of its vocabulary (a few
    likely successors per token), then its draft adapter is warm-started from its own samples
-   with ``learner.draft_warmup``'s functions (``specrl warm-draft``'s procedure), and its EAGLE-3
+   with ``learner.prepare.draft_warmup``'s functions (``specrl warm-draft``'s procedure), and its EAGLE-3
    head from the same samples over the same draft vocabulary (``specrl warm-draft spec=eagle3``'s,
    benchmarks/gpu_check/eagle.py).
 5. engine: the torch engine, plain decoding against each speculative method (``ngram`` from

@@ -1,5 +1,5 @@
 """The policy's EAGLE-3 head in the GPU check (benchmarks/gpu_check/): warm-started on the
-engine model as ``specrl warm-draft spec=eagle3`` does (learner/eagle_warmup.py's functions),
+engine model as ``specrl warm-draft spec=eagle3`` does (learner/prepare/eagle_warmup.py's functions),
 from the very samples and draft vocabulary the adapter's warm start used, then run by the torch
 engine as the rows ``eagle3`` (k fixed) and ``eagle3_adaptive`` beside the adapter's.
 
@@ -17,8 +17,8 @@ import torch
 from common.config.actor import SpecConfig
 from common.eagle import attach_eagle
 from common.model import Transformer
-from learner.draft_warmup import WARMUP_LR, Sample, WarmDraftOptions
-from learner.eagle_warmup import held_out_acceptance, teacher_states, train_head
+from learner.prepare.draft_data import WARMUP_LR, Sample, WarmDraftOptions
+from learner.prepare.eagle_warmup import held_out_acceptance, teacher_states, train_head
 
 
 def methods(k: int) -> dict[str, SpecConfig]:

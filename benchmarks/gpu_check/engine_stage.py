@@ -30,15 +30,8 @@ from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.model import Transformer, attach_draft
 from common.model_args import ModelArgs
-from learner.draft_warmup import (
-    EXIT_FRACTION,
-    Decoding,
-    WarmDraftOptions,
-    draft_vocabulary,
-    held_out_acceptance,
-    sample_group,
-    train_adapter,
-)
+from learner.prepare.draft_data import Decoding, WarmDraftOptions, draft_vocabulary, sample_group
+from learner.prepare.draft_warmup import EXIT_FRACTION, held_out_acceptance, train_adapter
 from testing.lossless_check import (
     ADAPTER_VOCAB,
     EOS,
@@ -189,7 +182,7 @@ def structure(
 
 
 def warm_draft(plan: Plan, policy: Transformer, chain: Chain, run: Run) -> dict[str, Any]:
-    """``specrl warm-draft``'s procedure (learner/draft_warmup.py) on chain prompts."""
+    """``specrl warm-draft``'s procedure (learner/prepare/draft_warmup.py) on chain prompts."""
     started = time.perf_counter()
     args = policy.args
     exit_layer = max(1, round(args.num_hidden_layers * EXIT_FRACTION))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from common.model_presets import get_preset
-from learner.presets import PresetError, ensure_preset, gguf_path, missing_extras
+from learner.prepare.presets import PresetError, ensure_preset, gguf_path, missing_extras
 from ops.processes import ROOT
 
 pytestmark = pytest.mark.integration

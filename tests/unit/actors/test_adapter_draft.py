@@ -11,7 +11,7 @@ from actors.drafting import EarlyExitDrafter
 from actors.engines.torch_engine import TorchEngine
 from actors.paged_cache import PagedKVCache
 from common.config.actor import SpecConfig
-from common.model import KVCache
+from common.layers import KVCache
 from testing.lossless_check import (
     ADAPTER_VOCAB,
     EOS,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from common.eagle import EAGLE_PREFIX, attach_eagle
-from common.model import EAGLE_FILE, KVCache, Transformer, load_pretrained, save_pretrained
+from common.layers import KVCache
+from common.model import EAGLE_FILE, Transformer, load_pretrained, save_pretrained
 from common.model_args import ModelArgs, default_eagle_aux_layers
 
 ARGS = ModelArgs(

@@ -10,7 +10,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from common.model import KVCache, Transformer, init_weights, load_pretrained, save_pretrained
+from common.layers import KVCache
+from common.model import Transformer, init_weights, load_pretrained, save_pretrained
 from common.model_args import ModelArgs
 from testing.models import random_model
 

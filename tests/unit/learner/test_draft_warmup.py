@@ -1,4 +1,4 @@
-"""``specrl warm-draft`` (learner/draft_warmup.py): the states recorded while sampling are the
+"""``specrl warm-draft`` (learner/prepare/draft_warmup.py): the states recorded while sampling are the
 teacher-forced ones, the loss is the learner's, the warm-up raises the held-out acceptance of a
 briefly trained tiny model and saves an adapter that loads back beside untouched model tensors,
 the command runs end to end, and bad input is refused before any sampling."""
@@ -19,19 +19,18 @@ import torch
 from common.config import load_config
 from common.model import DRAFT_FILE, attach_draft, load_pretrained
 from learner.draft_loss import adapter_kl_sum, draft_states
-from learner.draft_warmup import (
+from learner.prepare.draft_data import (
     Decoding,
     WarmDraftError,
     WarmDraftOptions,
     coverage,
     draft_vocabulary,
-    restricted_kl_sum,
     sample_group,
     tokens_per_verify,
     turn_end_ids,
-    warm_draft,
 )
-from learner.warm_start import default_model_dir, warm_start
+from learner.prepare.draft_warmup import restricted_kl_sum, warm_draft
+from learner.prepare.warm_start import default_model_dir, warm_start
 from ops.cli import main
 from testing.models import random_model
 
@@ -196,7 +195,7 @@ def test_turn_end_ids_are_what_follows_the_reply() -> None:
 
 
 def test_a_chat_template_that_fails_is_logged_not_silent(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="learner.draft_warmup"):
+    with caplog.at_level("WARNING", logger="learner.prepare.draft_warmup"):
         assert turn_end_ids(_ChatTokenizer(ValueError("no such variable"))) == set()
     assert "chat template did not render" in caplog.text
     assert "ValueError: no such variable" in caplog.text

@@ -1,4 +1,4 @@
-"""``specrl warm-draft spec.method=eagle3`` (learner/eagle_warmup.py): its records and loss are the
+"""``specrl warm-draft spec.method=eagle3`` (learner/prepare/eagle_warmup.py): its records and loss are the
 learner's, it raises the held-out acceptance of a briefly trained tiny model and saves a head that
 loads back beside untouched model tensors, the command runs end to end, and bad input is refused."""
 
@@ -17,23 +17,18 @@ import torch
 from common.config import load_config
 from common.eagle import EAGLE_PREFIX, attach_eagle
 from common.model import EAGLE_FILE, load_pretrained
-from learner.draft_warmup import (
-    Decoding,
-    WarmDraftError,
-    WarmDraftOptions,
-    sample_group,
-    warm_draft,
-)
 from learner.eagle_loss import eagle_terms
-from learner.eagle_warmup import (
+from learner.policy import backbone
+from learner.prepare.draft_data import Decoding, WarmDraftError, WarmDraftOptions, sample_group
+from learner.prepare.draft_warmup import warm_draft
+from learner.prepare.eagle_warmup import (
     EAGLE_SUMMARY_FILE,
     batch_inputs,
     head_outputs,
     restricted_kl_sum,
     teacher_states,
 )
-from learner.policy import backbone
-from learner.warm_start import default_model_dir, warm_start
+from learner.prepare.warm_start import default_model_dir, warm_start
 from ops.cli import main
 from testing.models import random_model
 

@@ -10,7 +10,7 @@ import pytest
 from common.config import load_config
 from common.model_presets import get_preset, preset_dir
 from learner import presets
-from learner.presets import PresetError, build_preset
+from learner.prepare.presets import PresetError, build_preset
 
 
 def test_preset_sets_the_model_directory_and_its_defaults() -> None:

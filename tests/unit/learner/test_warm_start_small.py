@@ -13,7 +13,7 @@ from common.config import load_config
 from common.model import Transformer
 from common.tasks import task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
-from learner.warm_start import (
+from learner.prepare.warm_start import (
     default_model_dir,
     sampled_accuracy,
     supervised_batch,

@@ -15,7 +15,7 @@ from common.config import load_config
 from common.tasks import task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.distributed import DistContext
-from learner.fit_check import (
+from learner.prepare.fit_check import (
     USABLE_FRACTION,
     FitError,
     GiB,
@@ -29,7 +29,7 @@ from learner.fit_check import (
     learner_plan,
     user_set,
 )
-from learner.warm_start import tiny_model_args
+from learner.prepare.warm_start import tiny_model_args
 from ops.cli import main as cli_main
 
 # Qwen2.5-7B-Instruct's config.json (the fields the estimate reads).

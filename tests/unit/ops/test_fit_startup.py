@@ -14,7 +14,8 @@ from common import metric_names as mn
 from common.config import load_config
 from common.model_args import ModelArgs
 from learner.batch import collate
-from learner.fit_check import (
+from learner.microbatch import plan_microbatches, row_lengths
+from learner.prepare.fit_check import (
     USABLE_FRACTION,
     GiB,
     Profile,
@@ -24,7 +25,6 @@ from learner.fit_check import (
     ladder,
     user_set,
 )
-from learner.microbatch import plan_microbatches, row_lengths
 from learner.wiring import setup, train_on
 from testing.groups import make_groups
 from testing.own_model import build_model

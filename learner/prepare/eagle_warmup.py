@@ -1,5 +1,5 @@
 """``specrl warm-draft spec.method=eagle3``: warm-start the policy's EAGLE-3 head (common/eagle.py)
-before RL, as ``learner/draft_warmup.py`` warm-starts the draft adapter.
+before RL, as ``learner/prepare/draft_warmup.py`` warm-starts the draft adapter.
 
 The model samples its own completions of the task's training prompts (``draft_warmup``'s
 sampling: plain decoding at the run's temperature and top-p); the head's vocabulary is the
@@ -37,20 +37,20 @@ from common.model import CONFIG_FILE, EAGLE_FILE, Transformer
 from common.sampling import processed_logprobs
 from common.tokenizer import load_tokenizer
 from learner.draft_loss import loss_temperature
-from learner.draft_warmup import (
+from learner.eagle_loss import eagle_kl_terms, eagle_states, unrolled_states
+from learner.microbatch import over_chunks
+from learner.prepare.draft_data import (
     WARMUP_LR,
     Sample,
     WarmDraftError,
     WarmDraftOptions,
-    _device,
     load_policy,
+    pick_device,
     sample_for_warmup,
     train_draft,
     write_summary,
 )
-from learner.eagle_loss import eagle_kl_terms, eagle_states, unrolled_states
-from learner.microbatch import over_chunks
-from learner.warm_start import ensure_model
+from learner.prepare.warm_start import ensure_model
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def _load(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, Path]
     """The float32 policy of the run's model directory (built first if need be) and the
     directory."""
     model_dir = ensure_model(cfg)
-    policy = load_policy(model_dir, _device(opts.device))
+    policy = load_policy(model_dir, pick_device(opts.device))
     log.info(
         "warm-draft (eagle3) %s: %d layers, %d prompts x %d completions",
         model_dir,

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 from common.config import SpecRLConfig
-from common.model import KVCache, Transformer, save_pretrained
+from common.layers import KVCache
+from common.model import Transformer, save_pretrained
 from common.model_args import ModelArgs
 from common.model_presets import MODELS_DIR
 from common.sampling import processed_logprobs
 from common.tasks import Problem, Task, task_from_config
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer, Tokenizer, encode_prompt
-from learner.presets import ensure_preset
+from learner.prepare.presets import ensure_preset
 
 log = logging.getLogger(__name__)
 

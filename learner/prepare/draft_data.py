@@ -1,19 +1,7 @@
-"""``specrl warm-draft``: warm-start the policy's draft adapter (docs/design.md §2.1) before RL.
-
-The model samples its own completions of the task's training prompts (plain decoding at the
-run's sampling temperature and top-p, ``task.max_new_tokens``); the adapter's vocabulary is the
-``spec.adapter_vocab`` tokens those completions use most; a fresh adapter after ``exit_layer``
-layers (``attach_draft``: a copy of that layer and of the final norm) is trained teacher-forced
-on them, only its parameters moving, on the learner's loss KL(p || q) (``learner.draft_loss``);
-held-out prompts measure the acceptance before and after. The adapter is saved into the model
-directory (``save_draft``: the model's own tensors untouched).
-
-The frozen policy's states the loss reads (the residual stream after ``exit_layer`` layers and
-the final-normed hidden state) are recorded while sampling, once per token, so training never
-runs the policy. Sampling is the torch engine's plain step (``processed_logprobs`` and
-``sample_tokens`` of ``common.sampling``) over a contiguous KV cache, finished rows leaving the
-batch: the learner may not import the actors' engine (docs/design.md §1.2).
-"""
+"""What the warm starts of the draft adapter (learner/prepare/draft_warmup.py) and the EAGLE-3
+head (learner/prepare/eagle_warmup.py) share: their options, the policy's own completions of the
+task's training prompts (sampled, split, with the draft vocabulary they use most), the training
+loop and the summary."""
 
 from __future__ import annotations
 
@@ -22,7 +10,6 @@ import json
 import logging
 import math
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -31,26 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from common.config import SpecRLConfig
-from common.config.actor import SpecConfig
-from common.model import KVCache, Transformer, attach_draft, load_pretrained, save_draft
+from common.layers import KVCache
+from common.model import Transformer, load_pretrained
 from common.prompts import prompt_encoder
 from common.sampling import processed_logprobs, sample_tokens
 from common.tasks import PromptPool, task_from_config
-from common.tokenizer import Tokenizer, load_tokenizer
-from learner.draft_loss import acceptance_sum, draft_states, loss_temperature
-from learner.microbatch import over_chunks
-from learner.warm_start import ensure_model
+from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "draft_warmup.json"
-EXIT_FRACTION = 0.2
-"""Default exit layer when ``spec.exit_layer`` is not set: this share of the layers, at least
-1: layer 1 of the tiny model's 4, 6 of SmolLM2-135M's 30 (docs/training.md has the sweep)."""
+
 WARMUP_LR = 3e-3
 """AdamW rate of the warm-up unless ``--lr`` or ``spec.adapter_lr`` is given: on SmolLM2 it
 reaches in 224 steps what 1e-3 (the RL run's ``spec.adapter_lr``) reaches in twice as many."""
@@ -118,9 +98,6 @@ class Sample:
     predicts the next completion token)."""
 
 
-# ---------------------------------------------------------------- model, settings, prompts
-
-
 def load_policy(model_dir: Path, device: torch.device) -> Transformer:
     """The built-in Transformer of ``model_dir`` in float32, or a clear refusal."""
     try:
@@ -130,20 +107,6 @@ def load_policy(model_dir: Path, device: torch.device) -> Transformer:
             f"{model_dir}: the built-in Transformer cannot load this model ({e}); the draft "
             "adapter is part of common.model.Transformer (llama/qwen2/qwen3 safetensors)"
         ) from e
-
-
-def resolve_exit_layer(cfg: SpecRLConfig, num_layers: int, explicit: int | None) -> int:
-    """``explicit`` (the user set ``spec.exit_layer``), else the config's unless it is the
-    default, else :data:`EXIT_FRACTION` of the layers; refused outside [1, num_layers - 1]."""
-    if explicit is None and cfg.spec.exit_layer != SpecConfig.exit_layer:
-        explicit = cfg.spec.exit_layer
-    exit_layer = max(1, round(num_layers * EXIT_FRACTION)) if explicit is None else explicit
-    if not 1 <= exit_layer < num_layers:
-        raise WarmDraftError(
-            f"spec.exit_layer={exit_layer} is out of range: the adapter reads the residual stream "
-            f"after 1 to {num_layers - 1} of the model's {num_layers} layers"
-        )
-    return exit_layer
 
 
 def resolve_vocab(cfg: SpecRLConfig, vocab_size: int, explicit: int | None) -> int:
@@ -216,9 +179,6 @@ def turn_end_ids(tokenizer: Tokenizer) -> set[int]:
         if ids[start : start + len(reply)] == reply:
             return set(ids[start + len(reply) :])
     return set()
-
-
-# ---------------------------------------------------------------- sampling
 
 
 @torch.no_grad()
@@ -329,9 +289,6 @@ def sample_all(
     return results
 
 
-# ---------------------------------------------------------------- vocabulary
-
-
 def draft_vocabulary(
     completions: Sequence[Sequence[int]],
     prompts: Sequence[Sequence[int]],
@@ -362,84 +319,12 @@ def coverage(ids: Tensor | None, completions: Sequence[Sequence[int]]) -> float:
     return sum(t in inside for c in completions for t in c) / total
 
 
-# ---------------------------------------------------------------- training and evaluation
-
-
-def batch_states(samples: Sequence[Sample], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """(h_exit [B, S, H] right-padded, mask [B, S] of the positions that predict a completion
-    token, h_full [N, H] at those positions in the mask's row-major order)."""
-    width = max(s.exit_states.shape[0] for s in samples)
-    h_exit = torch.zeros((len(samples), width, samples[0].exit_states.shape[1]))
-    mask = torch.zeros((len(samples), width), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        h_exit[i, : s.exit_states.shape[0]] = s.exit_states
-        mask[i, len(s.prompt) - 1 : len(s.prompt) - 1 + len(s.completion)] = True
-    h_full = torch.cat([s.full_states for s in samples])
-    return h_exit.to(device), mask.to(device), h_full.to(device)
-
-
-def restricted_kl_sum(
-    policy: Transformer, h_full: Tensor, d: Tensor, temperature: float, chunk: int
-) -> Tensor:
-    """:func:`learner.draft_loss.adapter_kl_sum` from the head's draft-vocabulary rows only: p
-    restricted to the vocabulary and renormalised is the softmax over those rows' logits, so the
-    value and the adapter's gradient are the same, without the policy's [N, V] logits (computed
-    twice there, with the recomputation in backward: 60% of a step for SmolLM2)."""
-    t = loss_temperature(temperature)
-    weight = policy.draft.head_weight(policy.lm_head.weight)
-
-    def kl_sum(h: Tensor, d_part: Tensor) -> Tensor:
-        with torch.no_grad():
-            p = processed_logprobs(F.linear(h, weight).float(), t)
-        q = processed_logprobs(F.linear(d_part, weight).float(), t)
-        return (p.exp() * (p - q)).sum()
-
-    parts = over_chunks(kl_sum, h_full.shape[0], chunk, False, lambda s: (h_full[s], d[s]))
-    return sum(parts, d.new_zeros((), dtype=torch.float32))
-
-
-def held_out_acceptance(
-    policy: Transformer, samples: Sequence[Sample], temperature: float, batch: int, chunk: int
-) -> float:
-    """Mean per-token acceptance, sum_v min(p, q), of the policy's adapter over the completion
-    positions of ``samples``."""
-    total, positions = 0.0, 0
-    device = policy.lm_head.weight.device
-    with torch.no_grad():
-        for i in range(0, len(samples), batch):
-            h_exit, mask, h_full = batch_states(samples[i : i + batch], device)
-            d = draft_states(policy, h_exit)[mask]
-            total += float(acceptance_sum(policy, h_full, d, temperature, chunk))
-            positions += int(mask.sum())
-    return total / max(positions, 1)
-
-
 def tokens_per_verify(acceptance: float, k: int) -> float:
     """Expected tokens per verification of a k-token chain whose tokens are each accepted with
     probability a: (1 - a^(k+1)) / (1 - a), k + 1 when a = 1."""
     if acceptance >= 1.0:
         return float(k + 1)
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-def train_adapter(
-    policy: Transformer,
-    samples: list[Sample],
-    opts: WarmDraftOptions,
-    temperature: float,
-    seed: int,
-) -> tuple[int, float]:
-    """Train the adapter teacher-forced on ``samples`` (:func:`train_draft`); returns (steps,
-    mean loss of the last epoch)."""
-    device = policy.lm_head.weight.device
-
-    def batch_loss(part: list[Sample]) -> Tensor:
-        h_exit, mask, h_full = batch_states(part, device)
-        d = draft_states(policy, h_exit)[mask]
-        return restricted_kl_sum(policy, h_full, d, temperature, opts.chunk) / len(h_full)
-
-    lr = opts.lr or WARMUP_LR
-    return train_draft(policy, policy.draft, samples, opts, lr, seed, batch_loss)
 
 
 def train_draft(
@@ -494,11 +379,8 @@ def train_draft(
     return steps, sum(losses) / max(len(losses), 1)
 
 
-# ---------------------------------------------------------------- the command
-
-
 @contextmanager
-def _threads(n: int) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
     """``torch.set_num_threads(n)`` for the block (``run.torch_threads``: on a CPU shared with
     other processes, more threads than free cores make every matmul wait for a descheduled one)."""
     before = torch.get_num_threads()
@@ -509,37 +391,15 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _device(name: str) -> torch.device:
+def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-def _sampler(policy: Transformer, dtype: str) -> Transformer:
+def sampling_copy(policy: Transformer, dtype: str) -> Transformer:
     """The model that samples: the policy itself in float32, or a bf16 copy of it."""
     return copy.deepcopy(policy).to(torch.bfloat16) if dtype == "bfloat16" else policy
-
-
-def _save(policy: Transformer, model_dir: Path, out: Path | None) -> Path:
-    """The adapter into ``model_dir``, or into ``out``, made a copy of it first."""
-    target = model_dir if out is None else out
-    if not target.exists() or not target.samefile(model_dir):
-        shutil.copytree(model_dir, target, dirs_exist_ok=True)
-    save_draft(policy, target)
-    return target
-
-
-def warm_draft(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, dict]:
-    """Sample, pick the vocabulary, train, evaluate and save the adapter (module docstring);
-    returns the policy with its trained adapter and the summary (also written as JSON). With
-    ``spec.method=eagle3``: the EAGLE-3 head instead (``learner/eagle_warmup.py``)."""
-    check_options(opts)
-    with _threads(cfg.run.torch_threads):
-        if cfg.spec.uses_eagle:
-            from learner.eagle_warmup import warm_eagle  # builds on this module
-
-            return warm_eagle(cfg, opts, time.perf_counter())
-        return _warm_draft(cfg, opts, time.perf_counter())
 
 
 @dataclass
@@ -580,7 +440,9 @@ def sample_for_warmup(
     )
     sampling = cfg.sampling
     decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, sampling.temperature, sampling.top_p)
-    groups = sample_all(_sampler(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed)
+    groups = sample_all(
+        sampling_copy(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed
+    )
     evaluation = [s for g in groups[:held] for s in g]
     train = [s for g in groups[held:] for s in g]
     keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
@@ -624,40 +486,3 @@ def write_summary(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return {**summary, "summary_file": str(path)}
-
-
-def _warm_draft(
-    cfg: SpecRLConfig, opts: WarmDraftOptions, started: float
-) -> tuple[Transformer, dict]:
-    device = _device(opts.device)
-    model_dir = ensure_model(cfg)
-    policy = load_policy(model_dir, device)
-    args = policy.args
-    exit_layer = resolve_exit_layer(cfg, args.num_hidden_layers, opts.exit_layer)
-    vocab = resolve_vocab(cfg, args.vocab_size, opts.vocab)
-    log.info("warm-draft %s: exit layer %d of %d", model_dir, exit_layer, args.num_hidden_layers)
-    data = sample_for_warmup(cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab)
-    temperature = cfg.sampling.temperature
-    attach_draft(policy, exit_layer, data.vocab_ids)
-    before = held_out_acceptance(policy, data.evaluation, temperature, opts.batch, opts.chunk)
-    log.info(
-        "held-out acceptance before training %.4f, vocabulary coverage %.4f", before, data.coverage
-    )
-    steps, loss = train_adapter(policy, data.train, opts, temperature, cfg.run.seed)
-    after = held_out_acceptance(policy, data.evaluation, temperature, opts.batch, opts.chunk)
-    out = _save(policy, model_dir, opts.out)
-    own = {
-        "model_dir": str(out),
-        "exit_layer": exit_layer,
-        "num_layers": args.num_hidden_layers,
-        "draft_vocab": vocab or args.vocab_size,
-        "vocab_size": args.vocab_size,
-    }
-    trained = {
-        "steps": steps,
-        "lr": opts.lr or WARMUP_LR,
-        "final_loss": round(loss, 4),
-        "acceptance_before": round(before, 4),
-        "acceptance_after": round(after, 4),
-    }
-    return policy, write_summary(cfg, opts, data, own, trained, out / SUMMARY_FILE, started)
