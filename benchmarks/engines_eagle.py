@@ -217,7 +217,7 @@ def lossless(quick: bool) -> dict[str, object]:
     """``real_vllm_eagle_lossless`` (module docstring), on an engine started from a published
     version's directory, as an actor starts it."""
     from actors.engines.vllm_engine import VllmEngine
-    from actors.loop import write_published
+    from actors.wiring import write_published
     from common.policy_meta import policy_meta
     from common.tokenizer import CharTokenizer
     from testing.vllm_eagle import published

@@ -46,6 +46,25 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
         shutdown()  # a no-op without a process group
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """What follows a training step, on every rank alike."""
+
+    publish: bool
+    checkpoint: bool
+
+
+def cadence(cfg: SpecRLConfig, step: int, skipped: bool) -> Cadence:
+    """After step ``step`` (counted): publish every ``publish_every`` steps unless the step was
+    skipped, checkpoint every ``checkpoint_every``. Rank 0 and the other ranks both decide with
+    this one function: each publish and checkpoint gathers the full state, a collective every
+    rank must join, so two rules that drifted apart would deadlock FSDP."""
+    return Cadence(
+        publish=step % cfg.learner.publish_every == 0 and not skipped,
+        checkpoint=step % cfg.learner.checkpoint_every == 0,
+    )
+
+
 def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
     """A rank > 0: trains its shard of each step rank 0 broadcasts, and joins the collectives
     that gather the full state for publishing and checkpoints. Never talks to Redis or actors."""
@@ -68,9 +87,10 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
         batch = collate(groups, version, state.tokenizer.pad_id, dist.device)
         last = train_on(state, batch, cfg, dist)
         state.step += 1
-        if state.step % cfg.learner.publish_every == 0 and not last[mn.LEARNER_SKIPPED]:
+        due = cadence(cfg, state.step, bool(last[mn.LEARNER_SKIPPED]))
+        if due.publish:
             view.refresh()
-        if state.step % cfg.learner.checkpoint_every == 0:
+        if due.checkpoint:
             gather_checkpoint(state, dist)
 
 
@@ -222,9 +242,9 @@ class Learner:
         state.step += 1
         return batch, step_metrics
 
-    def publish(self, skipped: bool) -> None:
-        """Phase 3: publish the new policy (every ``publish_every`` steps, not after a skip)."""
-        if self.state.step % self.cfg.learner.publish_every == 0 and not skipped:
+    def publish(self, due: bool) -> None:
+        """Phase 3: publish the new policy when :func:`cadence` says so."""
+        if due:
             self.state.version += 1
             self.view.refresh()
             self.publisher.publish(self.state.version)  # the weights group's too (on_snapshot)
@@ -332,10 +352,11 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
             times.collected = time.perf_counter()
             batch, step_metrics = learner.train(groups)
             times.trained = time.perf_counter()
-            learner.publish(skipped=step_metrics[mn.LEARNER_SKIPPED] > 0)
+            due = cadence(cfg, state.step, step_metrics[mn.LEARNER_SKIPPED] > 0)
+            learner.publish(due.publish)
             times.published = time.perf_counter()
             learner.log(batch, groups, step_metrics, times)
-            if state.step % cfg.learner.checkpoint_every == 0:
+            if due.checkpoint:
                 learner.checkpoint([])
     finally:
         learner.close(unfinished)

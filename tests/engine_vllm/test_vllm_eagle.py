@@ -169,7 +169,7 @@ def test_a_policy_or_layout_without_a_usable_head_is_refused_before_vllm_starts(
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     # Started as an actor starts it: from the directory it writes of a published version.
-    from actors.loop import write_published
+    from actors.wiring import write_published
 
     model, _ = policy(1)
     path = tmp_path_factory.mktemp("eagle") / "policy"

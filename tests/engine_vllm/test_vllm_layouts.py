@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 from actors.engines.vllm_engine import VllmEngine
-from actors.loop import build_engine
+from actors.wiring import build_engine
 from common.config import load_config
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.learner import LearnerConfig

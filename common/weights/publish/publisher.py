@@ -27,13 +27,13 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing
 
-from common.model import Transformer
+from common.model_args import Layout
 from common.policy_meta import policy_meta
 from common.tokenizer import Tokenizer
 from common.weights.connection import retry_redis
@@ -56,7 +56,19 @@ LENT_SLOTS = 2
 one it sends or sent last, and a newer one queued)."""
 
 
-def publish_dtype(model: torch.nn.Module, name: str = "") -> torch.dtype:
+class PublishedPolicy(Protocol):
+    """What the publisher reads of the policy: its layout (the manifest's meta), its state dict
+    (each version) and its parameters (the default dtype). A ``Transformer``, or the learner's
+    ``PolicyView`` over a sharded one (learner/versions.py)."""
+
+    args: Layout
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
+def publish_dtype(model: PublishedPolicy, name: str = "") -> torch.dtype:
     """The dtype versions are published in: ``name``, or else the training dtype (that of the
     first floating parameter)."""
     if name:
@@ -71,7 +83,7 @@ class Publisher:
     def __init__(
         self,
         store: WeightWriter,
-        model: Transformer,
+        model: PublishedPolicy,
         tokenizer: Tokenizer,
         dtype: torch.dtype | None = None,
         max_inflight: int = 1,
@@ -116,26 +128,8 @@ class Publisher:
             assert optimizer is not None
             optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self._room = threading.Semaphore(max(1, max_inflight))
-        self._child: UploadProcess | None = None
         self._layout, self._slot_bytes = slot_layout(model.state_dict(), self.dtype)
-        if self.upload == "process":
-            layout, slot_bytes = self._layout, self._slot_bytes
-            slots = max_inflight + (1 if self.latest_wins else 0)  # + the waiting one
-            slots += LENT_SLOTS if on_snapshot is not None else 0
-            need = slots * slot_bytes
-            free = shm_free_bytes()
-            if free is not None and need > free:
-                log.warning(
-                    "learner: uploading on a thread, not a process: %d snapshot slot(s) need "
-                    "%.2f GB of shared memory and /dev/shm has %.2f GB free (raise the "
-                    "container's shm_size, or set learner.publish_upload=thread)",
-                    slots,
-                    need / 1e9,
-                    free / 1e9,
-                )
-                self.upload = "thread"
-            else:
-                self._child = UploadProcess(self, store, layout, slot_bytes, slots)
+        self._child = self._upload_process(store, max_inflight, on_snapshot is not None)
         self._thread: threading.Thread | None = None
         if max_inflight > 0:
             self._thread = threading.Thread(
@@ -151,6 +145,30 @@ class Publisher:
                 target=self._stage_worker, name="weights-snapshot", daemon=True
             )
             self._stager.start()
+
+    def _upload_process(
+        self, store: WeightWriter, max_inflight: int, lends: bool
+    ) -> UploadProcess | None:
+        """The upload child for ``upload="process"``, its shared-memory slots sized for the
+        versions in flight (+ the waiting one with ``latest_wins``, + ``LENT_SLOTS`` for a
+        borrower); None otherwise, or on a thread instead when /dev/shm cannot hold them."""
+        if self.upload != "process":
+            return None
+        slots = max_inflight + (1 if self.latest_wins else 0) + (LENT_SLOTS if lends else 0)
+        need = slots * self._slot_bytes
+        free = shm_free_bytes()
+        if free is not None and need > free:
+            log.warning(
+                "learner: uploading on a thread, not a process: %d snapshot slot(s) need "
+                "%.2f GB of shared memory and /dev/shm has %.2f GB free (raise the "
+                "container's shm_size, or set learner.publish_upload=thread)",
+                slots,
+                need / 1e9,
+                free / 1e9,
+            )
+            self.upload = "thread"
+            return None
+        return UploadProcess(self, store, self._layout, self._slot_bytes, slots)
 
     @property
     def upload_pid(self) -> int | None:

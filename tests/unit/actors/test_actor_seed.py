@@ -2,7 +2,7 @@
 ``actor.seed`` (what docker/actor.sh sets from the container id, since compose replicas share one
 command and so one index)."""
 
-from actors.loop import actor_seed
+from actors.wiring import actor_seed
 from common.config import load_config
 
 

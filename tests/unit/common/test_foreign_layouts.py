@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from actors.loop import build_engine, write_published
+from actors.wiring import build_engine, write_published
 from common.config import load_config
 from common.model import load_pretrained
 from common.model_args import HFLayout, ModelArgs, layout_from_hf_config

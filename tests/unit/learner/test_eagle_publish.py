@@ -1,6 +1,6 @@
 """A published version of a policy with an EAGLE-3 head carries the head: its tensors
 (``eagle.*``) and, in the manifest's config, its inputs and vocabulary, so an actor rebuilds the
-same head from the version alone (actors/loop.py ``policy_from_state``)."""
+same head from the version alone (actors/wiring.py ``policy_from_state``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from actors.loop import policy_from_state
+from actors.wiring import policy_from_state
 from common.config.actor import SpecConfig
 from common.eagle import EAGLE_PREFIX, attach_eagle
 from common.model_args import ModelArgs, layout_from_hf_config
