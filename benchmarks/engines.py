@@ -344,7 +344,7 @@ def preload_comparison(label: str, repeats: int, rounds: int) -> dict[str, objec
     return figures
 
 
-def main() -> int:
+def _parser():
     parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("demo", "scratchpad", "real"))
@@ -360,7 +360,11 @@ def main() -> int:
         action="store_true",
         help="skip timing vLLM with and without Intel OpenMP + tcmalloc preloaded",
     )
-    opts = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    opts = _parser().parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     if opts.only == "real":

@@ -270,6 +270,24 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_run_figures(opts, run_name: str, tokens_per_s: dict) -> dict[str, object]:
+    """A short `specrl run` of the preset on vLLM (``--vllm-steps`` steps): its memory, drafting
+    and acceptance; its actor tokens/s goes into ``tokens_per_s`` beside the torch run's."""
+    vllm_run = [*PRESET, "engine=vllm", "actor.num_actors=1"]
+    vllm_run += [f"run.steps={opts.vllm_steps}", *opts.overrides]
+    vllm_dir, vllm_memory = specrl_run(vllm_run, f"{run_name}-vllm", timeout_s=1800)
+    vllm_drafting = draft_used(vllm_run)
+    vllm_summary = json.loads((vllm_dir / "summary.json").read_text())
+    tokens_per_s["vllm"] = vllm_summary.get("actor_tokens_per_s")
+    return {
+        "realmodel_vllm_peak_rss_gb": vllm_memory["realmodel_peak_rss_gb"],
+        "realmodel_vllm_command": "specrl run " + " ".join(vllm_run),
+        "realmodel_vllm_spec": vllm_drafting["spec"],
+        "realmodel_vllm_draft": vllm_drafting["draft"],
+        "realmodel_vllm_spec_acceptance_rate": vllm_summary.get("spec_acceptance_rate"),
+    }
+
+
 def main() -> int:
     parser = cli.parser(__doc__)
     parser.add_argument("--minutes", type=float, default=30.0, help="RL wall time")
@@ -341,21 +359,7 @@ def main() -> int:
     if vllm_available():
         figures |= greedy_match(ckpt, [p.prompt for p in problems[:4]], 32)
         if opts.vllm_steps:
-            vllm_run = [*PRESET, "engine=vllm", "actor.num_actors=1"]
-            vllm_run += [f"run.steps={opts.vllm_steps}", *opts.overrides]
-            vllm_dir, vllm_memory = specrl_run(vllm_run, f"{run_name}-vllm", timeout_s=1800)
-            vllm_drafting = draft_used(vllm_run)
-            vllm_summary = json.loads((vllm_dir / "summary.json").read_text())
-            tokens = figures["realmodel_actor_tokens_per_s"]
-            assert isinstance(tokens, dict)
-            tokens["vllm"] = vllm_summary.get("actor_tokens_per_s")
-            figures["realmodel_vllm_peak_rss_gb"] = vllm_memory["realmodel_peak_rss_gb"]
-            figures["realmodel_vllm_command"] = "specrl run " + " ".join(vllm_run)
-            figures["realmodel_vllm_spec"] = vllm_drafting["spec"]
-            figures["realmodel_vllm_draft"] = vllm_drafting["draft"]
-            figures["realmodel_vllm_spec_acceptance_rate"] = vllm_summary.get(
-                "spec_acceptance_rate"
-            )
+            figures |= vllm_run_figures(opts, run_name, figures["realmodel_actor_tokens_per_s"])
     status = cli.finish(figures, opts.json, started)
     print(json.dumps(figures, indent=1, default=str))
     return status

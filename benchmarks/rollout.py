@@ -383,6 +383,31 @@ def provenance() -> dict[str, object]:
     }
 
 
+def headlines(flat: dict[str, float], lossless: bool) -> dict[str, object]:
+    """Per workload (demo, scratchpad), the best lossless speed-up at batch 8, the best without
+    history, and the prompt + group n-gram's; the scratchpad's goal notes."""
+    summary: dict[str, object] = {}
+    for label in ("demo", "scratchpad"):
+        speedups = {
+            k.removeprefix(f"{label}_").removesuffix("_b8_speedup"): v
+            for k, v in flat.items()
+            if k.startswith(f"{label}_") and k.endswith("_b8_speedup") and "_none_" not in k
+        }
+        if not speedups:
+            continue
+        best = max(speedups, key=speedups.__getitem__)
+        no_history = max((m for m in speedups if m in NO_HISTORY), key=speedups.__getitem__)
+        prefix = "" if label == "scratchpad" else f"{label}_"
+        summary[f"{prefix}speedup_b8_best_lossless"] = speedups[best] if lossless else 0.0
+        summary[f"{prefix}best_method_b8"] = best
+        summary[f"{prefix}speedup_b8_no_history"] = speedups[no_history] if lossless else 0.0
+        summary[f"{prefix}no_history_method_b8"] = no_history
+        summary[f"{prefix}speedup_b8_ngram_prompt_group"] = speedups["ngram_group"]
+        if label == "scratchpad":
+            summary.update(goal_notes(flat, speedups, best, no_history, lossless))
+    return summary
+
+
 def main() -> int:
     parser = cli.parser(__doc__)
     parser.add_argument(
@@ -437,24 +462,7 @@ def main() -> int:
         "device": str(device),
         "quick": quick,
     }
-    for label in ("demo", "scratchpad"):
-        speedups = {
-            k.removeprefix(f"{label}_").removesuffix("_b8_speedup"): v
-            for k, v in flat.items()
-            if k.startswith(f"{label}_") and k.endswith("_b8_speedup") and "_none_" not in k
-        }
-        if not speedups:
-            continue
-        best = max(speedups, key=speedups.__getitem__)
-        no_history = max((m for m in speedups if m in NO_HISTORY), key=speedups.__getitem__)
-        prefix = "" if label == "scratchpad" else f"{label}_"
-        summary[f"{prefix}speedup_b8_best_lossless"] = speedups[best] if lossless else 0.0
-        summary[f"{prefix}best_method_b8"] = best
-        summary[f"{prefix}speedup_b8_no_history"] = speedups[no_history] if lossless else 0.0
-        summary[f"{prefix}no_history_method_b8"] = no_history
-        summary[f"{prefix}speedup_b8_ngram_prompt_group"] = speedups["ngram_group"]
-        if label == "scratchpad":
-            summary.update(goal_notes(flat, speedups, best, no_history, lossless))
+    summary.update(headlines(flat, lossless))
     summary.update(
         {
             **info,

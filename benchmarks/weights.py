@@ -104,31 +104,21 @@ Other benchmarks share the cores: run the measured figures under a lock, e.g.
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import redis
 import torch
 
-from actors.engines.torch_engine import TorchEngine
 from benchmarks import cli, weights_collective
 from benchmarks._procs import Children
-from benchmarks.gpu_check.plan import QWEN25_05B
-from benchmarks.weight_scaling import GOALS, scaling_figures, shm_root
-from common import metric_names as mn
+from benchmarks.weight_delivery import STALL_GOAL, TIMEOUT_S, delivery_figures, next_version
+from benchmarks.weight_scaling import GOALS, scaling_figures
 from common.config.run import RedisConfig
-from common.model import Transformer
-from common.policy_meta import model_args_from_meta
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
-from common.weights.fetch.feed import RedisWeightFeed, StallMeter, meter_loads, take
-from common.weights.fetch.host_cache import HostCache
 from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
-from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
 
@@ -144,25 +134,6 @@ MODELS = {
 }
 READERS = (1, 4)
 TARGET_FETCH_GBPS_100MB = 1.0
-TIMEOUT_S = 600.0
-DELIVERY_SHAPES = {
-    "full": QWEN25_05B,
-    "quick": dict(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-}
-"""The delivery run's model: Qwen2.5-0.5B's shape, or ~10 MB with ``--quick``."""
-DELIVERY_ACTORS = 2
-DELIVERY_STEP_S = {"full": 0.5, "quick": 0.0}  # the learner's step time
-DELIVERY_STEPS = {"full": 24, "quick": 12}
-DELIVERY_ROWS_CHANGED = 0.02  # share of each matrix's rows a step changes
-STALL_GOAL = 0.05
 
 
 def model_shapes(target_bytes: int, d: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -203,17 +174,6 @@ def nbytes(state_dict: dict[str, torch.Tensor]) -> int:
 
 
 # ------------------------------------------------------------------------------ reader side
-
-
-def next_version(watcher: VersionWatcher) -> int:
-    """The next version ``watcher`` reports (it returns None on a lost connection, so poll
-    again); TimeoutError after ``TIMEOUT_S``."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        version = watcher.poll(timeout_s=1.0)
-        if version is not None:
-            return version
-    raise TimeoutError(f"no new version within {TIMEOUT_S} s")
 
 
 def reader_main(index: int, url: str, commands: mp.Queue, results: mp.Queue) -> None:
@@ -304,175 +264,6 @@ def run_config(
 # ------------------------------------------------------------------------------ delivery
 
 
-class _Stopped(Exception):
-    """Raised from the weight source to leave a generate call when the run ends."""
-
-
-def delivery_actor(
-    index: int, url: str, run_id: str, cache_root: str, results: mp.Queue, holds, stop
-) -> None:
-    """One actor-like process: an engine on the first version, then decoding batch after batch
-    with new weights taken from a background feed between steps; the meter's figures at the end.
-    ``holds[index]`` is the version its engine holds."""
-    torch.set_num_threads(1)
-    client = redis.Redis.from_url(url)
-    store = WeightReader(client, run_id, host_cache=HostCache(cache_root))
-    watcher = VersionWatcher.of_store(store, poll_interval_s=0.5)
-    version, state = store.fetch(next_version(watcher))
-    args = model_args_from_meta(store.manifest(version)["meta"])
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.load_state_dict(state, strict=True, assign=True)  # the fetched tensors themselves
-    engine = TorchEngine(model.eval(), eos_id=args.vocab_size, pad_id=0, version=version)
-    holds[index] = version
-    feed = RedisWeightFeed(store, watcher, version)
-    meter = StallMeter()
-    meter_loads(engine, meter, feed)  # the engine's loads and in-flight verification, as the actor
-    rng = random.Random(index)
-    # Polls of the feed (between decoding steps, and between batches), versions taken, tokens.
-    counts = {"polls": 0, "polls_during_delivery": 0, "versions_taken": 0, "tokens": 0}
-
-    def poll():
-        counts["polls"] += 1
-        counts["polls_during_delivery"] += feed.delivering
-        update = take(feed, meter)
-        if update is not None:
-            counts["versions_taken"] += 1
-            holds[index] = update[0]
-        return update
-
-    def weight_source():
-        if stop.is_set():
-            raise _Stopped
-        return poll()
-
-    results.put(("ready", index))
-    loop_started = time.perf_counter()
-    try:
-        with meter.running(feed):
-            while not stop.is_set():
-                update = poll()  # between batches, as the actor's phase 1
-                if update is not None:
-                    engine.load_weights(*update)
-                prompt = [rng.randrange(args.vocab_size) for _ in range(8)]
-                out = engine.generate([prompt], 2, 16, weight_source=weight_source)
-                counts["tokens"] += sum(len(r.token_ids) for r in out[0])
-    except _Stopped:
-        pass
-    finally:
-        feed.close()
-        watcher.close()
-    # Decoding steps per second while versions were delivered and otherwise: what a delivery's
-    # share of the cores costs the loop, beside the time it blocks it.
-    loop_s = time.perf_counter() - loop_started
-    during = meter.loop_s
-    steps_otherwise = counts["polls"] - counts["polls_during_delivery"]
-    rates = {
-        "steps_per_s_during_delivery": counts["polls_during_delivery"] / during if during else 0.0,
-        "steps_per_s_otherwise": steps_otherwise / (loop_s - during) if loop_s > during else 0.0,
-    }
-    results.put(("done", index, {**meter.figures(), **feed.stats(), **counts, **rates}))
-    client.close()
-
-
-def learner_step(model: Transformer, gen: torch.Generator) -> None:
-    """Change ``DELIVERY_ROWS_CHANGED`` of the rows of every matrix (a sparse update, so most
-    versions go out as deltas)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                rows = max(1, int(p.shape[0] * DELIVERY_ROWS_CHANGED))
-                index = torch.randint(0, p.shape[0], (rows,), generator=gen)
-                p[index] += 1e-2
-
-
-def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
-    """The learner publishing a version every ``DELIVERY_STEP_S`` while ``DELIVERY_ACTORS``
-    processes decode: each actor's stall figures and the publisher's skipped versions."""
-    mode = "quick" if quick else "full"
-    run_id = "bench-delivery"
-    model = cli.random_model(dtype=torch.bfloat16, **DELIVERY_SHAPES[mode])
-    store = WeightWriter(client, run_id, keyframe_every=10, retention=3)
-    uploaded: list[int] = []
-    publisher = Publisher(
-        store,
-        model,
-        CharTokenizer(BUILTIN_ALPHABET),
-        dtype=torch.bfloat16,
-        max_inflight=1,
-        upload="process",
-        latest_wins=True,
-        on_published=uploaded.append,
-    )
-    publisher.publish(1)
-    publisher.flush()
-    model_bytes = store.manifest(1)["total_bytes"]
-    steps = DELIVERY_STEPS[mode]
-    try:
-        with (
-            tempfile.TemporaryDirectory(prefix="specrl-bench-shm-", dir=shm_root()) as root,
-            Children(TIMEOUT_S, join_s=60.0) as children,
-        ):
-            holds = children.ctx.Array("i", [-1] * DELIVERY_ACTORS)
-            for i in range(DELIVERY_ACTORS):
-                args = (i, url, run_id, root, children.results, holds, children.stop)
-                children.start(delivery_actor, *args, name=f"delivery actor {i}")
-            children.each("ready")
-            gen = torch.Generator().manual_seed(1)
-            started = time.perf_counter()
-            for version in range(2, steps + 2):
-                learner_step(model, gen)
-                publisher.publish(version)  # never waits for the upload (latest wins)
-                next_step = started + (version - 1) * DELIVERY_STEP_S[mode]
-                time.sleep(max(0.0, next_step - time.perf_counter()))
-            publisher.flush()
-            final = uploaded[-1]
-            deadline = time.monotonic() + TIMEOUT_S
-            while min(holds[:]) < final and time.monotonic() < deadline:
-                time.sleep(0.1)
-            held = list(holds[:])
-            children.stop.set()
-            actors = [message[2] for message in children.each("done")]
-    finally:
-        publisher.close()
-    client.flushdb()
-    published = steps + 1
-    skipped = publisher.skipped
-    counted = skipped == published - len(uploaded) - publisher.refused
-    fracs = [a[mn.ACTOR_DECODE_STALL_FRAC] for a in actors]
-    delivered = all(a[mn.ACTOR_DECODE_S_DURING_DELIVERY] > 0 for a in actors)
-    # Every load ran inside the meter's loop (the first version's is not metered): the part of
-    # the stall that is not loading is the time take() blocked.
-    take_fracs = (
-        [
-            (a[mn.ACTOR_DECODE_STALL_S] - a[mn.ACTOR_WEIGHT_LOAD_S])
-            / a[mn.ACTOR_DECODE_S_DURING_DELIVERY]
-            for a in actors
-        ]
-        if delivered
-        else [float("nan")]
-    )
-    load_s = [a[mn.ACTOR_WEIGHT_LOAD_S] / max(a["versions_taken"], 1) for a in actors]
-    return {
-        "decode_stall_frac_during_delivery": max(fracs) if delivered else float("nan"),
-        "decode_stall_counts": "take from the feed + engine load + in-flight verification",
-        "decode_stall_frac_take_only": max(take_fracs),
-        "delivery_weight_load_s_mean": max(load_s),
-        "decode_stall_goal": STALL_GOAL,
-        "decode_stall_met": delivered and max(fracs) <= STALL_GOAL,
-        "skipped_versions_counted": skipped > 0 and counted and min(held) == final,
-        "delivery_model": mode,
-        "delivery_model_bytes": model_bytes,
-        "delivery_versions_published": published,
-        "delivery_versions_uploaded": len(uploaded),
-        "delivery_versions_skipped": skipped,
-        "delivery_final_version": final,
-        "delivery_actor_versions": held,
-        "delivery_upload_s_last": publisher.last_publish_s,
-        "delivery_actors": actors,
-    }
-
-
 def print_table(table: list[tuple[str, int, int, dict[str, float]]]) -> None:
     """The Markdown table of (model, bytes, readers, medians) rows."""
     print()
@@ -489,6 +280,56 @@ def print_table(table: list[tuple[str, int, int, dict[str, float]]]) -> None:
         for label, size, n, f in table
     ]
     print(cli.table(header, rows))
+
+
+def reader_table(url: str, client, labels: list[str], opts, chunk_bytes: int):
+    """Every model size x reader count of READERS: the flat figures and the table's rows."""
+    flat: dict[str, float] = {}
+    table: list[tuple[str, int, int, dict[str, float]]] = []
+    with Readers(max(READERS), url) as readers:
+        for label in labels:
+            state_dict = make_model(label)
+            size = nbytes(state_dict)
+            versions = opts.versions or (3 if opts.quick or label == "1gb" else 5)
+            for n in READERS:
+                figures = run_config(client, readers, label, state_dict, n, versions, chunk_bytes)
+                table.append((label, size, n, figures))
+                for key, value in figures.items():
+                    flat[f"{key}_{label}_r{n}"] = round(value, 3)
+                print(
+                    f"{label} ({size / MB:.1f} MB) x {n} reader(s): "
+                    + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()),
+                    flush=True,
+                )
+            del state_dict
+    return flat, table
+
+
+def print_goals(summary: dict, scaling: dict, delivery: dict, collective: dict) -> None:
+    """The headline figures against their goals."""
+    fetch_100mb, chunk_bytes = summary["fetch_gbps_100mb"], summary["chunk_bytes"]
+    print(
+        f"\nfetch_gbps_100mb = {fetch_100mb:.2f} GB/s (target >= {TARGET_FETCH_GBPS_100MB}), "
+        f"chunks of {chunk_bytes / 2**20:g} MiB, {summary['seconds']} s"
+    )
+    for key, (goal, how) in GOALS.items():
+        print(
+            f"{key} = {scaling[key]:.4g} (goal {how} {goal}): {'met' if scaling[key + '_met'] else 'NOT met'}"
+        )
+    stall = delivery["decode_stall_frac_during_delivery"]
+    print(
+        f"decode_stall_frac_during_delivery = {stall:.4g} (goal <= {STALL_GOAL}): "
+        f"{'met' if delivery['decode_stall_met'] else 'NOT met'}; take() alone "
+        f"{delivery['decode_stall_frac_take_only']:.4g}, the engine's load "
+        f"{delivery['delivery_weight_load_s_mean']:.3g} s per version"
+    )
+    print(f"skipped_versions_counted = {delivery['skipped_versions_counted']}")
+    ratio = collective["collective_over_redis_delivery_s"]
+    print(
+        f"collective_over_redis_delivery_s = {ratio:.3g} (goal <= "
+        f"{collective['target_collective_over_redis_delivery_s']}): "
+        f"{'met' if collective['collective_target_met'] else 'NOT met'}"
+    )
 
 
 def main() -> int:
@@ -510,8 +351,6 @@ def main() -> int:
     labels = list(MODELS) if opts.full else ["10mb", "100mb"]
     chunk_bytes = int(opts.chunk_mb * 2**20)
 
-    flat: dict[str, float] = {}
-    table: list[tuple[str, int, int, dict[str, float]]] = []
     with RedisServer(password="specrl-bench") as server:
         client = redis.Redis.from_url(server.url)
         plain = ("100mb", make_model("100mb"))
@@ -520,24 +359,7 @@ def main() -> int:
         delivery = delivery_figures(server.url, client, opts.quick)
         shown = {k: v for k, v in delivery.items() if k != "delivery_actors"}
         print("delivery: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
-        with Readers(max(READERS), server.url) as readers:
-            for label in labels:
-                state_dict = make_model(label)
-                size = nbytes(state_dict)
-                versions = opts.versions or (3 if opts.quick or label == "1gb" else 5)
-                for n in READERS:
-                    figures = run_config(
-                        client, readers, label, state_dict, n, versions, chunk_bytes
-                    )
-                    table.append((label, size, n, figures))
-                    for key, value in figures.items():
-                        flat[f"{key}_{label}_r{n}"] = round(value, 3)
-                    print(
-                        f"{label} ({size / MB:.1f} MB) x {n} reader(s): "
-                        + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()),
-                        flush=True,
-                    )
-                del state_dict
+        flat, table = reader_table(server.url, client, labels, opts, chunk_bytes)
         client.close()
 
     print_table(table)
@@ -564,28 +386,7 @@ def main() -> int:
         **delivery,
         **flat,
     }
-    print(
-        f"\nfetch_gbps_100mb = {fetch_100mb:.2f} GB/s (target >= {TARGET_FETCH_GBPS_100MB}), "
-        f"chunks of {chunk_bytes / 2**20:g} MiB, {summary['seconds']} s"
-    )
-    for key, (goal, how) in GOALS.items():
-        print(
-            f"{key} = {scaling[key]:.4g} (goal {how} {goal}): {'met' if scaling[key + '_met'] else 'NOT met'}"
-        )
-    stall = delivery["decode_stall_frac_during_delivery"]
-    print(
-        f"decode_stall_frac_during_delivery = {stall:.4g} (goal <= {STALL_GOAL}): "
-        f"{'met' if delivery['decode_stall_met'] else 'NOT met'}; take() alone "
-        f"{delivery['decode_stall_frac_take_only']:.4g}, the engine's load "
-        f"{delivery['delivery_weight_load_s_mean']:.3g} s per version"
-    )
-    print(f"skipped_versions_counted = {delivery['skipped_versions_counted']}")
-    ratio = collective["collective_over_redis_delivery_s"]
-    print(
-        f"collective_over_redis_delivery_s = {ratio:.3g} (goal <= "
-        f"{collective['target_collective_over_redis_delivery_s']}): "
-        f"{'met' if collective['collective_target_met'] else 'NOT met'}"
-    )
+    print_goals(summary, scaling, delivery, collective)
     return cli.finish(summary, opts.json)
 
 

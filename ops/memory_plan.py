@@ -84,7 +84,7 @@ def _fmt(n: float) -> str:
     return f"{n / GiB:9.2f} GiB"
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specrl plan",
         description="Estimated memory per GPU of the learner and of an actor for an HF model.",
@@ -116,7 +116,11 @@ def main(argv: list[str]) -> int:
         "--max-seq-tokens", type=int, default=0, help="learner.max_seq_tokens (for --memory-gib)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     path = args.model / "config.json" if args.model.is_dir() else args.model
     config = read_config(path)
     try:

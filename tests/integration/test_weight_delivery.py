@@ -1,4 +1,4 @@
-"""benchmarks/weights.py's delivery run on its small model: a learner publishing back to back
+"""benchmarks/weight_delivery.py (the delivery run of benchmarks/weights.py) on its small model: a learner publishing back to back
 through the latest-wins publisher (upload process) while two actor processes decode with their
 background weight feeds and a shared host cache, all on a real Redis. The stall meter counts the
 engine's loads (and the in-flight verification at a swap); taking from the feed blocks the loop
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from benchmarks import weights
+from benchmarks import weight_delivery
 from common import metric_names as mn
 from ops.redis_server import RedisServer
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def test_actors_decode_through_deliveries_and_skipped_versions_are_counted(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    figures = weights.delivery_figures(redis_server.url, redis_client, quick=True)
+    figures = weight_delivery.delivery_figures(redis_server.url, redis_client, quick=True)
     published = figures["delivery_versions_published"]
     uploaded = figures["delivery_versions_uploaded"]
     # Uploads are slower than steps published back to back: some versions never went out, and
