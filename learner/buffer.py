@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from common.link.protocol import TrajectoryGroup
+from common.link.receive.admission import Admission
 from common.metrics import MetricsWriter
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class StalenessBuffer:
     def __init__(
-        self, max_staleness: int, group_size: int, ledger: MetricsWriter | None = None
+        self, max_staleness: int, admission: Admission, ledger: MetricsWriter | None = None
     ) -> None:
         self.max_staleness = max_staleness
-        self.group_size = group_size
+        self.admission = admission
+        """Its group-size rule, applied again to what reaches the buffer without the receiver
+        (groups carried over a restart)."""
         self.ledger = ledger
         """When given, one line per group with its outcome (stale, rejected, trained, pending)."""
         self.dropped_stale = 0
@@ -54,16 +57,15 @@ class StalenessBuffer:
         self._carried.extend(groups)
 
     def admit(self, group: TrajectoryGroup, learner_version: int) -> bool:
-        if len(group.completions) != self.group_size:
+        if (wrong := self.admission.wrong_size(group)) is not None:
             self.rejected += 1
             self._turn_away(
                 group,
                 "rejected",
                 learner_version,
                 logging.WARNING,
-                "rejected group %s/%d: %d completions, the run's group size is %d",
-                len(group.completions),
-                self.group_size,
+                "rejected group %s/%d: %s",
+                wrong.detail,
             )
             return False
         staleness = learner_version - group.version

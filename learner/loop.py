@@ -138,7 +138,7 @@ class Learner:
             cfg.learner.resolved_bind(),
         )
         self._open_logs(run_dir)
-        self.buffer = StalenessBuffer(cfg.learner.max_staleness, cfg.actor.group_size, self.ledger)
+        self.buffer = StalenessBuffer(cfg.learner.max_staleness, admission, self.ledger)
         self.buffer.carry([*state.pending, *replayed])
         self.receiver = build_receiver(cfg, limits, admission, self.wal_dir, lambda: state.version)
         self.exporter.watch(

@@ -59,14 +59,21 @@ class Admission:
         if self.group_size < 1 or self.max_seq_tokens < 2 or not self.max_abs_reward > 0:
             raise ValueError(f"bad admission bounds: {self}")
 
+    def wrong_size(self, group: TrajectoryGroup) -> Refusal | None:
+        """The group-size rule (also the staleness buffer's, learner/buffer.py): a group of
+        another size than the run's would break GRPO's per-prompt normalisation."""
+        if len(group.completions) != self.group_size:
+            return Refusal(
+                "wrong_group_size",
+                f"{len(group.completions)} completions, the run's group size is {self.group_size}",
+            )
+        return None
+
     def refusal(self, group: TrajectoryGroup, latest_version: int) -> Refusal | None:
         """Why the learner at ``latest_version`` must not train on ``group``; None if it may."""
         completions = group.completions
-        if len(completions) != self.group_size:
-            return Refusal(
-                "wrong_group_size",
-                f"{len(completions)} completions, the run's group size is {self.group_size}",
-            )
+        if (wrong := self.wrong_size(group)) is not None:
+            return wrong
         longest = len(group.prompt_ids) + max(len(c.token_ids) for c in completions)
         if longest > self.max_seq_tokens:
             return Refusal(

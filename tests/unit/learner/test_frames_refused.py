@@ -122,7 +122,7 @@ def test_refused_stale_and_duplicate_groups_show_in_the_refusal_counters(
         for frame in (encode(too_small), encode(old), encode(old), b"\xc1"):
             send_when_connected(dealer, [frame])
         wait_until(lambda: receiver.bad_frames == 1 and receiver.duplicates == 1, 10)
-        buffer = StalenessBuffer(max_staleness=2, group_size=ADMISSION.group_size)
+        buffer = StalenessBuffer(max_staleness=2, admission=ADMISSION)
         # At learner version 3 the version-0 group is 3 versions old: dropped as stale.
         assert not buffer.admit(receiver.get(timeout_s=5), learner_version=3)
         assert buffer.dropped_stale == 1

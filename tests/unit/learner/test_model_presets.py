@@ -9,7 +9,7 @@ import pytest
 
 from common.config import load_config
 from common.model_presets import get_preset, preset_dir
-from learner import presets
+from learner.prepare import presets
 from learner.prepare.presets import PresetError, build_preset
 
 
