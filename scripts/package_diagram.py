@@ -18,6 +18,8 @@ one folder: the weight plane (``common/weights/``: its contract, ``publish/`` th
 the contract imports neither, and a side never imports the other side's end: an actor process
 loads no learner code.
 
+No layer imports ``testing/``, ``benchmarks/`` or ``tests/``.
+
 Every ``import``/``from ... import`` in a module counts, including those inside functions (a lazy
 import is still a dependency). Run ``python scripts/package_diagram.py`` to print the Mermaid
 diagram, ``--check`` to print the violations and exit 1 if there is one not in
@@ -35,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ops", "common", "actors", "learner")
 LAYERS = {"operator": 2, "actors": 1, "learner": 1, "shared": 0}
+NOT_PRODUCTION = ("testing", "benchmarks", "tests")
+"""Helpers of tests and benchmarks, the benchmarks and the tests: never imported by what runs."""
 # Imports that break the layering today, each with why, until the module moves. The check fails
 # on a violation not listed here and on a listed one that no longer happens.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
@@ -75,6 +79,17 @@ def concern_of(module: str) -> str | None:
     return next((c for c in CONCERNS if module == c or module.startswith(c + ".")), None)
 
 
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names ``path`` imports (``import a.b`` and ``from a.b import c``: ``a``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
 def project_imports(path: Path, modules: set[str]) -> set[str]:
     """The project modules ``path`` imports (``from pkg import mod`` resolves to ``pkg.mod``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -99,6 +114,8 @@ def import_graph() -> dict[str, set[str]]:
     files = {module_name(f): f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))}
     modules = set(files)
     graph = {m: project_imports(f, modules) - {m} for m, f in files.items()}
+    for m, f in files.items():  # what runs in production never imports test or benchmark code
+        graph[m] |= {name for name in top_level_imports(f) if name in NOT_PRODUCTION}
     # A package's __init__ is imported on the way to its modules; it is not a dependency edge.
     return {m: {t for t in targets if t not in PACKAGES} for m, targets in graph.items()}
 
@@ -108,6 +125,9 @@ def violations(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
     bad = []
     for src, targets in sorted(graph.items()):
         for dst in sorted(targets):
+            if dst in NOT_PRODUCTION:
+                bad.append((src, dst, f"production code imports {dst}/"))
+                continue
             a, b = layer_of(src), layer_of(dst)
             if LAYERS[a] < LAYERS[b]:
                 bad.append((src, dst, f"upward: {a} imports {b}"))
@@ -128,6 +148,7 @@ def mermaid(graph: dict[str, set[str]]) -> str:
     Arrows inside a layer are left out: the layers say what may depend on what, so every arrow
     points down the page, except a violation, drawn dotted from the module that commits it.
     """
+    graph = {m: targets - set(NOT_PRODUCTION) for m, targets in graph.items()}
     node = {m: m.replace(".", "_") for m in graph}
     for side in ("actors", "learner"):
         node.update({m: side for m in graph if m.split(".")[0] == side})

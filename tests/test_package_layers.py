@@ -1,9 +1,9 @@
 """Imports go down the layers of docs/design.md §1.2: operator → sides → shared contracts.
 
-``tests/test_import_boundaries.py`` keeps the package rule (actors and learner never import
-each other; nothing in common/ imports a side). This adds the operator layer, ops/: a side must
-not import it (launcher, reports, embedded Redis...), and a shared contract must import neither
-it nor a side. The check and the diagram in docs/design.md come from one script,
+The one layer checker: actors and learner never import each other; nothing in common/ imports a
+side; a side must not import the operator layer, ops/ (launcher, reports, embedded Redis...), and
+a shared contract imports neither it nor a side; no layer imports testing/, benchmarks/ or
+tests/; each end of a boundary-crossing concern stays on its side. The check and the diagram in docs/design.md come from one script,
 ``scripts/package_diagram.py``; the diagram there must be the one the imports give today.
 """
 
@@ -74,6 +74,18 @@ def test_checker_catches_upward_and_sideways_imports():
         patch.setattr(pd, "KNOWN_VIOLATIONS", known)
         assert any("no longer imported" in p for p in pd.check({"common.sampling": set()}))
         assert not pd.check({"actors.loop": {"ops.launcher"}, "ops.launcher": set()})
+
+
+def test_checker_catches_production_code_importing_test_code():
+    graph = {"actors.loop": {"testing", "common.sampling"}, "common.sampling": {"benchmarks"}}
+    found = {(s, d) for s, d, _ in pd.violations(graph)}
+    assert found == {("actors.loop", "testing"), ("common.sampling", "benchmarks")}
+
+
+def test_the_graph_sees_an_import_of_test_code(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text("import os\nfrom testing.models import tiny_model\nimport benchmarks.cli\n")
+    assert pd.top_level_imports(planted) == {"os", "testing", "benchmarks"}
 
 
 def test_checker_keeps_each_end_of_a_concern_on_its_side():
