@@ -238,16 +238,16 @@ def lossless(quick: bool, k: int = 3) -> dict[str, object]:
 def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> dict[str, object]:
     """One `specrl run` of E2E ``steps`` steps with spec=eagle3 (the head trained online): its
     wall time (and over spec=none's, when ``flat`` has it) and the head's acceptance drift."""
-    from benchmarks.rollout_real import (
+    from benchmarks.real_preset import (
         OVERRIDES,
         RL_SUMMARY_KEYS,
-        _held_out,
-        _rl_run,
+        held_out_samples,
         real_model_dir,
+        rl_run,
     )
 
     model_dir = real_model_dir()
-    wall, run_summary, run_dir = _rl_run("eagle3", steps, ["spec=eagle3"])
+    wall, run_summary, run_dir = rl_run("eagle3", steps, ["spec=eagle3"])
     out: dict[str, object] = {"real_e2e_eagle3_wall_s": round(wall, 1)}
     for key in RL_SUMMARY_KEYS:
         if key in run_summary:
@@ -262,8 +262,8 @@ def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> d
     final = load_pretrained(latest_checkpoint(run_dir / "checkpoints")).eval()
     frozen = copy.deepcopy(final)
     frozen.eagle.load_state_dict(start.eagle.state_dict())  # type: ignore[union-attr]
-    before = head_acceptance(start, _held_out(start, cfg, tokenizer, task, eval_prompts), t)
-    after_samples = _held_out(final, cfg, tokenizer, task, eval_prompts)
+    before = head_acceptance(start, held_out_samples(start, cfg, tokenizer, task, eval_prompts), t)
+    after_samples = held_out_samples(final, cfg, tokenizer, task, eval_prompts)
     # The head's inputs are the policy's states, so the frozen head reads the final policy's.
     after, frozen_after = head_acceptance(final, after_samples, t, also=frozen)
     out.update(

@@ -76,7 +76,7 @@ def _engine(model_dir: Path, eos: int, spec: SpecConfig | None, temperature: flo
 def real_speed(quick: bool, batches, repeats: int, k: int) -> dict[str, object]:
     """vllm plain and vllm eagle3 (k fixed) on the real model, chunk by chunk in turn (the
     first engine moves each time); the figures of the module docstring."""
-    from benchmarks.rollout_real import OVERRIDES, _chunks, _prompts, real_model_dir
+    from benchmarks.real_preset import OVERRIDES, chunks_of, preset_prompts, real_model_dir
 
     model_dir = real_model_dir()
     cfg = load_config(OVERRIDES)
@@ -93,8 +93,8 @@ def real_speed(quick: bool, batches, repeats: int, k: int) -> dict[str, object]:
     figures: dict[str, object] = {"real_vllm_eagle_k": k, "real_vllm_eagle_temperature": t}
     for batch in batches:
         per_epoch = batch // GROUP * (1 if quick else 2)
-        timed = _chunks(_prompts(cfg, tokenizer, task, per_epoch, 0), batch)
-        warm = _chunks(_prompts(cfg, tokenizer, task, batch // GROUP, 500), batch)
+        timed = chunks_of(preset_prompts(cfg, tokenizer, task, per_epoch, 0), batch)
+        warm = chunks_of(preset_prompts(cfg, tokenizer, task, batch // GROUP, 500), batch)
         for name, engine in engines.items():
             for chunk in warm:
                 engine.generate(chunk, GROUP, max_new)

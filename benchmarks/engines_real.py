@@ -36,7 +36,7 @@ REAL_ROWS = ("vllm_plain", "vllm_selfdraft", "vllm_selfdraft_adaptive", "vllm_ng
 
 def real_engines(rows, k: int):
     """The real-model vLLM engines named in ``rows`` (and the model's settings)."""
-    from benchmarks.rollout_real import OVERRIDES, real_model_dir
+    from benchmarks.real_preset import OVERRIDES, real_model_dir
 
     model_dir = real_model_dir()
     cfg = load_config(OVERRIDES)
@@ -66,7 +66,7 @@ def real_engines(rows, k: int):
 def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, float]:
     """Tokens/s of ``rows`` on the real model, chunk by chunk in turn (the first engine moves
     each time); for the self-draft rows also tokens per verify from the proposer's counts."""
-    from benchmarks.rollout_real import _chunks, _prompts
+    from benchmarks.real_preset import chunks_of, preset_prompts
     from common.tasks import task_from_config as make_task
 
     engines, cfg, tokenizer = real_engines(rows, k)
@@ -78,8 +78,8 @@ def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, fl
     }
     for batch in batches:
         per_epoch = batch // GROUP * (1 if quick else 2)
-        timed = _chunks(_prompts(cfg, tokenizer, task, per_epoch, 0), batch)
-        warm = _chunks(_prompts(cfg, tokenizer, task, batch // GROUP, 500), batch)
+        timed = chunks_of(preset_prompts(cfg, tokenizer, task, per_epoch, 0), batch)
+        warm = chunks_of(preset_prompts(cfg, tokenizer, task, batch // GROUP, 500), batch)
         for engine in engines.values():
             for chunk in warm:
                 engine.generate(chunk, GROUP, max_new)
@@ -260,7 +260,7 @@ def real_inflight(quick: bool) -> dict[str, object]:
     and its control (the same run scored with vLLM's raw prompt log-probs, i.e. a wrong new
     record); then the same swap on SmolLM2-135M with unchanged weights, where every in-flight
     token must be kept unless the scoring disagrees with vLLM's sampler (49,152 tokens)."""
-    from benchmarks.rollout_real import OVERRIDES, PRESET, _prompts
+    from benchmarks.real_preset import OVERRIDES, PRESET, preset_prompts
     from common.model_presets import preset_dir
 
     temperature, top_p, vocab = 0.7, 0.9, 12
@@ -311,7 +311,7 @@ def real_inflight(quick: bool) -> dict[str, object]:
         version=0,
     )
     task = task_from_config(cfg.task)
-    prompts = _prompts(cfg, tokenizer, task, 2 if quick else 4, 700)
+    prompts = preset_prompts(cfg, tokenizer, task, 2 if quick else 4, 700)
     swapped(engine, real, real, prompts, GROUP, 24, 9)
     stats = engine.stats()
     del engine

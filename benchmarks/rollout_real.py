@@ -26,50 +26,35 @@ from __future__ import annotations
 
 import copy
 import json
-import random
-import shutil
 import subprocess
-import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from actors.engines.torch_engine import TorchEngine
 from benchmarks import eagle_rows
+from benchmarks.real_preset import (
+    E2E_STEPS,
+    GROUP,
+    OVERRIDES,
+    PRESET,
+    RL_SUMMARY_KEYS,
+    chunks_of,
+    held_out_samples,
+    preset_prompts,
+    real_model_dir,
+    rl_run,
+)
 from common import metric_names as mn
 from common.config import load_config
 from common.config.actor import SpecConfig
-from common.model import DRAFT_FILE, EAGLE_FILE, load_pretrained
-from common.model_presets import preset_dir
-from common.prompts import prompt_encoder
+from common.model import load_pretrained
 from common.tasks import PromptPool, task_from_config
 from common.tokenizer import load_tokenizer
 from learner.checkpoint import latest_checkpoint
-from learner.prepare.draft_data import Decoding, Sample, sample_group
 from learner.prepare.draft_warmup import held_out_acceptance
 
-ROOT = Path(__file__).resolve().parent.parent
-PRESET = "smollm2-135m"
-OVERRIDES = [f"model={PRESET}", "task=word_problems"]
-GROUP = 8
 BATCHES = (1, 8, 32)
-
-
-def real_model_dir() -> Path:
-    """The preset's HF directory with a warm-started draft adapter and a warm-started EAGLE-3
-    head (each built on first use with `specrl warm-draft`; a directory that has one keeps it)."""
-    model_dir = ROOT / preset_dir(PRESET)
-    for draft_file, extra, what in (
-        (DRAFT_FILE, [], "the draft adapter"),
-        (EAGLE_FILE, ["spec=eagle3"], "the EAGLE-3 head"),
-    ):
-        if not (model_dir / draft_file).exists():
-            cmd = [sys.executable, "-m", "ops.cli", "warm-draft", *OVERRIDES, *extra]
-            print(f"warm-starting {what}: {' '.join(cmd[2:])} ...", flush=True)
-            subprocess.run(cmd, cwd=ROOT, check=True)
-    return model_dir
 
 
 def methods(k: int, exit_layer: int) -> dict[str, SpecConfig]:
@@ -84,22 +69,6 @@ def methods(k: int, exit_layer: int) -> dict[str, SpecConfig]:
         "adapter_adaptive": fixed,
         "hybrid_adaptive": hybrid,
     }
-
-
-def _prompts(cfg, tokenizer, task, count: int, skip: int) -> list[list[int]]:
-    """``count`` training prompts from ``skip`` on, encoded as the actor does (chat template)."""
-    encode = prompt_encoder(
-        tokenizer, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.natural_language
-    )
-    pool = list(task.problems)
-    random.Random(2).shuffle(pool)
-    unique = list({p.prompt_id: p for p in pool}.values())
-    return [encode(p.prompt) for p in unique[skip : skip + count]]
-
-
-def _chunks(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-    per = 1 if batch == 1 else max(1, batch // GROUP)
-    return [prompts[i : i + per] for i in range(0, len(prompts), per)]
 
 
 def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
@@ -131,9 +100,9 @@ def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
     table = []
     for batch in BATCHES:
         prompts_per_epoch = {1: 3, 8: 2, 32: 4}[batch] if quick else {1: 4, 8: 2, 32: 4}[batch]
-        timed = _chunks(_prompts(cfg, tokenizer, task, prompts_per_epoch, 0), batch)
+        timed = chunks_of(preset_prompts(cfg, tokenizer, task, prompts_per_epoch, 0), batch)
         warm_n = 1 if batch == 1 else batch // GROUP
-        warm = _chunks(_prompts(cfg, tokenizer, task, warm_n, 500), batch)
+        warm = chunks_of(preset_prompts(cfg, tokenizer, task, warm_n, 500), batch)
         n = 1 if batch == 1 else GROUP
         engines = {}
         for name, spec in rows.items():
@@ -258,54 +227,6 @@ def section(quick: bool, repeats: int, rl: bool) -> tuple[dict[str, object], lis
 
 # ------------------------------------------------------------------ RL: end to end, draft drift
 
-E2E_STEPS = 20
-# Copied from each RL run's summary.json (ops/run_summary.py) as real_e2e_{spec}_{key}.
-RL_SUMMARY_KEYS = (
-    "actor_tokens_per_s",
-    "trained_tokens_per_s",
-    "groups_dropped_stale",
-    "learner_wait_frac",
-    "spec_acceptance_rate",
-)
-
-
-def _rl_run(label: str, steps: int, extra: list[str]) -> tuple[float, dict, Path]:
-    """One `specrl run` of the preset on its task: (wall seconds, its summary, its run dir)."""
-    run_dir = ROOT / "runs" / "bench" / f"real-e2e-{label}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ops.cli",
-        "run",
-        *OVERRIDES,
-        f"run.steps={steps}",
-        f"run.dir={run_dir}",
-        f"run.name=bench-real-e2e-{label}",
-        "learner.resume=false",
-        *extra,
-    ]
-    print(f"RL run ({label}): {' '.join(cmd[2:])} ...", flush=True)
-    started = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - started
-    return wall, json.loads((run_dir / "summary.json").read_text()), run_dir
-
-
-def _held_out(model, cfg, tokenizer, task, prompts: int) -> list[Sample]:
-    """Two completions of each of ``prompts`` held-out training prompts, sampled from a bf16
-    copy of ``model`` with the states the draft reads (as `specrl warm-draft` evaluates)."""
-    decoding = Decoding(
-        task.max_new_tokens,
-        model.args.draft_exit_layer or 1,  # the states recorded: any layer will do for a head
-        tokenizer.eos_id,
-        cfg.sampling.temperature,
-        cfg.sampling.top_p,
-    )
-    encoded = _prompts(cfg, tokenizer, task, prompts, 1000)
-    sampler = copy.deepcopy(model).to(torch.bfloat16)
-    return sample_group(sampler, encoded, 2, decoding, torch.Generator().manual_seed(0))
-
 
 def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, object]:
     """``real_e2e_speedup``: wall time of `steps` RL steps with spec=none over the same run with
@@ -318,7 +239,7 @@ def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, obje
     flat: dict[str, object] = {"real_e2e_steps": steps, "real_default_spec": cfg.spec.method}
     walls = {}
     for label, extra in (("none", ["spec=none"]), ("default", [])):
-        wall, summary, run_dir = _rl_run(label, steps, extra)
+        wall, summary, run_dir = rl_run(label, steps, extra)
         walls[label] = wall
         flat[f"real_e2e_{label}_wall_s"] = round(wall, 1)
         for key in RL_SUMMARY_KEYS:
@@ -334,9 +255,9 @@ def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, obje
     frozen.draft.load_state_dict(start.draft.state_dict())
     # The states depend on the policy only, so the frozen draft reads the final policy's.
     before = held_out_acceptance(
-        start, _held_out(start, cfg, tokenizer, task, eval_prompts), t, 8, 256
+        start, held_out_samples(start, cfg, tokenizer, task, eval_prompts), t, 8, 256
     )
-    after_samples = _held_out(final, cfg, tokenizer, task, eval_prompts)
+    after_samples = held_out_samples(final, cfg, tokenizer, task, eval_prompts)
     after = held_out_acceptance(final, after_samples, t, 8, 256)
     frozen_after = held_out_acceptance(frozen, after_samples, t, 8, 256)
     flat.update(

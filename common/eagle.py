@@ -25,10 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from common.layers import MLP, Attention, RMSNorm
-from common.model import EAGLE_PREFIX
 from common.model_args import ModelArgs
 
-__all__ = ["EAGLE_PREFIX", "EagleHead", "EagleLayer", "attach_eagle"]
+EAGLE_PREFIX = "eagle."
+EAGLE_FILE = "eagle/model.safetensors"
+"""The head's tensors (``eagle.*``) in a model directory: in a subdirectory, apart from the
+checkpoint other tools read, because vLLM and transformers load every ``*.safetensors`` at the
+top level (as the draft adapter's, common/model.py ``DRAFT_FILE``)."""
 
 
 class EagleLayer(nn.Module):

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX, EagleHead
 from common.layers import (
     DecoderLayer,
     DecoderStack,
@@ -41,10 +42,6 @@ DRAFT_FILE = "draft/model.safetensors"
 """The draft adapter's tensors (``draft.*``), apart from the checkpoint other tools read: in a
 subdirectory, because vLLM and transformers load every ``*.safetensors`` at the top level."""
 DRAFT_PREFIX = "draft."
-EAGLE_PREFIX = "eagle."
-EAGLE_FILE = "eagle/model.safetensors"
-"""The EAGLE-3 head's tensors (``eagle.*``, common/eagle.py), in a subdirectory for the same
-reason."""
 
 
 class DraftAdapter(nn.Module):
@@ -98,8 +95,6 @@ class Transformer(nn.Module):
         self.draft = DraftAdapter(args) if args.draft_exit_layer else None
         self.eagle: nn.Module | None = None
         if args.has_eagle:
-            from common.eagle import EagleHead  # common.eagle builds on this module's layers
-
             self.eagle = EagleHead(args)
         self.tie_weights()
         init_weights(self)

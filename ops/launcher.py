@@ -32,7 +32,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
 from common.config.run import REDIS_PASSWORD_ENV, redact_redis_url, split_redis_password
-from common.model import DRAFT_FILE, EAGLE_FILE
+from common.eagle import EAGLE_FILE
+from common.model import DRAFT_FILE
 from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.eagle import attach_eagle
-from common.model import EAGLE_FILE, EAGLE_PREFIX, Transformer, save_pretrained
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
+from common.model import Transformer, save_pretrained
 
 HEAD_FILE = EAGLE_FILE
 """Where the head's tensors live in a model directory (a subdirectory: vLLM loads the target

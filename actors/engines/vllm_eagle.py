@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from actors.engines.rollout_engine import StaleDraftError
 from common import metric_names as mn
-from common.model import EAGLE_PREFIX
+from common.eagle import EAGLE_PREFIX
 
 log = logging.getLogger(__name__)
 

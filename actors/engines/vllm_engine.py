@@ -44,6 +44,7 @@ import torch
 from actors.drafting import NgramDrafter
 from actors.engines import vllm_proposer, vllm_selfdraft
 from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
+from actors.engines.vllm_compat import SPEC_COUNTERS
 from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
 from actors.engines.vllm_eagle import EAGLE_PREFIX, NativeEagle
 from actors.engines.vllm_proposer import PROPOSER_PATH
@@ -72,12 +73,6 @@ from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.model import DRAFT_PREFIX
 
 log = logging.getLogger(__name__)
-
-_SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
-}
 
 
 @dataclass
@@ -552,9 +547,9 @@ class VllmEngine(RolloutEngine):
         return token != self.eos_id
 
     def _spec_counters(self) -> dict[str, float]:
-        totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0.0)
+        totals = dict.fromkeys(SPEC_COUNTERS.values(), 0.0)
         for metric in self.llm.get_metrics():
-            key = _SPEC_COUNTERS.get(metric.name)
+            key = SPEC_COUNTERS.get(metric.name)
             if key is not None:
                 totals[key] += float(metric.value)
         return totals

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
-from common.eagle import EAGLE_PREFIX, attach_eagle
-from common.model import CONFIG_FILE, EAGLE_FILE, Transformer
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
+from common.model import CONFIG_FILE, Transformer
 from common.sampling import processed_logprobs
 from common.tokenizer import load_tokenizer
 from learner.draft_loss import loss_temperature

@@ -378,6 +378,18 @@ class Publisher:
             self.last_publish_bytes = self.store.last_publish_bytes
             self._finished(version, "published", time.perf_counter() - started)
 
+    # The upload process's reports (upload.UploadOwner), from its reply thread.
+
+    def upload_finished(self, version: int, outcome: str, detail: Any, nbytes: int) -> None:
+        self.last_publish_bytes = nbytes or self.last_publish_bytes
+        self._finished(version, outcome, detail)
+
+    def upload_failed(self, error: BaseException) -> None:
+        self._error = error
+
+    def upload_done(self) -> None:
+        self._done()
+
     def _finished(self, version: int, outcome: str, detail: Any) -> None:
         """One version's upload ended: ``published`` (detail: seconds) or ``refused``."""
         if outcome == "refused":

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing
@@ -23,10 +23,22 @@ from common.weights.connection import retry_redis
 from common.weights.format import WeightsError, WeightsNonFinite
 from common.weights.publish.writer import WeightWriter
 
-if TYPE_CHECKING:
-    from common.weights.publish.publisher import Publisher
-
 log = logging.getLogger(__name__)
+
+
+class UploadOwner(Protocol):
+    """What the upload process reports to (the ``Publisher``): each version's outcome in order,
+    its own failure, and a slot of room freed; it asks whether to stop retrying Redis."""
+
+    meta: dict[str, str]
+    should_stop: Callable[[], bool]
+
+    def upload_finished(self, version: int, outcome: str, detail: Any, nbytes: int) -> None: ...
+
+    def upload_failed(self, error: BaseException) -> None: ...
+
+    def upload_done(self) -> None: ...
+
 
 PUBLISH_NICENESS = 10
 """Nice value of the upload thread or process: a lower priority than the learner's threads."""
@@ -123,7 +135,7 @@ class UploadProcess:
 
     def __init__(
         self,
-        publisher: Publisher,
+        publisher: UploadOwner,
         store: WeightWriter,
         layout: list[SlotEntry],
         slot_bytes: int,
@@ -227,11 +239,10 @@ class UploadProcess:
                     self.sent.popleft()
                 self.release(slot)
                 if outcome == "error":
-                    publisher._error = rebuilt_error(detail)
+                    publisher.upload_failed(rebuilt_error(detail))
                 elif outcome != "stopped":
-                    publisher.last_publish_bytes = nbytes or publisher.last_publish_bytes
-                    publisher._finished(version, outcome, detail)
-                publisher._done()
+                    publisher.upload_finished(version, outcome, detail, nbytes)
+                publisher.upload_done()
                 continue
             if not ready and self.process.is_alive():
                 continue
@@ -240,11 +251,11 @@ class UploadProcess:
                 lost = list(self.sent)
                 self.sent.clear()
             if not self.closing or lost:
-                publisher._error = RuntimeError(self._died())
+                publisher.upload_failed(RuntimeError(self._died()))
                 log.error("learner: %s", self._died())
             for _, slot in lost:
                 self.release(slot)
-                publisher._done()
+                publisher.upload_done()
             return
 
     def close(self) -> None:

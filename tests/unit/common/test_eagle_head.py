@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.eagle import EAGLE_PREFIX, attach_eagle
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
 from common.layers import KVCache
-from common.model import EAGLE_FILE, Transformer, load_pretrained, save_pretrained
+from common.model import Transformer, load_pretrained, save_pretrained
 from common.model_args import ModelArgs, default_eagle_aux_layers
 
 ARGS = ModelArgs(

@@ -14,9 +14,8 @@ from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
-from common.eagle import EAGLE_PREFIX, attach_eagle
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
 from common.layers import KVCache
-from common.model import EAGLE_FILE
 from common.model_args import default_eagle_aux_layers
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate

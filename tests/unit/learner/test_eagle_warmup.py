@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.eagle import EAGLE_PREFIX, attach_eagle
-from common.model import EAGLE_FILE, load_pretrained
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
+from common.model import load_pretrained
 from learner.eagle_loss import eagle_terms
 from learner.policy import backbone
 from learner.prepare.draft_data import Decoding, WarmDraftError, WarmDraftOptions, sample_group
