@@ -15,7 +15,6 @@ import torch
 from actors.engines.torch_engine import TorchEngine
 from benchmarks import cli
 from benchmarks._procs import Children
-from benchmarks.gpu_check.plan import QWEN25_05B
 from benchmarks.weight_scaling import shm_root
 from common import metric_names as mn
 from common.model import Transformer
@@ -27,6 +26,7 @@ from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
 from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
+from testing.shapes import QWEN25_05B, shape
 
 TIMEOUT_S = 600.0
 
@@ -44,15 +44,7 @@ def next_version(watcher: VersionWatcher) -> int:
 
 DELIVERY_SHAPES = {
     "full": QWEN25_05B,
-    "quick": dict(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
+    "quick": shape(4096, 256, 768, 4, 4, 2, tie_word_embeddings=True),
 }
 """The delivery run's model: Qwen2.5-0.5B's shape, or ~10 MB with ``--quick``."""
 DELIVERY_ACTORS = 2

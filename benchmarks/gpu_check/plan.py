@@ -14,71 +14,25 @@ from typing import Any
 import torch
 
 from benchmarks import cli
+from testing.shapes import QWEN25_05B, SMOLLM2_135M, shape
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SMOLLM2_135M = dict(
-    vocab_size=49_152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    tie_word_embeddings=True,
-    rope_theta=100_000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
-"""The ``smollm2-135m`` preset's shape (its config.json under runs/models/, checked against it
-where that directory exists)."""
-
-QWEN25_05B = dict(
-    vocab_size=151_936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    head_dim=64,
-    tie_word_embeddings=True,
-    attention_bias=True,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=32_768,
-    eos_token_id=151_643,
-    pad_token_id=151_643,
-)
-"""Qwen2.5-0.5B's shape (494M parameters): the learner's and the weight sync's model."""
-
-TINY_ENGINE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+TINY_ENGINE = shape(
+    512, 64, 128, 4, 2, 1,
     tie_word_embeddings=True,
     max_position_embeddings=256,
     eos_token_id=2,
     pad_token_id=2,
-)
-TINY_LEARNER = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+)  # fmt: skip
+TINY_LEARNER = shape(
+    1024, 64, 128, 2, 2, 1,
     tie_word_embeddings=True,
     attention_bias=True,
     max_position_embeddings=256,
     eos_token_id=2,
     pad_token_id=2,
-)
+)  # fmt: skip
 """``--cpu``: 2 heads of 32 channels (the smallest head the engines' kernels are used with)."""
 
 

@@ -56,19 +56,14 @@ from learner.wiring import gather_checkpoint, setup, train_on
 from ops.redis_server import find_free_port
 from testing.groups import make_groups
 from testing.models import random_model
+from testing.shapes import shape
 
 pytestmark = pytest.mark.integration
 
 TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
 VOCAB = TOKENIZER.vocab_size
 CPU = torch.device("cpu")
-SHAPE = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-)
+SHAPE = shape(VOCAB, 512, 1536, 12, 8, 8)
 
 
 def _config(model_dir: Path) -> SpecRLConfig:
@@ -182,7 +177,7 @@ def _run(tmp_path: Path, phase: str, world: int = 2) -> list[dict[str, float]]:
 
 def test_two_rank_resume_reads_shards_and_continues_exactly(tmp_path):
     model_dir = tmp_path / "model"
-    save_pretrained(random_model(VOCAB, seed=0, **SHAPE).train(), model_dir)
+    save_pretrained(random_model(seed=0, **SHAPE).train(), model_dir)
     TOKENIZER.save(model_dir)
 
     trained = _run(tmp_path, "train")

@@ -104,16 +104,9 @@ def test_cached_adapter_drafts_equal_a_fresh_forward(cache_kind):
 def test_adapter_is_small_for_the_preset_shape():
     from common.model import Transformer, attach_draft
     from common.model_args import ModelArgs
+    from testing.shapes import SMOLLM2_135M
 
-    smollm2 = ModelArgs(  # SmolLM2-135M's shape
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-    )
+    smollm2 = ModelArgs(**SMOLLM2_135M)
     with torch.device("meta"):
         model = Transformer(smollm2)
         attach_draft(model, 6)  # the vocabulary ids are a buffer, not parameters

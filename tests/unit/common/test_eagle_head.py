@@ -12,15 +12,9 @@ from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
 from common.layers import KVCache
 from common.model import Transformer, load_pretrained, save_pretrained
 from common.model_args import ModelArgs, default_eagle_aux_layers
+from testing.shapes import shape
 
-ARGS = ModelArgs(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-)
+ARGS = ModelArgs(**shape(96, 64, 128, 6, 2, 1))
 
 
 def policy(seed: int = 0, **changes) -> Transformer:

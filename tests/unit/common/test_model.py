@@ -14,6 +14,7 @@ from common.layers import KVCache
 from common.model import Transformer, init_weights, load_pretrained, save_pretrained
 from common.model_args import ModelArgs
 from testing.models import random_model
+from testing.shapes import shape
 
 VOCAB = 64
 HF_CLASSES = {
@@ -26,12 +27,7 @@ HF_CLASSES = {
 def tiny_args(kind: str = "llama", tied: bool = False, layers: int = 3) -> ModelArgs:
     """A tiny model with head_dim 32 != hidden/heads and GQA, so shape mix-ups cannot cancel out."""
     return ModelArgs(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **shape(VOCAB, 64, 128, layers, 4, 2),
         head_dim=32,
         rms_norm_eps=1e-5,
         rope_theta=50000.0,  # non-default, so a reader that ignores it fails the parity test

@@ -28,19 +28,11 @@ from learner.prepare.fit_check import (
 from learner.wiring import setup, train_on
 from testing.groups import make_groups
 from testing.own_model import build_model
+from testing.shapes import QWEN25_7B
 
 ROOT = Path(__file__).resolve().parents[3]
 # Qwen2.5-7B's shape as the built-in model describes it (written as its config.json).
-QWEN_7B = ModelArgs(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    max_position_embeddings=32768,
-    attention_bias=True,
-)
+QWEN_7B = ModelArgs(**QWEN25_7B)
 
 
 def test_learner_entry_point_refuses_before_building_the_model(tmp_path):

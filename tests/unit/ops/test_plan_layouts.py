@@ -10,19 +10,9 @@ import transformers
 
 from ops.cli import main as cli_main
 from testing.models import FOREIGN_LAYOUTS
+from testing.shapes import shape
 
-SHAPE = dict(
-    vocab_size=1000,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+SHAPE = shape(1000, 256, 704, 4, 4, 2, head_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def write_config(model_type: str, path) -> int:
