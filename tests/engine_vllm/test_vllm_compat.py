@@ -18,7 +18,7 @@ from vllm.v1.spec_decode import custom_class_proposer
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from actors.engines import vllm_compat, vllm_engine
+from actors.engines import vllm_compat
 from actors.engines.vllm_compat import (
     ALLOW_VERSION_ENV,
     SUPPORTED_VLLM,
@@ -84,7 +84,7 @@ BREAKS = {
     ),
     "inplace reload_weights gone": (lambda m: m.delattr(inplace, "reload_weights"), "reload"),
     "spec metric renamed": (
-        lambda m: m.setitem(vllm_engine._SPEC_COUNTERS, "vllm:spec_decode_num_drafted", "drafts"),
+        lambda m: m.setitem(vllm_compat.SPEC_COUNTERS, "vllm:spec_decode_num_drafted", "drafts"),
         "vllm:spec_decode_num_",
     ),
 }
