@@ -9,12 +9,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "package_diagram.py"  # the layer checker reads imports the same way
 
 
-def imported_top_levels(path: Path) -> set[str]:
+def _layer_checker():
     spec = importlib.util.spec_from_file_location("package_diagram", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.top_level_imports(path)
+    return module
+
+
+imported_top_levels = _layer_checker().top_level_imports  # loaded once, not once per file
 
 
 UNSAFE_DESERIALIZERS = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
