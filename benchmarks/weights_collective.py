@@ -29,8 +29,12 @@ also what tests/integration/test_weights_group.py runs.
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import statistics
 import time
 from typing import Any
@@ -111,8 +115,15 @@ def actor_main(
     Reports ``("held", index, version, path, monotonic time, digest, group stats)`` for every
     version it gets (``digest``: ``weights_digest`` of the state with ``options["digest"]``);
     answers ``"stats"`` with ``("stats", index, group stats)`` (``CollectiveFeed.group_stats``);
-    stops on None."""
+    stops on None. ``options["log_level"]``: the feed's log level on stderr (default WARNING);
+    SIGUSR1 dumps every thread's stack to stderr (what :meth:`Actors.get` asks for when the
+    actors say nothing in time)."""
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    logging.basicConfig(
+        level=options.get("log_level", "WARNING"),
+        format=f"actor {index} %(asctime)s %(name)s: %(message)s",
+    )
     client = redis.Redis.from_url(url)
     feed = CollectiveFeed(
         WeightReader(client, run_id),
@@ -204,7 +215,15 @@ class Actors:
             if message[0] != kind:
                 raise AssertionError(f"expected {kind!r}, got {message}")
             return message
+        self._dump_stacks()
         raise TimeoutError(f"no {kind!r} from the actors within {timeout_s} s")
+
+    def _dump_stacks(self) -> None:
+        """Every live actor's threads' stacks to stderr (where the test's report shows them)."""
+        for i, proc in enumerate(self.procs):
+            if i not in self.killed and proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def kill(self, index: int) -> None:
         """SIGKILL actor ``index`` (it leaves no goodbye)."""

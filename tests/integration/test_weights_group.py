@@ -39,7 +39,7 @@ pytestmark = pytest.mark.integration
 RUN = "collective-test"
 # timeout_s: how long a member left waiting on a gone peer waits before it joins again.
 FAST = {"digest": True, "join_timeout_s": 5.0, "rejoin_s": 0.5, "idle_timeout_s": 10.0}
-FAST |= {"timeout_s": 10.0}
+FAST |= {"timeout_s": 10.0, "log_level": "INFO"}  # joins and epochs in the report on failure
 
 
 def make_state(seed: int) -> dict[str, torch.Tensor]:
