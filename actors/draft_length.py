@@ -105,6 +105,21 @@ class Choice:
 PLAIN_STEP = Choice(PLAIN, 0)
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """A step taken, as the controller learns from it: its ``choice``, its ``rows``, its wall
+    time and, when it verified drafts, per row the drafts ``accepted`` and ``proposed`` and
+    (hybrid's early-exit steps) how many leading drafts were the row's n-gram match
+    (``forced``)."""
+
+    choice: Choice
+    rows: int
+    seconds: float
+    accepted: Sequence[int] | None = None
+    proposed: Sequence[int] | None = None
+    forced: Sequence[int] | None = None
+
+
 class Option(NamedTuple):
     """A candidate step: its choice, expected tokens (all rows) and estimated seconds."""
 
@@ -296,7 +311,8 @@ class DraftLength:
     ``method``: ``ngram``, ``early_exit``, ``hybrid`` or ``eagle3``; ``k_max``: ``spec.k``;
     ``draft_cost``: prior cost of one draft pass (early exit or EAGLE-3 head) relative to a plain
     step (its share of the layers);
-    ``clock``: seconds, for the engine to time steps with (:meth:`record` takes the duration).
+    ``clock``: seconds, for the engine to time steps with (a :class:`StepOutcome` brings the
+    duration back to :meth:`learn`).
     """
 
     def __init__(
@@ -497,6 +513,15 @@ class DraftLength:
 
     # ---------------------------------------------------------------- measurements
 
+    def learn(self, step: StepOutcome) -> None:
+        """A step taken: its wall time and, when it verified drafts, its acceptance."""
+        choice, seconds = step.choice, max(step.seconds, 1e-9)
+        self.costs.record(choice.kind, choice.k, rows_bucket(step.rows), seconds, self.steps)
+        if choice.kind != PLAIN and step.accepted is not None and step.proposed is not None:
+            # An n-gram step's every position is an n-gram one.
+            forced = step.proposed if choice.kind == NGRAM else step.forced
+            self._observe(step.accepted, step.proposed, forced or [0] * len(step.proposed))
+
     def record(
         self,
         choice: Choice,
@@ -506,15 +531,8 @@ class DraftLength:
         proposed: Sequence[int] | None = None,
         forced: Sequence[int] | None = None,
     ) -> None:
-        """A step taken: its wall time and, when it verified drafts, per row the drafts
-        accepted and proposed, and (hybrid's early-exit steps) how many leading drafts were
-        the row's n-gram match."""
-        seconds = max(seconds, 1e-9)
-        self.costs.record(choice.kind, choice.k, rows_bucket(rows), seconds, self.steps)
-        if choice.kind != PLAIN and accepted is not None and proposed is not None:
-            if choice.kind == NGRAM:
-                forced = proposed  # every position is an n-gram one
-            self._observe(accepted, proposed, forced or [0] * len(proposed))
+        """:meth:`learn` from the fields of a :class:`StepOutcome`."""
+        self.learn(StepOutcome(choice, rows, seconds, accepted, proposed, forced))
 
     def _observe(
         self, accepted: Sequence[int], proposed: Sequence[int], forced: Sequence[int]

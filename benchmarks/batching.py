@@ -11,7 +11,7 @@ early leave the batch and the batch shrinks until its longest row is done.
 Two engines per decoding method, run alternately (epoch by epoch, so a change in the machine's
 load hits both alike), each with at most ROWS = 32 completions decoded at once:
 
-  static      `generate` on 4 prompts x 8 completions at a time (batching=static);
+  static      `generate` on 4 prompts x 8 completions at a time (static_batching=True);
               every completion is admitted at once with KV slots reserved for the longest
               prompt + the whole budget (+ k + 1 draft slots); the call returns, and its groups
               go out, when its slowest row is done.
@@ -136,7 +136,13 @@ def compare_batching(label: str, spec: SpecConfig, model, prompts: Prompts, repe
         Mode(
             name,
             TorchEngine(
-                model, tokenizer.eos_id, tokenizer.pad_id, 1.0, seed=s, spec=spec, batching=name
+                model,
+                tokenizer.eos_id,
+                tokenizer.pad_id,
+                1.0,
+                seed=s,
+                spec=spec,
+                static_batching=name == "static",
             ),
         )
         for s, name in enumerate(("static", "continuous"))

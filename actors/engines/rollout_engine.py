@@ -1,10 +1,12 @@
-"""The one interface every rollout engine (torch, vLLM) implements."""
+"""The one interface every rollout engine (torch, vLLM) implements (:class:`RolloutEngine`), and
+the base both engines build on (:class:`EngineBase`)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -40,18 +42,18 @@ def prompt_key(prompt: Sequence[int]) -> str:
 
 @dataclass
 class GenerateCall:
-    """The arguments of one :meth:`RolloutEngine.generate` call."""
+    """The arguments of one :meth:`RolloutEngine.generate` call (the same names, order and
+    defaults)."""
 
     prompts: Sequence[Sequence[int]]
     n: int
     max_new_tokens: int
-    weight_source: WeightSource | None
-    on_group: GroupCallback | None
+    weight_source: WeightSource | None = None
+    on_group: GroupCallback | None = None
 
 
 class RolloutEngine(Protocol):
-    """The interface of a rollout engine. The torch and vLLM engines subclass it and implement
-    ``_generate``, which :meth:`generate` hands every call to."""
+    """The interface of a rollout engine (torch, vLLM)."""
 
     version: int
     """Policy version of the weights currently loaded."""
@@ -73,13 +75,23 @@ class RolloutEngine(Protocol):
         ``weight_source`` is polled for new weights while rollouts are in flight.
         ``on_group(i, result[i])`` is called once per prompt, when its ``n`` completions are
         done: as soon as they are (continuous batching), or at the latest before returning."""
-        return self._generate(GenerateCall(prompts, n, max_new_tokens, weight_source, on_group))
-
-    def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
-        """The engine's own :meth:`generate`."""
-        raise NotImplementedError
+        ...
 
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Counters since the last reset (namespaced, e.g. ``actor/tokens_per_s``); resets them
         unless ``reset`` is False (a mid-call read, e.g. from ``on_group``)."""
         ...
+
+
+class EngineBase(ABC):
+    """What the engines share: :meth:`generate` hands its arguments (those of
+    :meth:`RolloutEngine.generate`), as one :class:`GenerateCall`, to the engine's
+    ``_generate``."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[list[Rollout]]:
+        """See :meth:`RolloutEngine.generate`."""
+        return self._generate(GenerateCall(*args, **kwargs))
+
+    @abstractmethod
+    def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
+        """The engine's own :meth:`generate`."""

@@ -34,11 +34,8 @@ from torch import Tensor
 
 from actors.drafting import EagleDrafter
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.torch_rows import Counters, Row
-from actors.paged_cache import PagedKVCache
+from actors.engines.torch_rows import Batch, Emitted, Policy, Row, Sampling
 from actors.speculative import rejection_sample
-from common.config.actor import SpecConfig
-from common.eagle import EAGLE_PREFIX
 from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
@@ -75,71 +72,131 @@ def concat_aux(model: Transformer, found: dict[int, Tensor] | list[Tensor]) -> T
     return torch.cat(list(found), dim=-1)
 
 
+# ------------------------------------------------------------------ the rows' states
+
+
+def keep_states(rows: Sequence[Row], aux: Tensor, counts: Sequence[int]) -> None:
+    """Rows' states of a forward: row b keeps ``aux[b, :counts[b]]`` (its positions from its
+    ``pos`` on, before the step advances it)."""
+    for row, states, n in zip(rows, aux, counts, strict=True):
+        if row.head_ok and n:
+            row.head_aux.append(states[:n])
+
+
+def restart_states(row: Row, aux: Tensor) -> None:
+    """The row's states from a forward over its whole sequence (``aux`` [>= pos, n_aux*H]): the
+    head's KV is rewritten from position 0 at its next draft."""
+    row.head_pos, row.head_aux, row.head_ok = 0, [aux[: row.pos]], True
+
+
+def copy_states(donor: Row, row: Row, length: int) -> None:
+    """``row`` got its first ``length`` cache slots (every layer's) from ``donor``'s: the head's
+    KV where the donor's is valid, the donor's waiting states for the rest."""
+    row.head_pos = min(donor.head_pos, length)
+    row.head_aux = []
+    if donor.head_pos < length:
+        row.head_aux = [torch.cat(donor.head_aux)[: length - donor.head_pos]]
+
+
+def drop_states(rows: Sequence[Row]) -> None:
+    """Rows whose cache keeps older weights (``keep``): they draft no more."""
+    for row in rows:
+        row.head_ok, row.head_aux = False, []
+
+
+# ------------------------------------------------------------------ decoding steps
+
+
 class EagleSteps:
-    """The EAGLE-3 half of :class:`actors.engines.torch_engine.TorchEngine`'s decoding."""
+    """The torch engine's decoding steps with the EAGLE-3 head ``eagle``: drafts of the head
+    verified by ``policy``'s model over ``batch``'s cache, with ``sampling``'s distribution and
+    generator."""
 
-    model: Transformer
-    version: int
-    cache: PagedKVCache
-    spec: SpecConfig
-    eagle: EagleDrafter | None
-    device: torch.device
-    generator: torch.Generator
-    pad_id: int
-    temperature: float
-    top_p: float
-    _counters: Counters
-    _verified: tuple[list[int], list[int]] | None
+    def __init__(
+        self,
+        eagle: EagleDrafter,
+        policy: Policy,
+        batch: Batch,
+        sampling: Sampling,
+        pad_id: int,
+        device: torch.device,
+    ) -> None:
+        self.eagle, self.policy, self.batch, self.sampling = eagle, policy, batch, sampling
+        self.pad_id, self.device = pad_id, device
 
-    # ------------------------------------------------------------------ the rows' states
-
-    def _check_head(self, version: int, state_dict) -> None:
-        """Refuse a version without the head while the head drafts (before anything changes)."""
-        if self.eagle is None or any(name.startswith(EAGLE_PREFIX) for name in state_dict):
-            return
-        raise StaleDraftError(
-            f"weights version {version} has no EAGLE-3 head ({EAGLE_PREFIX}* tensors), but "
-            f"spec.method=eagle3 drafts with the head of every version: refused, the engine "
-            f"stays on version {self.version}; publish the head with every version"
+    def step(self, active: list[Row], last: Tensor, pos: Tensor, k: int) -> Emitted:
+        """k drafts per row from the head (rows without states to draft from: none), verified
+        by one forward of the policy; k = 0 is a plain step."""
+        eagle, policy, sampling = self.eagle, self.policy, self.sampling
+        if eagle.version != policy.version or eagle.model is not policy.model:
+            raise StaleDraftError(
+                f"the EAGLE-3 head holds weights version {eagle.version}, the policy "
+                f"{policy.version}: the head must come with the policy"
+            )
+        ready = [r.head_ok and r.head_pending() > 0 for r in active]
+        if k == 0 or not any(ready):
+            return self._plain(active, last, pos)
+        behind = [r for r, ok in zip(active, ready, strict=True) if ok]
+        behind = [r for r in behind if r.head_pending() > k + 1 + CATCH_UP]
+        if behind:
+            self._catch_up(behind)
+        cache = self.batch.bind(active, [k] * len(active))
+        counts = [r.head_pending() if ok else 0 for r, ok in zip(active, ready, strict=True)]
+        aux, ids, positions = self._inputs(active, counts)
+        out = eagle.head_pass(aux, ids, positions, cache)  # [B, T, H]
+        at = torch.tensor([max(n, 1) - 1 for n in counts], device=self.device)
+        first = out[torch.arange(len(active), device=self.device), at]  # [B, H]
+        draft = eagle.draft(
+            first, pos, cache, k, sampling.temperature, sampling.top_p, sampling.generator
         )
+        num_drafts = torch.tensor([k if ok else 0 for ok in ready], device=self.device)
+        drafts = torch.where(num_drafts[:, None] > 0, draft.tokens, self.pad_id)
+        # The verify forward, keeping its states for the head's next first pass.
+        inputs = torch.cat([last[:, None], drafts], dim=1)  # [B, K+1]
+        verify_pos = pos[:, None] + torch.arange(k + 1, device=self.device)
+        taps: list[Tensor] = []
+        model = policy.model
+        x = model.model.embed_tokens(inputs)
+        h = model.run_layers(x, verify_pos, cache, 0, model.args.num_hidden_layers, aux=taps)
+        target = processed_logprobs(model.head(h), sampling.temperature, sampling.top_p)
+        counters = self.batch.counters
+        counters.full_forwards += 1
+        counters.draft_layer_passes += k
+        counters.draft_version = eagle.version
+        result = rejection_sample(
+            target, drafts, draft.logprobs, num_drafts, generator=sampling.generator
+        )
+        for row, n in zip(active, counts, strict=True):
+            if n:  # through the head now: its KV holds them
+                row.head_pos += n
+                row.head_aux = []
+        keep_states(active, concat_aux(model, taps), result.num_emitted.tolist())
+        return Emitted.verified(result, num_drafts)
 
-    def _eagle_keep(self, rows: Sequence[Row], aux: Tensor, counts: Sequence[int]) -> None:
-        """Rows' states of a forward: row b keeps ``aux[b, :counts[b]]`` (its positions from
-        its ``pos`` on, before the step advances it)."""
-        for row, states, n in zip(rows, aux, counts, strict=True):
-            if row.head_ok and n:
-                row.head_aux.append(states[:n])
+    def _plain(self, active: list[Row], last: Tensor, pos: Tensor) -> Emitted:
+        """A plain step that keeps the states of its positions for the head."""
+        model, sampling = self.policy.model, self.sampling
+        cache = self.batch.bind(active, [0] * len(active))
+        taps: list[Tensor] = []
+        x = model.model.embed_tokens(last[:, None])
+        h = model.run_layers(x, pos[:, None], cache, 0, model.args.num_hidden_layers, aux=taps)
+        self.batch.counters.full_forwards += 1
+        logits = model.head(h)[:, 0]  # [B, V] fp32
+        tokens, token_lp = sample_tokens(
+            processed_logprobs(logits, sampling.temperature, sampling.top_p), sampling.generator
+        )
+        keep_states(active, concat_aux(model, taps), [1] * len(active))
+        return Emitted.sampled(tokens, token_lp)
 
-    def _eagle_restart(self, row: Row, aux: Tensor) -> None:
-        """The row's states from a forward over its whole sequence (``aux`` [>= pos, n_aux*H]):
-        the head's KV is rewritten from position 0 at its next draft."""
-        row.head_pos, row.head_aux, row.head_ok = 0, [aux[: row.pos]], True
-
-    def _eagle_copy(self, donor: Row, row: Row, length: int) -> None:
-        """``row`` got its first ``length`` cache slots (every layer's) from ``donor``'s: the
-        head's KV where the donor's is valid, the donor's waiting states for the rest."""
-        row.head_pos = min(donor.head_pos, length)
-        row.head_aux = []
-        if donor.head_pos < length:
-            row.head_aux = [torch.cat(donor.head_aux)[: length - donor.head_pos]]
-
-    def _eagle_invalidate(self, rows: Sequence[Row]) -> None:
-        """Rows whose cache keeps older weights (``keep``): they draft no more."""
-        for row in rows:
-            row.head_ok, row.head_aux = False, []
-
-    # ------------------------------------------------------------------ head passes
-
-    def _eagle_inputs(
-        self, rows: Sequence[Row], counts: Sequence[int]
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def _inputs(self, rows: Sequence[Row], counts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """The first pass's inputs over each row's first ``counts[b]`` waiting states, right
         padded: states [B, T, n_aux*H], next tokens [B, T], positions [B, T] (a row without
         states runs pads from its ``pos``: slots that are written again before being read)."""
         width = max(max(counts), 1)
-        args = self.model.args
-        size = len(args.eagle_aux_layers) * args.hidden_size
-        aux = torch.zeros((len(rows), width, size), device=self.device, dtype=self.model_dtype)
+        model = self.policy.model
+        size = len(model.args.eagle_aux_layers) * model.args.hidden_size
+        dtype = next(model.parameters()).dtype
+        aux = torch.zeros((len(rows), width, size), device=self.device, dtype=dtype)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
         starts = []
         for b, (row, n) in enumerate(zip(rows, counts, strict=True)):
@@ -153,81 +210,11 @@ class EagleSteps:
         )
         return aux, ids, positions
 
-    @property
-    def model_dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    def _eagle_catch_up(self, rows: Sequence[Row]) -> None:
+    def _catch_up(self, rows: Sequence[Row]) -> None:
         """All but the last waiting state of ``rows`` through the head (KV only)."""
-        assert self.eagle is not None
         counts = [r.head_pending() - 1 for r in rows]
-        aux, ids, positions = self._eagle_inputs(rows, counts)
-        self.eagle.head_pass(aux, ids, positions, self.cache.bind([r.id for r in rows]))
+        aux, ids, positions = self._inputs(rows, counts)
+        self.eagle.head_pass(aux, ids, positions, self.batch.cache.bind([r.id for r in rows]))
         for row, n in zip(rows, counts, strict=True):
             row.head_aux = [torch.cat(row.head_aux)[n:]]
             row.head_pos += n
-
-    # ------------------------------------------------------------------ decoding steps
-
-    def _eagle_plain(self, active: list[Row], last: Tensor, pos: Tensor) -> list:
-        """A plain step that keeps the states of its positions for the head."""
-        cache = self._bind(active, [0] * len(active))
-        taps: list[Tensor] = []
-        x = self.model.model.embed_tokens(last[:, None])
-        h = self.model.run_layers(
-            x, pos[:, None], cache, 0, self.model.args.num_hidden_layers, aux=taps
-        )
-        self._counters.full_forwards += 1
-        logits = self.model.head(h)[:, 0]  # [B, V] fp32
-        tokens, token_lp = sample_tokens(
-            processed_logprobs(logits, self.temperature, self.top_p), self.generator
-        )
-        self._eagle_keep(active, concat_aux(self.model, taps), [1] * len(active))
-        return [([t], [lp]) for t, lp in zip(tokens.tolist(), token_lp.tolist(), strict=True)]
-
-    def _eagle_step(self, active: list[Row], last: Tensor, pos: Tensor, k: int) -> list:
-        """k drafts per row from the head (rows without states to draft from: none), verified
-        by one forward of the policy; k = 0 is a plain step."""
-        eagle = self.eagle
-        assert eagle is not None
-        if eagle.version != self.version or eagle.model is not self.model:
-            raise StaleDraftError(
-                f"the EAGLE-3 head holds weights version {eagle.version}, the policy "
-                f"{self.version}: the head must come with the policy"
-            )
-        ready = [r.head_ok and r.head_pending() > 0 for r in active]
-        if k == 0 or not any(ready):
-            return self._eagle_plain(active, last, pos)
-        behind = [r for r, ok in zip(active, ready, strict=True) if ok]
-        behind = [r for r in behind if r.head_pending() > k + 1 + CATCH_UP]
-        if behind:
-            self._eagle_catch_up(behind)
-        cache = self._bind(active, [k] * len(active))
-        counts = [r.head_pending() if ok else 0 for r, ok in zip(active, ready, strict=True)]
-        aux, ids, positions = self._eagle_inputs(active, counts)
-        out = eagle.head_pass(aux, ids, positions, cache)  # [B, T, H]
-        at = torch.tensor([max(n, 1) - 1 for n in counts], device=self.device)
-        first = out[torch.arange(len(active), device=self.device), at]  # [B, H]
-        draft = eagle.draft(first, pos, cache, k, self.temperature, self.top_p, self.generator)
-        num_drafts = torch.tensor([k if ok else 0 for ok in ready], device=self.device)
-        drafts = torch.where(num_drafts[:, None] > 0, draft.tokens, self.pad_id)
-        # The verify forward, keeping its states for the head's next first pass.
-        inputs = torch.cat([last[:, None], drafts], dim=1)  # [B, K+1]
-        verify_pos = pos[:, None] + torch.arange(k + 1, device=self.device)
-        taps: list[Tensor] = []
-        layers = self.model.args.num_hidden_layers
-        x = self.model.model.embed_tokens(inputs)
-        h = self.model.run_layers(x, verify_pos, cache, 0, layers, aux=taps)
-        target = processed_logprobs(self.model.head(h), self.temperature, self.top_p)
-        self._counters.full_forwards += 1
-        self._counters.draft_layer_passes += k
-        self._counters.draft_version = eagle.version
-        result = rejection_sample(
-            target, drafts, draft.logprobs, num_drafts, generator=self.generator
-        )
-        for row, n in zip(active, counts, strict=True):
-            if n:  # through the head now: its KV holds them
-                row.head_pos += n
-                row.head_aux = []
-        self._eagle_keep(active, concat_aux(self.model, taps), result.num_emitted.tolist())
-        return self._spec_emitted(result, num_drafts)

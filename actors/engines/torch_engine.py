@@ -7,43 +7,61 @@ per prompt, copied to the other completions of the prompt, or copied from a sibl
 batch) and the last prompt token pending: its first decoding step samples, or drafts and
 verifies, the start of the completion like any other step.
 
-This module admits, retires and delivers rows; the decoding steps are in
-:mod:`actors.engines.torch_decode`, weight updates in :mod:`actors.engines.torch_swap`, the rows'
-and the call's state in :mod:`actors.engines.torch_rows`.
+:class:`TorchEngine` admits, retires and delivers rows, with parts it owns: the batch state
+(:class:`~actors.engines.torch_rows.Batch`: cache, counters, the call in progress), the decoder
+(:class:`~actors.engines.torch_decode.Decoder`, the EAGLE-3 steps in
+:mod:`actors.engines.torch_eagle`) and the swapper
+(:class:`~actors.engines.torch_swap.WeightSwapper`, weight updates); the state they share
+(weights in use, sampling, rows, calls) is in :mod:`actors.engines.torch_rows`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from actors.draft_length import DraftLength
 from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
-from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
-from actors.engines.torch_decode import DecodeSteps
-from actors.engines.torch_eagle import concat_aux
-from actors.engines.torch_rows import Call, Counters, Row
-from actors.engines.torch_swap import WeightSwaps
+from actors.engines.rollout_engine import EngineBase, GenerateCall, Rollout, prompt_key
+from actors.engines.torch_decode import Decoder
+from actors.engines.torch_eagle import concat_aux, copy_states, restart_states
+from actors.engines.torch_rows import Batch, Call, Policy, Row, Sampling
+from actors.engines.torch_swap import WeightSwapper
 from actors.paged_cache import PagedKVCache
 from common.config.actor import ActorConfig, SpecConfig
 from common.config.modes import EAGLE_METHODS
 from common.model import Transformer
 
-BATCHING_MODES = ("continuous", "static")
+
+def adaptive_draft_length(
+    spec: SpecConfig, model: Transformer, early_exit: EarlyExitDrafter | None
+) -> DraftLength | None:
+    """The controller of ``spec.adaptive`` (None without it, or without drafting)."""
+    if not spec.adaptive or spec.method == "none":
+        return None
+    layers = model.args.num_hidden_layers
+    # Prior cost of a draft pass: its share of the layers (the head: one).
+    if early_exit is not None:
+        draft_cost = early_exit.exit_layer / layers
+    else:
+        draft_cost = 1 / layers if spec.method in EAGLE_METHODS else 0.0
+    return DraftLength(spec.method, spec.k, draft_cost=draft_cost)
 
 
-class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
+class TorchEngine(EngineBase):
     """Batched rollouts; ``spec.method`` picks plain decoding or a self-speculative drafter.
 
-    ``batching``: ``continuous`` or ``static`` (every completion of a call admitted at once, KV
-    reserved for the longest prompt plus the budget, groups delivered when the call ends: the
-    benchmark baseline). ``max_rows``: the most completions decoded at once (None: all of a
-    call). ``max_admit``: the most that join the batch per step (None: as many as there are free
-    rows), which bounds the prefill work added to one step. Sampling and log-probs are computed
-    in fp32 whatever the model's dtype.
+    ``static_batching``: every completion of a call admitted at once, KV reserved for the
+    longest prompt plus the budget, groups delivered when the call ends (the benchmark baseline;
+    default: continuous batching). ``max_rows``: the most completions decoded at once (None: all
+    of a call). ``max_admit``: the most that join the batch per step (None: as many as there
+    are free rows), which bounds the prefill work added to one step. Sampling and log-probs are
+    computed in fp32 whatever the model's dtype.
     """
 
     def __init__(
@@ -57,68 +75,85 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
         version: int = -1,
         spec: SpecConfig | None = None,
         inflight: str = ActorConfig.inflight,
-        batching: str = "continuous",
+        static_batching: bool = False,
         max_rows: int | None = None,
         block_size: int = 8,
         max_admit: int | None = None,
     ) -> None:
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
-        self.model = model.eval()
-        self.inflight, self.batching = inflight, batching
+        self.static_batching = static_batching
         self.max_rows, self.max_admit = max_rows, max_admit
-        self._kept, self._spare, self._adopted = {}, None, False
-        self.eos_id, self.pad_id, self.version = eos_id, pad_id, version
-        self.temperature, self.top_p = temperature, top_p
-        self.spec = spec or SpecConfig()
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.spec = spec = spec or SpecConfig()
         param = next(model.parameters())
-        self.device = param.device
-        self.dtype = param.dtype
-        self.cache = PagedKVCache(model.args, block_size, device=self.device, dtype=self.dtype)
-        self.cache.draft_kv = self.spec.adapter  # full forwards also write the adapter's KV
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.device, self.dtype = param.device, param.dtype
+        self.policy = Policy(model.eval(), version)
+        self.sampling = Sampling(
+            temperature, top_p, torch.Generator(device=self.device).manual_seed(seed)
+        )
+        cache = PagedKVCache(model.args, block_size, device=self.device, dtype=self.dtype)
+        self.batch = Batch(cache)
+        self.batch.cache.draft_kv = spec.adapter  # full forwards also write the adapter's KV
         self.early_exit = (
-            EarlyExitDrafter(model, self.spec.exit_layer, adapter=self.spec.adapter)
-            if self.spec.uses_early_exit
+            EarlyExitDrafter(model, spec.exit_layer, adapter=spec.adapter)
+            if spec.uses_early_exit
             else None
         )
-        self.eagle = EagleDrafter(model, version) if self.spec.method in EAGLE_METHODS else None
+        self.eagle = EagleDrafter(model, version) if spec.method in EAGLE_METHODS else None
         self.ngram = (
-            NgramDrafter(
-                self.spec.ngram_max_n, self.spec.ngram_min_n, sources=self.spec.ngram_sources
-            )
-            if self.spec.uses_ngram
+            NgramDrafter(spec.ngram_max_n, spec.ngram_min_n, sources=spec.ngram_sources)
+            if spec.uses_ngram
             else None
         )
-        self.draft_length = (
-            DraftLength(
-                self.spec.method,
-                self.spec.k,
-                # Prior cost of a draft pass: its share of the layers (the head: one).
-                draft_cost=(
-                    self.early_exit.exit_layer / model.args.num_hidden_layers
-                    if self.early_exit is not None
-                    else 1 / model.args.num_hidden_layers
-                    if self.eagle is not None
-                    else 0.0
-                ),
-            )
-            if self.spec.adaptive and self.spec.method != "none"
-            else None
+        self.draft_length = adaptive_draft_length(spec, model, self.early_exit)
+        drafters = {"early_exit": self.early_exit, "ngram": self.ngram, "eagle": self.eagle}
+        self.decoder = Decoder(
+            self.policy,
+            self.batch,
+            self.sampling,
+            spec,
+            pad_id=pad_id,
+            device=self.device,
+            draft_length=self.draft_length,
+            **drafters,
         )
-        self._counters = Counters()
-        self._live: tuple[float, Call] | None = None  # the call in progress: start, state
+        self.swapper = WeightSwapper(
+            self.policy,
+            self.batch,
+            self.sampling,
+            self.decoder,
+            inflight=inflight,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            device=self.device,
+            dtype=self.dtype,
+            **drafters,
+        )
         # When a dict: perf_counter() at which each prompt's first completion joined the batch.
         self.admission_log: dict[int, float] | None = None
+
+    # What its parts hold, read through the engine (the weights in use change at every swap).
+    model = property(attrgetter("policy.model"), doc="The model of the weights in use.")
+    version = property(attrgetter("policy.version"), doc="Policy version of the weights in use.")
+    cache = property(attrgetter("batch.cache"), doc="The paged KV cache of the batch's rows.")
+    generator = property(attrgetter("sampling.generator"))
+    temperature = property(attrgetter("sampling.temperature"))
+    top_p = property(attrgetter("sampling.top_p"))
+    inflight = property(attrgetter("swapper.inflight"))
+
+    # ------------------------------------------------------------------ the interface
+
+    def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Between ``generate`` calls nothing is in flight: adopt the tensors, or load in place."""
+        self.swapper.load(version, state_dict)
 
     @torch.inference_mode()
     def _generate(self, request: GenerateCall) -> list[list[Rollout]]:
         """New weights from ``weight_source`` apply to the rows in flight according to
         ``inflight``; completions not admitted yet simply start with them."""
         prompts, n, max_new_tokens = request.prompts, request.n, request.max_new_tokens
-        weight_source, on_group = request.weight_source, request.on_group
+        weight_source = request.weight_source
         started = time.perf_counter()
         if self.ngram is not None:
             self.ngram.begin()
@@ -131,7 +166,7 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             return [[] for _ in prompts]
         if min(len(r.prompt) for r in rows) < 1:
             raise ValueError("every prompt needs at least one token")
-        static = self.batching == "static"
+        static = self.static_batching
         limit = len(rows) if static or self.max_rows is None else max(1, self.max_rows)
         call = Call(
             rows=rows,
@@ -139,44 +174,46 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             static=static,
             # Static batching: longest prompt + budget + the k slots a step writes.
             reserve=max(len(r.prompt) for r in rows) + max_new_tokens + self.spec.k + 1,
-            on_group=on_group,
+            on_group=request.on_group,
             remaining=[n] * len(prompts),
             results=[None] * len(prompts),
+            pending=deque(rows),
         )
-        pending: deque[Row] = deque(rows)
-        active: list[Row] = []
-        self._live = (started, call)
-        try:
-            while pending or active:
-                self._admit(call, pending, active, limit)
-                emitted = self._step(active)
-                done = self._advance(call, active, emitted)
-                if self.inflight == "verify_on_finish" and self._kept:
-                    done = self._verify_finished(call, active, done)
-                for row in done:
+        with self.batch.running(call, started):
+            while call.pending or call.active:
+                self._admit(call, limit)
+                done = self._advance(call, self.decoder.step(call.active))
+                for row in self.swapper.verify_finished(call, done):
                     self._retire(call, row)
-                if weight_source is not None and (pending or active):
+                if weight_source is not None and (call.pending or call.active):
                     update = weight_source()
                     if update is not None:
-                        self._swap(call, update, active, pending)
-            self._release_unused([])
+                        self._swap(call, update)
+            self.swapper.release_unused([])
             if static:
                 for group in range(len(prompts)):
                     self._deliver(call, group)
-        finally:
-            # Also when a callback raised: no row of this call keeps blocks into the next one.
-            for row in rows:
-                self.cache.release(row.id)
-            self._live = None
-            self._counters.gen_time_s += time.perf_counter() - started - call.callback_s
         return [r if r is not None else [] for r in call.results]
+
+    def _swap(self, call: Call, update: tuple[int, Mapping[str, torch.Tensor]]) -> None:
+        """New weights mid-call: the swapper applies them to the rows in flight, the rows its
+        verification finished retire. The weight feed meters this method as a load
+        (``SWAP_METHODS`` in :mod:`common.weights.fetch.feed`)."""
+        for row in self.swapper.swap(call, update):
+            self._retire(call, row)
+
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        """Counters since the last reset: throughput and acceptance figures. ``reset=False``
+        reads them without resetting (also from an ``on_group`` callback, mid-call)."""
+        return self.batch.report(speculative=self.spec.method != "none", reset=reset)
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, call: Call, pending: deque[Row], active: list[Row], limit: int) -> None:
+    def _admit(self, call: Call, limit: int) -> None:
         """Fill free rows of the batch from the queue: each newcomer gets its prompt (minus the
         last token) in the cache, computed once per prompt or copied from a sibling."""
         new: list[Row] = []
+        pending, active, cache = call.pending, call.active, self.batch.cache
         most = len(pending) if call.static or not self.max_admit else self.max_admit
         while pending and len(active) + len(new) < limit and len(new) < most:
             new.append(pending.popleft())
@@ -184,9 +221,9 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             return
         if not active and self.early_exit is None:
             # A batch of newcomers only (the start of a call): their first step prefills the
-            # prompts too, one forward for both (see _first_step).
+            # prompts too, one forward for both (see Decoder._first_step).
             for row in new:
-                self.cache.reserve(row.id, call.reserve if call.static else len(row.prompt))
+                cache.reserve(row.id, call.reserve if call.static else len(row.prompt))
                 row.prefix = row.prompt[:-1]
             self._enter(new, active)
             return
@@ -197,7 +234,7 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
         prefill: list[Row] = []
         copies: list[tuple[Row, Row]] = []
         for row in new:
-            self.cache.reserve(row.id, call.reserve if call.static else len(row.prompt))
+            cache.reserve(row.id, call.reserve if call.static else len(row.prompt))
             donor = donors.get(row.group)
             if donor is None:
                 donors[row.group] = row
@@ -207,17 +244,17 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
                 copies.append((donor, row))
         taps: list[torch.Tensor] | None = [] if self.eagle is not None else None
         if prefill:
-            self._write_cache(prefill, [r.prompt[:-1] for r in prefill], taps)
-            self._counters.full_forwards += 1
-        self.cache.copy_prefix([(d.id, r.id, len(r.prompt) - 1) for d, r in copies])
+            self.decoder.prefill(prefill, [r.prompt[:-1] for r in prefill], taps)
+            self.batch.counters.full_forwards += 1
+        cache.copy_prefix([(d.id, r.id, len(r.prompt) - 1) for d, r in copies])
         self._enter(new, active)
-        if self.eagle is not None:
+        if taps is not None:
             # The head's states: the prompt's, from the prefill or from the donor.
             if prefill:
                 for row, states in zip(prefill, concat_aux(self.model, taps), strict=True):
-                    self._eagle_restart(row, states)
+                    restart_states(row, states)
             for donor, row in copies:
-                self._eagle_copy(donor, row, len(row.prompt) - 1)
+                copy_states(donor, row, len(row.prompt) - 1)
 
     def _enter(self, new: list[Row], active: list[Row]) -> None:
         if self.admission_log is not None:
@@ -233,10 +270,10 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _advance(self, call: Call, active: list[Row], emitted: list) -> list[Row]:
+    def _advance(self, call: Call, emitted: list) -> list[Row]:
         """Record emitted tokens; rows that are done leave the batch (returned)."""
         done, keep = [], []
-        for row, (tokens, logprobs) in zip(active, emitted, strict=True):
+        for row, (tokens, logprobs) in zip(call.active, emitted, strict=True):
             before = len(row.tokens)
             if row.emit(tokens, logprobs, self.version, self.eos_id):
                 done.append(row)
@@ -244,16 +281,16 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             row.last = row.tokens[-1]
             row.pos += len(row.tokens) - before
             if not call.static:
-                self.cache.trim(row.id, row.pos + 1)  # rejected drafts' slots
+                self.batch.cache.trim(row.id, row.pos + 1)  # rejected drafts' slots
             if self.ngram is not None:
                 self.ngram.extend(row.id, row.tokens[before:])
             keep.append(row)
-        active[:] = keep
+        call.active[:] = keep
         return done
 
     def _retire(self, call: Call, row: Row) -> None:
         """A done row frees its blocks; its group goes out when it was the last one."""
-        self.cache.release(row.id)
+        self.batch.cache.release(row.id)
         row.head_aux = []  # states for the EAGLE-3 head it will not draft with
         call.remaining[row.group] -= 1
         if call.remaining[row.group] == 0 and not call.static:
@@ -265,7 +302,7 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
         for row in rows:
             if self.ngram is not None:
                 self.ngram.remember(row.key, row.prompt + row.tokens)
-            self._counters.tokens += len(row.tokens)  # delivered, not counting discarded
+            self.batch.counters.tokens += len(row.tokens)  # delivered, not counting discarded
             rollouts.append(
                 Rollout(
                     token_ids=np.asarray(row.tokens, dtype=np.int32),
@@ -279,15 +316,3 @@ class TorchEngine(DecodeSteps, WeightSwaps, RolloutEngine):
             started = time.perf_counter()
             call.on_group(group, rollouts)
             call.callback_s += time.perf_counter() - started
-
-    def stats(self, reset: bool = True) -> dict[str, float]:
-        """Counters since the last reset: throughput and acceptance figures. ``reset=False``
-        reads them without resetting (also from an ``on_group`` callback, mid-call)."""
-        gen_time_s = self._counters.gen_time_s
-        if self._live is not None:
-            started, call = self._live
-            gen_time_s += time.perf_counter() - started - call.callback_s
-        out = self._counters.report(gen_time_s, speculative=self.spec.method != "none")
-        if reset:
-            self._counters = Counters()
-        return out

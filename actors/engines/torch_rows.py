@@ -1,16 +1,44 @@
-"""The torch engine's bookkeeping: one completion (:class:`Row`), one ``generate`` call
-(:class:`Call`) and the counters behind ``TorchEngine.stats`` (:class:`Counters`)."""
+"""The torch engine's state, which its parts (:mod:`actors.engines.torch_engine`) share: the
+weights in use (:class:`Policy`), how tokens are drawn (:class:`Sampling`), one completion
+(:class:`Row`), one ``generate`` call (:class:`Call`), one decoding step's output
+(:class:`Emitted`), the counters behind ``TorchEngine.stats`` (:class:`Counters`) and the batch
+state that holds the cache, the counters and the call in progress (:class:`Batch`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN
 from actors.engines.rollout_engine import Rollout
+from actors.paged_cache import PagedKVCache
+from actors.speculative import SpecResult
 from common import metric_names as mn
+from common.model import Transformer
+
+
+@dataclass
+class Policy:
+    """The weights decoding uses now; a weight swap replaces both."""
+
+    model: Transformer
+    version: int
+
+
+@dataclass
+class Sampling:
+    """How tokens are drawn: the processed distribution (``temperature``, ``top_p``; computed in
+    fp32) and the generator every draw takes its random numbers from."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
 
 
 @dataclass
@@ -76,7 +104,8 @@ class Row:
 
 @dataclass
 class Call:
-    """One ``generate`` call."""
+    """One ``generate`` call: its rows, those waiting to be admitted (``pending``, in order) and
+    those in the batch (``active``)."""
 
     rows: list[Row]
     n: int
@@ -86,6 +115,33 @@ class Call:
     remaining: list[int]  # per group: completions not done yet
     results: list[list[Rollout] | None]
     callback_s: float = 0.0
+    pending: deque[Row] = field(default_factory=deque)
+    active: list[Row] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One decoding step's output: per row of the batch, the tokens and their log-probs it
+    emits; when the step verified drafts, per row the drafts accepted and proposed."""
+
+    rows: list[tuple[list[int], list[float]]]
+    accepted: list[int] | None = None
+    proposed: list[int] | None = None
+
+    @classmethod
+    def sampled(cls, tokens: Tensor, logprobs: Tensor) -> Emitted:
+        """One sampled token per row (``tokens``, ``logprobs``: [B])."""
+        pairs = zip(tokens.tolist(), logprobs.tolist(), strict=True)
+        return cls([([t], [lp]) for t, lp in pairs])
+
+    @classmethod
+    def verified(cls, result: SpecResult, num_drafts: Tensor) -> Emitted:
+        """What a verification emits; ``num_drafts`` [B]: the drafts each row proposed."""
+        accepted, proposed = result.accepted.tolist(), num_drafts.tolist()
+        counts, tokens = result.num_emitted.tolist(), result.tokens.tolist()
+        logprobs = result.logprobs.tolist()
+        rows = [(tokens[b][: counts[b]], logprobs[b][: counts[b]]) for b in range(len(accepted))]
+        return cls(rows, accepted, proposed)
 
 
 class Counters:
@@ -216,4 +272,46 @@ class Counters:
             out[f"{mn.VERIFY_ACCEPTANCE_GAP_PREFIX}{gap}"] = (
                 self.gap_accepted.get(gap, 0) / proposed
             )
+        return out
+
+
+class Batch:
+    """The batch state of the torch engine: the paged KV cache of its rows, the counters behind
+    ``stats``, and the call in progress with the time it started (``live``)."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.counters = Counters()
+        self.live: tuple[float, Call] | None = None
+
+    @contextmanager
+    def running(self, call: Call, started: float) -> Iterator[None]:
+        """``call`` in progress since ``started`` (``perf_counter()``); afterwards (also when it
+        raised) no row of it keeps blocks, and its time less its callbacks' counts as
+        generating."""
+        self.live = (started, call)
+        try:
+            yield
+        finally:
+            for row in call.rows:
+                self.cache.release(row.id)
+            self.live = None
+            self.counters.gen_time_s += time.perf_counter() - started - call.callback_s
+
+    def bind(self, rows: Sequence[Row], ahead: Sequence[int]) -> PagedKVCache:
+        """Blocks for every row's pending token and ``ahead[i]`` slots after it; binds them."""
+        for row, extra in zip(rows, ahead, strict=True):
+            self.cache.reserve(row.id, row.pos + 1 + extra)
+        return self.cache.bind([r.id for r in rows])
+
+    def report(self, speculative: bool, reset: bool) -> dict[str, float]:
+        """The counters' figures, the call in progress's time so far included; ``reset``: start
+        counting afresh."""
+        gen_time_s = self.counters.gen_time_s
+        if self.live is not None:
+            started, call = self.live
+            gen_time_s += time.perf_counter() - started - call.callback_s
+        out = self.counters.report(gen_time_s, speculative)
+        if reset:
+            self.counters = Counters()
         return out

@@ -43,7 +43,7 @@ import torch
 
 from actors.drafting import NgramDrafter
 from actors.engines import vllm_proposer, vllm_selfdraft
-from actors.engines.rollout_engine import GenerateCall, Rollout, RolloutEngine, prompt_key
+from actors.engines.rollout_engine import EngineBase, GenerateCall, Rollout, prompt_key
 from actors.engines.vllm_compat import SPEC_COUNTERS
 from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
 from actors.engines.vllm_eagle import EAGLE_PREFIX, NativeEagle
@@ -128,7 +128,7 @@ class _Slot:
         )
 
 
-class VllmEngine(RolloutEngine):
+class VllmEngine(EngineBase):
     """Batched rollouts on ``vllm.LLM``; see the module docstring."""
 
     def __init__(

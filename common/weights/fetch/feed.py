@@ -94,14 +94,14 @@ def fetch_newer(
         on_start(version)
     started = time.perf_counter()
     try:
-        fetched, state = store.fetch(version)
+        got_version, state = store.fetch(version)
     except (WeightsError, *REDIS_DOWN) as e:
         # Refused (checksum/shape), expired or Redis away: keep the weights we have, and let the
         # watcher report this version (or a newer one) again on its next check of `latest`.
         log.warning("actor: cannot load version %d (%s); keeping version %d", version, e, current)
         watcher.last_seen = current
         return None
-    return Fetched(fetched, state, time.perf_counter() - started)
+    return Fetched(got_version, state, time.perf_counter() - started)
 
 
 class ReadySlot:
@@ -261,8 +261,8 @@ def take(feed: WeightFeed, meter: StallMeter, timeout_s: float = 0.0) -> Update 
 
 SWAP_METHODS = ("load_weights", "_swap")
 """Where an engine takes in a version on the decode thread: ``load_weights`` (between
-``generate`` calls), and ``_swap``, which both engines (``actors/engines/torch_swap.py``,
-``actors/engines/vllm_engine.py``) call when their weight source hands them a version mid-call:
+``generate`` calls), and ``_swap``, which both engines (``actors/engines/torch_engine.py``,
+handing the work to ``WeightSwapper.swap``; ``actors/engines/vllm_engine.py``) call when their weight source hands them a version mid-call:
 the load, then the rows in flight aborted or verified against the new weights (delayed
 verification's forward runs there)."""
 

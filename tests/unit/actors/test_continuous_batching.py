@@ -21,6 +21,7 @@ from testing.lossless_check import (
     rollouts_pvalue,
 )
 from testing.models import token_logprobs
+from tests.unit.actors.engine_helpers import swap_after
 
 EOS = 2
 NO_EOS = 99
@@ -87,7 +88,7 @@ def test_the_refill_check_detects_a_lost_prompt_copy():
 def test_greedy_with_refill_equals_greedy_static(spec):
     model = peaky_model(vocab=16, seed=0, scale=30.0)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 8, 9, 8, 9, 8, 9], [1, 3]]
-    static = TorchEngine(model, EOS, 0, temperature=0.0, batching="static")
+    static = TorchEngine(model, EOS, 0, temperature=0.0, static_batching=True)
     expected = static.generate(prompts, 3, 12)
     engine = TorchEngine(model, EOS, 0, temperature=0.0, spec=spec, max_rows=2)
     for _ in range(2):  # the second call drafts from history too (n-gram)
@@ -110,16 +111,6 @@ def test_refill_and_rollback_keep_behaviour_logprobs_exact(spec):
 
 
 # ---------------------------------------------------------------- refill: in-flight swaps
-
-
-def swap_after(steps: int, version: int, new):
-    calls = {"n": 0}
-
-    def source():
-        calls["n"] += 1
-        return (version, new.state_dict()) if calls["n"] == steps else None
-
-    return source
 
 
 def staggered(mode: str, old, new):
@@ -146,7 +137,7 @@ def test_refill_with_an_in_flight_swap_is_exact(mode):
     assert stats["verify/swaps"] == 1
     assert stats["verify/inflight_tokens"] == 1500 * 2 + 1500 * 1
     assert 0 < stats["verify/salvaged_frac"] < 1
-    assert engine._kept == {} and engine.cache.used_blocks() == 0
+    assert engine.swapper.kept == {} and engine.cache.used_blocks() == 0
 
 
 def test_refill_with_keep_is_not_exact():
@@ -181,7 +172,8 @@ def test_groups_are_handed_over_as_soon_as_they_are_done():
 
     for batching, expect_early in (("continuous", True), ("static", False)):
         seen = []
-        engine = TorchEngine(model, EOS, 0, seed=1, batching=batching, max_rows=3)
+        static = batching == "static"
+        engine = TorchEngine(model, EOS, 0, seed=1, static_batching=static, max_rows=3)
         out = engine.generate(
             prompts,
             3,
@@ -201,7 +193,8 @@ def test_dynamic_cache_holds_less_than_the_static_one():
     prompts = [[1, 5, 6, 7], [1, 6], [1, 7, 8], [1, 8]]
     peaks = {}
     for batching in ("static", "continuous"):
-        engine = TorchEngine(model, EOS, 0, seed=1, batching=batching, block_size=4)
+        static = batching == "static"
+        engine = TorchEngine(model, EOS, 0, seed=1, static_batching=static, block_size=4)
         engine.generate(prompts, 8, 40)
         peaks[batching] = engine.cache.peak_bytes
         assert engine.cache.used_blocks() == 0

@@ -16,6 +16,7 @@ from actors.draft_length import (
     PLAIN_STEP,
     Choice,
     DraftLength,
+    StepOutcome,
     rows_bucket,
 )
 from actors.engines.torch_engine import TorchEngine
@@ -28,6 +29,7 @@ from testing.lossless_check import (
     peaky_model,
     sequence_pvalue,
 )
+from tests.unit.actors.engine_helpers import jittery_clock
 
 
 class FakeClock:
@@ -71,7 +73,7 @@ def drive(control, steps, rows, seconds, accept, matches=None, step0=0):
             forced = [prefix] * rows if choice.ngram_prefix else None
         started = clock()
         clock.now += seconds(choice, step)
-        control.record(choice, rows, clock() - started, accepted, proposed, forced)
+        control.learn(StepOutcome(choice, rows, clock() - started, accepted, proposed, forced))
         choices.append(choice)
         tokens += rows + (sum(accepted) if accepted else 0)
     return choices, tokens, clock.now - elapsed
@@ -265,19 +267,6 @@ ADAPTIVE = [
 
 def _id(spec: SpecConfig) -> str:
     return f"{spec.method}-k{spec.k}"
-
-
-def jittery_clock(seed: int):
-    """A clock whose every reading is 0.1 to 2 units later than the last: step times the
-    controller cannot make sense of, so it keeps changing its mind."""
-    rng = random.Random(seed)
-    now = [0.0]
-
-    def clock() -> float:
-        now[0] += rng.uniform(0.1, 2.0)
-        return now[0]
-
-    return clock
 
 
 def chosen(stats: dict[str, float]) -> set[int]:

@@ -8,7 +8,6 @@ always the policy's version (a version without it refused)."""
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch
 from actors.draft_length import EAGLE, PLAIN, DraftLength
 from actors.drafting import EagleDrafter
 from actors.engines.rollout_engine import StaleDraftError
+from actors.engines.torch_eagle import EagleSteps
 from actors.engines.torch_engine import TorchEngine
 from actors.loop import group_stat
 from common import metric_names as mn
@@ -29,6 +29,7 @@ from testing.lossless_check import (
     rollouts_pvalue,
     sequence_pvalue,
 )
+from tests.unit.actors.engine_helpers import jittery_clock, swap_after
 
 SPEC = SpecConfig(method="eagle3", k=3, adaptive=False)
 ADAPTIVE = SpecConfig(method="eagle3", k=3, adaptive=True)
@@ -42,17 +43,6 @@ NO_EOS = 99
 def _one_thread():
     with one_thread():  # tiny models: several times faster on a shared CPU
         yield
-
-
-def jittery_clock(seed: int):
-    """Step times the adaptive controller cannot make sense of: it keeps changing k."""
-    rng, now = random.Random(seed), [0.0]
-
-    def clock() -> float:
-        now[0] += rng.uniform(0.1, 2.0)
-        return now[0]
-
-    return clock
 
 
 @pytest.fixture(scope="module")
@@ -207,16 +197,6 @@ def fresh_first(model: Transformer, seq: list[int]) -> torch.Tensor:
         return model.run_eagle(ids[:, 1:], model.eagle.combine(aux), None, None)[0, -1]
 
 
-def swap_after(steps: int, version: int, new: Transformer):
-    calls = {"n": 0}
-
-    def source():
-        calls["n"] += 1
-        return (version, new.state_dict()) if calls["n"] == steps else None
-
-    return source
-
-
 @pytest.mark.parametrize("mode", ["verify_on_swap", "verify_on_finish", "abort", "keep"])
 def test_first_pass_equals_a_fresh_pass_of_the_current_head(mode, monkeypatch):
     # Rows of different lengths (a 1-token prompt, one long enough to be caught up on its own),
@@ -227,7 +207,7 @@ def test_first_pass_equals_a_fresh_pass_of_the_current_head(mode, monkeypatch):
     old = with_head(peaky_model(vocab=12, seed=1, scale=6.0), seed=5)
     new = with_head(peaky_model(vocab=12, seed=2, scale=6.0), seed=6)
     log: list[dict] = []
-    real_step, real_draft = TorchEngine._eagle_step, EagleDrafter.draft
+    real_step, real_draft = EagleSteps.step, EagleDrafter.draft
 
     def step(self, active, last, pos, k):
         rows = [(r.prompt + r.tokens, r.head_ok and r.head_pending() > 0) for r in active]
@@ -238,7 +218,7 @@ def test_first_pass_equals_a_fresh_pass_of_the_current_head(mode, monkeypatch):
         log[-1].update(first=first.clone(), model=self.model, version=self.version)
         return real_draft(self, first, *args, **kwargs)
 
-    monkeypatch.setattr(TorchEngine, "_eagle_step", step)
+    monkeypatch.setattr(EagleSteps, "step", step)
     monkeypatch.setattr(EagleDrafter, "draft", draft)
     engine = TorchEngine(
         old, NO_EOS, 0, 1.0, seed=3, version=0, spec=ADAPTIVE, inflight=mode, max_rows=4

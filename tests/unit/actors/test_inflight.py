@@ -12,6 +12,7 @@ from common.config.actor import SpecConfig
 from common.model import Transformer
 from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
 from testing.models import token_logprobs
+from tests.unit.actors.engine_helpers import swap_after
 
 NO_EOS = 99  # outside the vocabulary: every row runs to the budget, so all are in flight at a swap
 PROMPT = [1, 4, 5, 4]
@@ -19,17 +20,6 @@ PROMPT = [1, 4, 5, 4]
 
 def model(seed: int, vocab: int = 6, scale: float = 6.0) -> Transformer:
     return peaky_model(vocab, seed, scale)
-
-
-def swap_after(steps: int, version: int, new: Transformer):
-    """A weight source that delivers ``new`` once, after ``steps`` decoding steps."""
-    calls = {"n": 0}
-
-    def source():
-        calls["n"] += 1
-        return (version, new.state_dict()) if calls["n"] == steps else None
-
-    return source
 
 
 def sample(
@@ -122,7 +112,7 @@ def test_cut_and_resume_keeps_the_cache_consistent(mode):
 def test_kept_weights_are_released():
     old, new = model(1), model(2)
     engine, _ = sample("verify_on_finish", old, new, rows=16, max_new=4)
-    assert engine._kept == {}
+    assert engine.swapper.kept == {}
     assert engine.version == 1 and engine.model is not old
 
 

@@ -232,16 +232,22 @@ def test_stall_meter_counts_blocked_time_during_deliveries_only() -> None:
 
 class SlowSwapEngine(TorchEngine):
     """A real torch engine whose load between calls, and delayed verification of the rows in
-    flight at a swap, each take at least ``SLOW_S`` (a weight copy to an accelerator, a long
-    verification forward)."""
+    flight at a swap (its swapper's), each take at least ``SLOW_S`` (a weight copy to an
+    accelerator, a long verification forward)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        verify = self.swapper.verify
+
+        def slow_verify(rows, old_models, bonus):
+            time.sleep(SLOW_S)
+            return verify(rows, old_models, bonus)
+
+        self.swapper.verify = slow_verify  # type: ignore[method-assign]
 
     def load_weights(self, version, state_dict) -> None:
         time.sleep(SLOW_S)
         super().load_weights(version, state_dict)
-
-    def _verify(self, rows, old_models, bonus):
-        time.sleep(SLOW_S)
-        return super()._verify(rows, old_models, bonus)
 
 
 SLOW_S = 0.2
