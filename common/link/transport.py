@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import zmq
 
@@ -135,10 +135,10 @@ def ready(recv: Callable[[int], T]) -> Iterator[T]:
 
 
 def guarded(attr: str, doc: str | None = None) -> property:
-    """A read-only property returning ``self.<attr>`` under ``self._cond`` (the lock of a
-    :class:`SocketThread`'s shared state)."""
+    """A read-only property returning ``self.<attr>`` under ``self._cond``, the condition that
+    guards its owner's shared state (a :class:`SocketThread`'s, or the receiver's ``Intake``)."""
 
-    def get(self: SocketThread) -> object:
+    def get(self: Any) -> object:
         with self._cond:
             return getattr(self, attr)
 

@@ -1,6 +1,8 @@
 """What the learner's receiver does with each group (docs/design.md §5.2, §5.3): admission,
 dedupe, write-ahead log, queue, and the acks they earn; and the counters and state the learner
-reads. The socket side is common/link/receive/receiver.py.
+reads. The socket side is common/link/receive/receiver.py: its ``GroupReceiver`` holds an
+:class:`Intake`, hands it each decoded message from its I/O thread and answers the learner from
+it. The intake owns the one lock its state needs; the receiver never takes it.
 
 A refused group is acked as refused and counted, but neither logged nor queued nor recorded as
 seen: the verdict depends only on the group, except ``version_ahead``, which a later learner
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,7 +24,7 @@ from common import metric_names as mn
 from common.link.protocol import PROTOCOL_ERROR_REASONS, Heartbeat, TrajectoryGroup
 from common.link.receive.admission import ADMISSION_REFUSAL_REASONS, Admission
 from common.link.receive.wal import WalWriter
-from common.link.transport import SocketThread, guarded
+from common.link.transport import guarded
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +84,15 @@ class PendingAck:
     refused: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-class Intake(SocketThread):
+class Intake:
     """The receiver's state and its verdict on each group; ``get()`` yields each new group once.
-    All state is guarded by ``_cond``, notified when the queue gains or loses a group; the I/O
-    thread (common/link/receive/receiver.py) hands it decoded messages and sends the acks."""
+
+    All state is guarded by ``_cond``, which the intake owns and notifies when the queue gains
+    or loses a group, the batch in hand is done, or the I/O thread fails. The receiver's I/O
+    thread (common/link/receive/receiver.py) calls the methods under "I/O thread" below: it
+    hands over decoded messages, counts what only the socket sees, and sends the acks; the
+    receiver says when that thread starts (``mark_started``), fails (``fail``) and ends
+    (``close_log``), and when no more groups will come (``close``)."""
 
     def __init__(
         self,
@@ -96,7 +104,10 @@ class Intake(SocketThread):
     ) -> None:
         if (admission is None) != (latest_version is None):
             raise ValueError("admission and latest_version go together")
-        super().__init__("receiver", "group-receiver")
+        # Condition() holds an RLock: checkpoint_cut calls dedupe_state with it held.
+        self._cond = threading.Condition()
+        self._started = False  # the I/O thread was started: the dedupe record is live
+        self._error: BaseException | None = None  # what the I/O thread failed with
         self._actor_timeout_s = actor_timeout_s
         self._queue_max = queue_max
         self._wal = wal
@@ -134,7 +145,8 @@ class Intake(SocketThread):
             self._cond.wait_for(
                 lambda: self._queue or self._error is not None or self._closed, timeout_s
             )
-            self._raise_if_failed()
+            if self._error is not None:
+                raise RuntimeError("receiver I/O thread failed") from self._error
             if not self._queue:
                 return None
             group = self._queue.popleft()
@@ -224,7 +236,38 @@ class Intake(SocketThread):
         out[mn.RECEIVER_LIVE_ACTORS] = float(len(self.live_actors()))
         return out
 
-    def _close_queue(self) -> None:
+    def _listening(self) -> float:
+        """Seconds of listening: the monotonic clock less the time spent not reading (call
+        with ``_cond`` held)."""
+        now = time.monotonic()
+        deaf = self._deaf_total + (now - self._deaf_since if self._deaf_since is not None else 0.0)
+        return now - deaf
+
+    # ------------------------------------------------------------------ lifecycle (receiver)
+
+    def mark_started(self) -> None:
+        """The I/O thread is starting: from now on the seen-seqs record is live, so
+        ``load_dedupe_state`` and ``mark_seen`` refuse."""
+        with self._cond:
+            self._started = True
+
+    def _require_not_started(self, what: str) -> None:
+        with self._cond:
+            if self._started:
+                raise RuntimeError(f"{what} must be called before start()")
+
+    def fail(self, error: BaseException) -> None:
+        """The I/O thread failed with ``error``: ``get`` raises it from now on."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def close_log(self) -> None:
+        """The I/O thread ended: nothing more goes to the write-ahead log."""
+        if self._wal is not None:
+            self._wal.close()
+
+    def close(self) -> None:
         """No more groups will come: wake ``get`` callers, and warn of groups left unread."""
         with self._cond:
             self._closed = True
@@ -233,30 +276,6 @@ class Intake(SocketThread):
         if left:
             # Acked on receipt, so unless the caller drains them these are lost to training.
             log.warning("receiver closed with %d acked group(s) not yet consumed", left)
-
-    def _queue_full(self) -> bool:
-        """True while the queue is full, the I/O thread then reading nothing; the time it
-        spends so is kept off the liveness clock (``_listening``)."""
-        now = time.monotonic()
-        with self._cond:
-            full = len(self._queue) >= self._queue_max
-            if full and self._deaf_since is None:
-                self._deaf_since = now
-            elif not full and self._deaf_since is not None:
-                self._deaf_total += now - self._deaf_since
-                self._deaf_since = None
-            return full
-
-    def _listening(self) -> float:
-        """Seconds of listening: the monotonic clock less the time spent not reading (call
-        with ``_cond`` held)."""
-        now = time.monotonic()
-        deaf = self._deaf_total + (now - self._deaf_since if self._deaf_since is not None else 0.0)
-        return now - deaf
-
-    def _release(self) -> None:
-        if self._wal is not None:
-            self._wal.close()
 
     # ------------------------------------------------------------------ dedupe persistence
 
@@ -325,9 +344,58 @@ class Intake(SocketThread):
             for group in groups:
                 self._dedupe.setdefault(group.actor_id, DedupeWindow()).add(group.seq)
 
-    # ------------------------------------------------------------------ one group
+    # ------------------------------------------------------------------ I/O thread
 
-    def _on_group(self, group: TrajectoryGroup, frame: bytes, ack: PendingAck) -> bool:
+    def queue_full(self) -> bool:
+        """True while the queue is full, the I/O thread then reading nothing; the time it
+        spends so is kept off the liveness clock (``_listening``)."""
+        now = time.monotonic()
+        with self._cond:
+            full = len(self._queue) >= self._queue_max
+            if full and self._deaf_since is None:
+                self._deaf_since = now
+            elif not full and self._deaf_since is not None:
+                self._deaf_total += now - self._deaf_since
+                self._deaf_since = None
+            return full
+
+    def wait_for_space(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` for ``get`` (or anything else) to notify: the queue may
+        have room again."""
+        with self._cond:
+            self._cond.wait(timeout_s)
+
+    def batch_done(self) -> None:
+        """Wake the consumer once for a batch of groups (not once per group)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def flush_log(self) -> None:
+        """Make the write-ahead log hold every group accepted so far, before their acks go
+        out (a write error raises: nothing unlogged is acked)."""
+        if self._wal is not None:
+            with self._cond:
+                self._wal.flush()
+
+    def count_acks_sent(self, seqs: int) -> None:
+        with self._cond:
+            self._acks_sent += seqs
+
+    def count_handover_dropped(self) -> None:
+        with self._cond:
+            self._handover_dropped += 1
+
+    def count_disconnect(self) -> None:
+        with self._cond:
+            self._disconnects += 1
+
+    def count_unauthenticated(self) -> None:
+        with self._cond:
+            self._unauthenticated += 1
+
+    # ------------------------------------------------------------------ one message
+
+    def on_group(self, group: TrajectoryGroup, frame: bytes, ack: PendingAck) -> bool:
         """Refuse, or accept (queue and log a new one), a group that decoded on the connection
         of its actor, adding its seq to ``ack``; True if the queue is now full."""
         if self._admission is not None:
@@ -360,7 +428,7 @@ class Intake(SocketThread):
             if len(self._refused_log) < _REFUSED_LOG_MAX:
                 self._refused_log.append((group.actor_id, group.seq, group.version, reason))
         ack.refused.setdefault(reason, []).append(group.seq)
-        self._log_limited(
+        self.log_limited(
             f"refused/{reason}",
             "refused group %s/%d: %s (%s)",
             group.actor_id,
@@ -369,7 +437,7 @@ class Intake(SocketThread):
             detail[:200],
         )
 
-    def _on_heartbeat(self, beat: Heartbeat) -> None:
+    def on_heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
             self._heartbeats += 1
             info = self._touch(beat.actor_id)
@@ -387,7 +455,7 @@ class Intake(SocketThread):
         info.last_seen = self._listening()
         return info
 
-    def _log_limited(self, kind: str, fmt: str, *args: object) -> None:
+    def log_limited(self, kind: str, fmt: str, *args: object) -> None:
         """Log a warning at most once per ``LOG_EVERY_S`` per kind, counting the suppressed."""
         now = time.monotonic()
         with self._cond:
@@ -401,8 +469,8 @@ class Intake(SocketThread):
             fmt += f"; {suppressed} more like it in the last {LOG_EVERY_S:.0f} s"
         log.warning(fmt, *args)
 
-    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+    def reject(self, identity: bytes, reason: str, detail: str) -> None:
         with self._cond:
             self._bad_by_reason[reason] = self._bad_by_reason.get(reason, 0) + 1
         peer = identity.decode("utf-8", errors="backslashreplace")
-        self._log_limited(reason, "bad frame from %r: %s (%s)", peer, reason, detail[:200])
+        self.log_limited(reason, "bad frame from %r: %s (%s)", peer, reason, detail[:200])

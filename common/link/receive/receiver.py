@@ -1,6 +1,7 @@
 """The learner's end of the delivery contract (docs/design.md §5.2): the ROUTER socket, its I/O
 thread, the frames it decodes and the acks it sends. What each group does to the queue, dedupe
-record and log is common/link/receive/intake.py.
+record and log is common/link/receive/intake.py: the receiver holds an ``Intake``, hands it each
+decoded message and answers the learner's reads from it.
 
 Authentication: with ``curve`` the link is CurveZMQ; with ``authorized_keys`` too, a ZAP handler
 admits only clients whose public key is a ``*.key`` certificate in that directory (re-read when
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.auth
@@ -33,15 +35,19 @@ from zmq.utils.monitor import recv_monitor_message
 from common.curve_keys import CurveKeys
 from common.link.protocol import Ack, DecodeLimits, Heartbeat, ProtocolError, decode, encode
 from common.link.receive.admission import Admission
-from common.link.receive.intake import LOG_EVERY_S, Intake, PendingAck
+from common.link.receive.intake import LOG_EVERY_S, ActorInfo, Intake, PendingAck
 from common.link.receive.wal import WalWriter
 from common.link.transport import (
     DEFAULT_HWM,
     DEFAULT_MAX_FRAME_BYTES,
+    SocketThread,
     make_socket,
     ready,
     shared_context,
 )
+
+if TYPE_CHECKING:  # annotations only (the learner's reads, answered by the intake)
+    from common.link.protocol import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +111,17 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
-class GroupReceiver(Intake):
-    """Receives TrajectoryGroups and heartbeats on a ROUTER; ``get()`` yields each group once."""
+def _from_intake(name: str) -> property:
+    """A read-only attribute of the receiver answered by its intake's ``name``."""
+    return property(lambda self: getattr(self._intake, name), doc=getattr(Intake, name).__doc__)
+
+
+class GroupReceiver(SocketThread):
+    """Receives TrajectoryGroups and heartbeats on a ROUTER; ``get()`` yields each group once.
+
+    The ROUTER belongs to this end's I/O thread (:class:`SocketThread`); the groups, the dedupe
+    record, the log and the counters belong to its :class:`Intake`, which holds the lock they
+    need. The learner's reads below are the intake's."""
 
     def __init__(
         self,
@@ -132,7 +147,8 @@ class GroupReceiver(Intake):
             raise ValueError("authorized_keys needs curve (the allow-list is of CURVE keys)")
         if authorized_keys is not None and not Path(authorized_keys).is_dir():
             raise FileNotFoundError(f"authorized_keys directory {authorized_keys} does not exist")
-        super().__init__(actor_timeout_s, queue_max, wal, admission, latest_version)
+        self._intake = Intake(actor_timeout_s, queue_max, wal, admission, latest_version)
+        super().__init__("receiver", "group-receiver")
         self._bind_address = bind_address
         self._limits = limits
         self._hwm = hwm
@@ -143,6 +159,61 @@ class GroupReceiver(Intake):
         self._context = zmq.Context() if self._own_context else (context or shared_context())
         self._authenticator: ThreadAuthenticator | None = None
         self._bound_address: str | None = None
+
+    # ------------------------------------------------------------------ the learner's reads
+
+    def get(self, timeout_s: float) -> TrajectoryGroup | None:
+        """The next new group, or None if none arrived within ``timeout_s``; raises once the
+        I/O thread failed."""
+        return self._intake.get(timeout_s)
+
+    def drain(self) -> list[TrajectoryGroup]:
+        """Every queued group, even after a failure (see ``Intake.drain``)."""
+        return self._intake.drain()
+
+    def live_actors(self) -> dict[str, ActorInfo]:
+        return self._intake.live_actors()
+
+    def bad_frames_by_reason(self) -> dict[str, int]:
+        return self._intake.bad_frames_by_reason()
+
+    def refused_by_reason(self) -> dict[str, int]:
+        return self._intake.refused_by_reason()
+
+    def take_refused(self) -> list[tuple[str, int, int, str]]:
+        return self._intake.take_refused()
+
+    def qsize(self) -> int:
+        return self._intake.qsize()
+
+    def stats(self) -> dict[str, float]:
+        return self._intake.stats()
+
+    received = _from_intake("received")
+    unauthenticated = _from_intake("unauthenticated")
+    disconnects = _from_intake("disconnects")
+    handover_dropped = _from_intake("handover_dropped")
+    duplicates = _from_intake("duplicates")
+    acks_sent = _from_intake("acks_sent")
+    bad_frames = _from_intake("bad_frames")
+
+    # ------------------------------------------------------------------ dedupe persistence
+
+    def dedupe_state(self) -> dict[str, Any]:
+        return self._intake.dedupe_state()
+
+    def checkpoint_cut(self) -> tuple[dict[str, Any], list[TrajectoryGroup], int | None]:
+        """``(dedupe state, queued groups, first log segment after the cut)``, one consistent
+        cut (see ``Intake.checkpoint_cut``)."""
+        return self._intake.checkpoint_cut()
+
+    def load_dedupe_state(self, state: dict[str, Any]) -> None:
+        """Before ``start()`` only (see ``Intake.load_dedupe_state``)."""
+        self._intake.load_dedupe_state(state)
+
+    def mark_seen(self, groups: list[TrajectoryGroup]) -> None:
+        """Before ``start()`` only (see ``Intake.mark_seen``)."""
+        self._intake.mark_seen(groups)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -170,6 +241,7 @@ class GroupReceiver(Intake):
         events = _DISCONNECTED
         if self._curve is not None:
             events |= functools.reduce(operator.or_, _REFUSED_EVENTS)
+        self._intake.mark_started()
         self._spawn(sock, sock.get_monitor_socket(events))
         return self
 
@@ -184,7 +256,7 @@ class GroupReceiver(Intake):
         if self._own_context:
             self._context.term()
             self._own_context = False
-        self._close_queue()
+        self._intake.close()
 
     @property
     def bound_address(self) -> str:
@@ -196,17 +268,26 @@ class GroupReceiver(Intake):
     # ------------------------------------------------------------------ I/O thread
 
     def _loop(self, sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+        try:
+            self._serve(sock, monitor)
+        except BaseException as e:
+            self._intake.fail(e)  # the learner's get() raises it from now on
+            raise  # SocketThread logs it and closes the sockets
+
+    def _release(self) -> None:
+        self._intake.close_log()
+
+    def _serve(self, sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if self._queue_full():
+            if self._intake.queue_full():
                 # Backpressure: read nothing (so ack nothing) until get() frees space.
                 if monitor is not None:
                     self._drain_monitor(monitor)
-                with self._cond:
-                    self._cond.wait(_POLL_S)
+                self._intake.wait_for_space(_POLL_S)
                 continue
             events = dict(poller.poll(int(_POLL_S * 1000)))
             if monitor is not None and monitor in events:
@@ -220,17 +301,14 @@ class GroupReceiver(Intake):
                 if self._handle(parts, acks):
                     break
             if acks:
-                with self._cond:
-                    self._cond.notify_all()  # once per batch: the consumer wakes to many groups
+                self._intake.batch_done()
             self._send_acks(sock, acks)
 
     def _send_acks(self, sock: zmq.Socket, acks: dict[bytes, PendingAck]) -> None:
         """One Ack per actor for the whole batch, after the log has the batch (group commit)."""
         if not acks:
             return
-        if self._wal is not None:
-            with self._cond:
-                self._wal.flush()  # a write error fails the I/O thread: nothing unlogged is acked
+        self._intake.flush_log()
         limit = self._limits.max_ack_seqs
         for identity, pending in acks.items():
             actor_id = identity.decode("utf-8")
@@ -243,59 +321,56 @@ class GroupReceiver(Intake):
                     refused = {reason: seqs[start : start + limit]}
                     ack = Ack(actor_id=actor_id, seqs=[], refused=refused)
                     sock.send_multipart([identity, encode(ack)])
-        with self._cond:
-            self._acks_sent += sum(len(p.seqs) for p in acks.values())
+        self._intake.count_acks_sent(sum(len(p.seqs) for p in acks.values()))
 
     def _handle(self, parts: list[zmq.Frame], acks: dict[bytes, PendingAck]) -> bool:
         """Process one ROUTER message, adding any ack it earns to ``acks``; True if the queue
         is now full (stop reading)."""
+        intake = self._intake
         identity = parts[0].bytes
         if identity.startswith(b"\x00"):
             # libzmq renames a connection that a reconnecting peer took its identity from
             # (ROUTER_HANDOVER) to a NUL-led id; frames still buffered on that old connection
             # arrive under it. Actors cannot choose such ids, an ack could not reach them, and
             # the actor resends them on its new connection: drop them, counted apart.
-            with self._cond:
-                self._handover_dropped += 1
+            intake.count_handover_dropped()
             return False
         if len(parts) != 2:
-            self._reject(identity, "bad_envelope", f"{len(parts) - 1} frames")
+            intake.reject(identity, "bad_envelope", f"{len(parts) - 1} frames")
             return False
         size, bound = len(parts[1]), self._limits.max_frame_bytes
         if size > bound:
             # Read (it is within the socket's bound) only to be counted: never copied or decoded.
-            self._reject(identity, "oversize", f"{size} > {bound} bytes")
+            intake.reject(identity, "oversize", f"{size} > {bound} bytes")
             return False
         frame = parts[1].bytes
         try:
             msg = decode(frame, self._limits)
         except ProtocolError as e:
             # I/O boundary: count, log, keep serving; the sender resends anything unacked.
-            self._reject(identity, e.reason, e.detail)
+            intake.reject(identity, e.reason, e.detail)
             return False
         if isinstance(msg, Ack):
-            self._reject(identity, "wrong_direction", "Ack sent to the learner")
+            intake.reject(identity, "wrong_direction", "Ack sent to the learner")
             return False
         if msg.actor_id.encode("utf-8") != identity:
-            self._reject(identity, "identity_mismatch", f"frame says {msg.actor_id!r}")
+            intake.reject(identity, "identity_mismatch", f"frame says {msg.actor_id!r}")
             return False
         if isinstance(msg, Heartbeat):
-            self._on_heartbeat(msg)
+            intake.on_heartbeat(msg)
             return False
-        return self._on_group(msg, frame, acks.setdefault(identity, PendingAck()))
+        return intake.on_group(msg, frame, acks.setdefault(identity, PendingAck()))
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         for event in ready(lambda flags: recv_monitor_message(monitor, flags)):
             if event["event"] == _DISCONNECTED:
-                with self._cond:
-                    self._disconnects += 1
+                self._intake.count_disconnect()
                 continue
             reason = _REFUSED_EVENTS.get(event["event"])
             if reason is None:
                 continue
-            with self._cond:
-                self._unauthenticated += 1
-            self._log_limited(
+            self._intake.count_unauthenticated()
+            self._intake.log_limited(
                 "unauthenticated",
                 "refused a connection to %s: %s",
                 event.get("endpoint", b"?"),

@@ -380,7 +380,7 @@ class CollectiveFeed(ReadySlot):
         self._start(version)
         started = time.perf_counter()
         try:
-            fetched, state = self.reader.fetch(version)
+            got_version, state = self.reader.fetch(version)
         except (WeightsError, *REDIS_DOWN) as e:
             # Refused, expired or Redis away: keep what we have; the watcher reports it again.
             log.warning("actor: cannot load version %d from Redis (%s)", version, e)
@@ -389,7 +389,7 @@ class CollectiveFeed(ReadySlot):
             return False
         if fallback:
             self.counts["fallbacks"] += 1
-        self._offer_from("redis", fetched, state, time.perf_counter() - started)
+        self._offer_from("redis", got_version, state, time.perf_counter() - started)
         return True
 
     def _group(self) -> None:

@@ -312,6 +312,50 @@ def test_loaded_dedupe_state_drops_replays(receiver: GroupReceiver) -> None:
         fresh.close()
 
 
+class _LogThatFailsToFlush:
+    """A write-ahead log whose flush fails (a disk gone): the I/O thread must fail with it."""
+
+    def __init__(self) -> None:
+        self.appended = 0
+        self.closed = False
+
+    def append(self, frame: bytes) -> None:
+        self.appended += 1
+
+    def flush(self) -> None:
+        raise OSError("disk gone")
+
+    def cut(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_io_thread_failure_reaches_get_and_closes_the_log() -> None:
+    wal = _LogThatFailsToFlush()
+    receiver = start_receiver(wal=wal)
+    dealer = connect_dealer(receiver.bound_address, b"raw-1")
+    try:
+        with pytest.raises(RuntimeError, match="mark_seen must be called before start"):
+            receiver.mark_seen([])
+        dealer.send(encode(make_group(0, actor_id="raw-1", seq=0)))
+        taken = []  # queued before the flush failed: get may take it before the failure shows
+        with pytest.raises(RuntimeError, match="receiver I/O thread failed") as failed:
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                taken.append(receiver.get(timeout_s=0.1))
+        assert isinstance(failed.value.__cause__, OSError)
+        wait_until(lambda: wal.closed)
+        assert not dealer.poll(100)  # nothing unlogged was acked
+        # Whatever get did not take, shutdown still can (drain does not raise).
+        taken += receiver.drain()
+        assert [g.seq for g in taken if g is not None] == [0] and wal.appended == 1
+    finally:
+        dealer.close(linger=0)
+        receiver.close()
+
+
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 def test_curve_keys_encrypt_the_link() -> None:
     server_public, server_secret = zmq.curve_keypair()
