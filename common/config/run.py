@@ -7,9 +7,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from common.config.checks import require, require_at_least, require_choice, require_ordered
+from common.config.field_types import ChatTemplateMode, DatasetFormat, TaskName
 from common.config.modes import (
     CHAT_TEMPLATE_MODES,
     DATASET_FORMATS,
@@ -58,13 +60,13 @@ def redact_redis_url(url: str) -> str:
 
 
 def is_loopback_host(host: str | None) -> bool:
-    """Whether ``host`` names this machine only: ``localhost`` or a loopback address."""
-    if not host:
-        return False
+    """Whether ``host`` names this machine only: ``localhost`` or a loopback IP literal
+    (``[::1]`` too); any other name, or none, counts as not loopback (it is not resolved here)."""
+    host = (host or "").strip("[]")
     if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -195,21 +197,21 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "reverse"
+    name: TaskName = "reverse"
     """Prompt source and reward: ``reverse`` (reverse a digit string), ``addition``,
     ``scratchpad`` (addition with a worked column-by-column answer, 60-110 tokens),
     ``word_problems`` (arithmetic word problems in English, for a real model), ``dataset`` (a
     JSONL or Parquet file of prompts with numeric answers; ``jsonl`` is the same task)."""
     path: str = ""
     """``dataset``/``jsonl`` only: the data set file (``.jsonl``/``.json`` lines, or ``.parquet``)."""
-    format: str = "auto"
+    format: DatasetFormat = "auto"
     """``dataset``/``jsonl`` only: ``jsonl``, ``parquet``, or ``auto`` (from the file's suffix)."""
     prompt_key: str = "prompt"
     """``dataset``/``jsonl`` only: column (JSON key) of the prompt text; ``a.b`` reads a nested key."""
     answer_key: str = "answer"
     """``dataset``/``jsonl`` only: column of the answer: a number, or a solution whose final answer
     follows ``####`` or sits in ``\\boxed{}``; ``a.b`` reads a nested key."""
-    chat_template: str = "auto"
+    chat_template: ChatTemplateMode = "auto"
     """Format prompts with the tokenizer's chat template: ``true``, ``false``, or ``auto`` (on when
     the tokenizer has a chat template and the task is a data set)."""
     system_prompt: str = ""
@@ -253,8 +255,9 @@ class TaskConfig:
             bool(self.answer_key), f"task.answer_key must be non-empty, got {self.answer_key!r}"
         )
         # Hydra reads `task.chat_template=true` as a bool, which a str field stores as "True".
-        self.chat_template = str(self.chat_template).lower()
-        require_choice("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
+        chat_template = str(self.chat_template).lower()
+        require_choice("task.chat_template", chat_template, CHAT_TEMPLATE_MODES)
+        self.chat_template = cast("ChatTemplateMode", chat_template)
         require_ordered("task", self, "min_digits", "max_digits")
         require(
             0.0 <= self.partial_credit < 1.0,
