@@ -56,7 +56,7 @@ def build_engine(
         try:
             if manifest is None:
                 raise WeightsError(f"version {version} has no manifest (expired?)")
-            fetched, state = store.fetch(version)
+            version, state = store.fetch(version)
             break
         except WeightsError as e:
             # A learner that publishes fast can retire a version between notice and fetch.
@@ -69,7 +69,7 @@ def build_engine(
     check_rollout_support(layout, cfg.engine.name, cfg.spec.method, cfg.spec.adapter)
     tokenizer = tokenizer_from_meta(manifest["meta"], cfg.model.path)
     if cfg.engine.name == "vllm":
-        engine = _vllm_engine(layout, manifest["meta"], state, fetched, tokenizer, cfg, seed)
+        engine = _vllm_engine(layout, manifest["meta"], state, version, tokenizer, cfg, seed)
         return engine, tokenizer, layout
     assert isinstance(layout, ModelArgs)  # check_rollout_support refuses the rest on torch
     model = policy_from_state(
@@ -82,7 +82,7 @@ def build_engine(
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         seed=seed,
-        version=fetched,
+        version=version,
         spec=cfg.spec,
         inflight=cfg.actor.inflight,
         max_rows=cfg.engine.max_rows or None,

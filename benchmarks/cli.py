@@ -91,6 +91,18 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+def run_module(
+    module: str, *args: str, cwd: Path = ROOT, timeout: float | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` in a child with the repository on its path and ``env`` added to
+    its environment: its output captured as text, its exit status not checked."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    command = [sys.executable, "-m", module, *args]
+    return subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def target(name: str, value: float, goal: float) -> dict[str, Any]:
     """A headline figure with its goal (a floor): ``name``, ``target_name``, ``target_met``."""
     return {name: value, f"target_{name}": goal, "target_met": value >= goal}

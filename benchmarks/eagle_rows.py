@@ -25,7 +25,6 @@ Figures (``real_eagle_*``):
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 from collections.abc import Callable, Iterable
@@ -35,12 +34,8 @@ import torch
 
 from actors.engines.torch_engine import TorchEngine
 from common import metric_names as mn
-from common.config import load_config
 from common.config.actor import SpecConfig
-from common.model import Transformer, load_pretrained
-from common.tasks import task_from_config
-from common.tokenizer import load_tokenizer
-from learner.checkpoint import latest_checkpoint
+from common.model import Transformer
 from testing.eagle import fit_head, one_thread, with_head
 from testing.lossless_check import EOS, peaky_model, sequence_pvalue
 
@@ -221,15 +216,24 @@ def lossless(quick: bool, k: int = 3) -> dict[str, object]:
             control = sequence_pvalue(engine, LOSSLESS_PROMPT, 3, samples)
         except KeyError:  # an output the plain distribution cannot produce
             control = 0.0
-    pvalues = [v for key, v in out.items() if "_pvalue_" in key]
-    out.update(
-        real_eagle_lossless=min(pvalues) >= PVALUE_MIN and control < PVALUE_MIN,  # type: ignore[operator]
-        real_eagle_lossless_control_pvalue=control,
-        real_eagle_lossless_control="wrong q: uniform over the head's vocabulary",
-        real_eagle_lossless_samples=samples,
-        real_eagle_lossless_k=k,
-    )
-    return out
+    control_is = "wrong q: uniform over the head's vocabulary"
+    return out | verdict("real_eagle_lossless", out, control, control_is, samples, k)
+
+
+def verdict(
+    prefix: str, pvalues: dict[str, object], control: float, control_is: str, samples: int, k: int
+) -> dict[str, object]:
+    """A lossless check's keys: ``prefix`` (whether every ``*_pvalue_*`` figure of ``pvalues``
+    reaches PVALUE_MIN while the control's p-value does not), the control's p-value and what it
+    is, the samples per setting and k."""
+    values = [v for key, v in pvalues.items() if "_pvalue_" in key]
+    return {
+        prefix: min(values) >= PVALUE_MIN and control < PVALUE_MIN,  # type: ignore[operator]
+        f"{prefix}_control_pvalue": control,
+        f"{prefix}_control": control_is,
+        f"{prefix}_samples": samples,
+        f"{prefix}_k": k,
+    }
 
 
 # ------------------------------------------------------------------ RL: the head's drift
@@ -241,7 +245,8 @@ def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> d
     from benchmarks.real_preset import (
         OVERRIDES,
         RL_SUMMARY_KEYS,
-        held_out_samples,
+        drift,
+        drift_figures,
         real_model_dir,
         rl_run,
     )
@@ -254,23 +259,12 @@ def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> d
             out[f"real_e2e_eagle3_{key}"] = run_summary[key]
     if flat.get("real_e2e_none_wall_s"):
         out["real_e2e_eagle3_speedup"] = round(float(flat["real_e2e_none_wall_s"]) / wall, 3)  # type: ignore[arg-type]
-    cfg = load_config(OVERRIDES)
-    tokenizer = load_tokenizer(model_dir)
-    task = task_from_config(cfg.task)
-    t = cfg.sampling.temperature
-    start = load_pretrained(model_dir).eval()
-    final = load_pretrained(latest_checkpoint(run_dir / "checkpoints")).eval()
-    frozen = copy.deepcopy(final)
-    frozen.eagle.load_state_dict(start.eagle.state_dict())  # type: ignore[union-attr]
-    before = head_acceptance(start, held_out_samples(start, cfg, tokenizer, task, eval_prompts), t)
-    after_samples = held_out_samples(final, cfg, tokenizer, task, eval_prompts)
+    d = drift(model_dir, run_dir, "eagle", eval_prompts)
+    before = head_acceptance(d.start, d.before, d.temperature)
     # The head's inputs are the policy's states, so the frozen head reads the final policy's.
-    after, frozen_after = head_acceptance(final, after_samples, t, also=frozen)
+    after, frozen_after = head_acceptance(d.final, d.after, d.temperature, also=d.frozen)
+    out.update(drift_figures("real_eagle_acceptance", before, after, frozen_after))
     out.update(
-        real_eagle_acceptance_before=round(before, 4),
-        real_eagle_acceptance_after=round(after, 4),
-        real_eagle_acceptance_frozen_after=round(frozen_after, 4),
-        real_eagle_acceptance_after_rl_over_before=round(after / before, 3),
         real_eagle_acceptance_after_rl_over_before_frozen=round(frozen_after / before, 3),
         real_eagle_rl_steps=steps,
         real_eagle_rl_command=f"specrl run {' '.join(OVERRIDES)} spec=eagle3 run.steps={steps}",

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import gc
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from actors.engines.vllm_verify import verified_token_distribution
 from benchmarks import engines_eagle
-from benchmarks.vllm_kit import BUILTIN_NGRAM, GROUP, child_speed, make_vllm
+from benchmarks.vllm_kit import (
+    BUILTIN_NGRAM,
+    GROUP,
+    child_speed,
+    interleaved,
+    make_vllm,
+    warmed_chunks,
+)
 from common import metric_names as mn
 from common.config import load_config
 from common.config.actor import EngineConfig, SpecConfig
@@ -66,37 +72,19 @@ def real_engines(rows, k: int):
 def real_speed(rows, batches, repeats: int, quick: bool, k: int) -> dict[str, float]:
     """Tokens/s of ``rows`` on the real model, chunk by chunk in turn (the first engine moves
     each time); for the self-draft rows also tokens per verify from the proposer's counts."""
-    from benchmarks.real_preset import chunks_of, preset_prompts
     from common.tasks import task_from_config as make_task
 
     engines, cfg, tokenizer = real_engines(rows, k)
     task = make_task(cfg.task)
-    max_new = task.max_new_tokens
     figures: dict[str, float] = {
         "real_vllm_k": k,
         "real_vllm_temperature": cfg.sampling.temperature,
     }
     for batch in batches:
-        per_epoch = batch // GROUP * (1 if quick else 2)
-        timed = chunks_of(preset_prompts(cfg, tokenizer, task, per_epoch, 0), batch)
-        warm = chunks_of(preset_prompts(cfg, tokenizer, task, batch // GROUP, 500), batch)
-        for engine in engines.values():
-            for chunk in warm:
-                engine.generate(chunk, GROUP, max_new)
-            engine.stats()
-        order = list(engines)
-        tokens = dict.fromkeys(engines, 0)
-        seconds = dict.fromkeys(engines, 0.0)
+        timed = warmed_chunks(engines, cfg, tokenizer, task, batch, quick)
         base = {n: dict(e.proposer.counts) for n, e in engines.items() if _counts(e)}
         drafting = {n: _draft_seconds(e) for n, e in engines.items()}
-        for _ in range(repeats):
-            for chunk in timed:
-                for name in order:
-                    started = time.perf_counter()
-                    out = engines[name].generate(chunk, GROUP, max_new)
-                    seconds[name] += time.perf_counter() - started
-                    tokens[name] += sum(len(r.token_ids) for g in out for r in g)
-                order = order[1:] + order[:1]
+        tokens, seconds = interleaved(engines, timed, repeats, task.max_new_tokens)
         for name, engine in engines.items():
             figures[f"real_{name}_b{batch}_tokens_per_s"] = round(tokens[name] / seconds[name], 1)
             stats = engine.stats()

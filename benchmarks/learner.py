@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,8 +45,6 @@ from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import TrainBatch, collate
 from learner.loss import ppo_clip_loss
 from testing.models import token_logprobs
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CHAR_VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size
 MODELS = {
@@ -197,15 +194,7 @@ def child_ranks(model_name: str, world: int, groups: int) -> dict:
 def _run_child(*argv: str) -> dict:
     # Large blocks straight from mmap and back on free, so RSS follows the live tensors instead of
     # glibc's heap high-water mark (same setting for every configuration).
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.learner", "--child", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
+    proc = cli.run_module("benchmarks.learner", "--child", *argv, MALLOC_MMAP_THRESHOLD_="131072")
     if proc.returncode != 0:
         raise RuntimeError(f"child {argv} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

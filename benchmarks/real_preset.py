@@ -1,6 +1,7 @@
 """The real-model preset as the benchmarks measure it (benchmarks/rollout_real.py, eagle_rows.py,
 engines_real.py, engines_eagle.py): its directory with a warm-started draft adapter and EAGLE-3
-head, its training prompts encoded as the actor does, and one `specrl run` of it."""
+head, its training prompts encoded as the actor does, one `specrl run` of it, and the policies
+and held-out samples that measure a draft's drift over that run."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from common.config import load_config
 from common.eagle import EAGLE_FILE
-from common.model import DRAFT_FILE
+from common.model import DRAFT_FILE, Transformer, load_pretrained
 from common.model_presets import preset_dir
 from common.prompts import prompt_encoder
+from common.tasks import task_from_config
+from common.tokenizer import load_tokenizer
+from learner.checkpoint import latest_checkpoint
 from learner.prepare.draft_data import Decoding, Sample, sample_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,3 +112,43 @@ def held_out_samples(model, cfg, tokenizer, task, prompts: int) -> list[Sample]:
     encoded = preset_prompts(cfg, tokenizer, task, prompts, 1000)
     sampler = copy.deepcopy(model).to(torch.bfloat16)
     return sample_group(sampler, encoded, 2, decoding, torch.Generator().manual_seed(0))
+
+
+class Drift(NamedTuple):
+    """What a draft's drift over an RL run is measured on: the initial policy, the final one (the
+    run's last checkpoint), the final one with the initial draft (``frozen``), held-out samples of
+    the initial and of the final policy, and the preset's sampling temperature."""
+
+    start: Transformer
+    final: Transformer
+    frozen: Transformer
+    before: list[Sample]
+    after: list[Sample]
+    temperature: float
+
+
+def drift(model_dir: Path, run_dir: Path, draft: str, eval_prompts: int) -> Drift:
+    """:class:`Drift` of the run in ``run_dir`` started from ``model_dir``; ``draft``: the
+    policy's module that drafts (``draft``, the adapter, or ``eagle``, the EAGLE-3 head)."""
+    cfg = load_config(OVERRIDES)
+    tokenizer = load_tokenizer(model_dir)
+    task = task_from_config(cfg.task)
+    start = load_pretrained(model_dir).eval()
+    final = load_pretrained(latest_checkpoint(run_dir / "checkpoints")).eval()
+    frozen = copy.deepcopy(final)
+    getattr(frozen, draft).load_state_dict(getattr(start, draft).state_dict())
+    before, after = (
+        held_out_samples(p, cfg, tokenizer, task, eval_prompts) for p in (start, final)
+    )
+    return Drift(start, final, frozen, before, after, cfg.sampling.temperature)
+
+
+def drift_figures(prefix: str, before: float, after: float, frozen_after: float) -> dict:
+    """A draft's held-out acceptance before the run, after it and, frozen at the start, after it
+    (``{prefix}_before``, ...) and the ratio after over before."""
+    return {
+        f"{prefix}_before": round(before, 4),
+        f"{prefix}_after": round(after, 4),
+        f"{prefix}_frozen_after": round(frozen_after, 4),
+        f"{prefix}_after_rl_over_before": round(after / before, 3),
+    }

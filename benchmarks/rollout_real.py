@@ -24,7 +24,6 @@ forward (machine-independent), acceptance by draft position, chosen draft length
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 from dataclasses import replace
@@ -32,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from actors.engines.torch_engine import TorchEngine
-from benchmarks import eagle_rows
+from benchmarks import _spec_rows, eagle_rows
 from benchmarks.real_preset import (
     E2E_STEPS,
     GROUP,
@@ -40,7 +39,8 @@ from benchmarks.real_preset import (
     PRESET,
     RL_SUMMARY_KEYS,
     chunks_of,
-    held_out_samples,
+    drift,
+    drift_figures,
     preset_prompts,
     real_model_dir,
     rl_run,
@@ -51,7 +51,6 @@ from common.config.actor import SpecConfig
 from common.model import load_pretrained
 from common.tasks import PromptPool, task_from_config
 from common.tokenizer import load_tokenizer
-from learner.checkpoint import latest_checkpoint
 from learner.prepare.draft_warmup import held_out_acceptance
 
 BATCHES = (1, 8, 32)
@@ -142,13 +141,8 @@ def row_label(name: str, k: int) -> str:
 
 
 def _batch_figures(flat: dict[str, object], engines: dict, batch: int, k: int) -> list[str]:
-    base = _median(engines["none"][1], mn.ACTOR_TOKENS_PER_S)
     lines = []
-    for name, (_, epochs) in engines.items():
-        key = f"real_{name}_b{batch}"
-        speed = _median(epochs, mn.ACTOR_TOKENS_PER_S)
-        flat[f"{key}_tokens_per_s"] = round(speed, 1)
-        flat[f"{key}_ratio"] = round(speed / base, 3)
+    for name, key, epochs, speed, ratio in _spec_rows.speeds(flat, engines, batch, "real", _median):
         if name == "none":
             lines.append(f"| {batch} | none | {speed:,.1f} | 1.00x | – | – | – |")
             continue
@@ -160,14 +154,10 @@ def _batch_figures(flat: dict[str, object], engines: dict, batch: int, k: int) -
         flat[f"{key}_tokens_per_verify"] = round(per_verify, 3)
         flat[f"{key}_acceptance"] = round(accept, 3)
         flat[f"{key}_acceptance_by_pos"] = [p for p in positions if p > 0]
-        lengths = {
-            k.removeprefix(mn.SPEC_DRAFT_LEN_PREFIX): round(v, 3)
-            for k, v in epochs[-1].items()
-            if k.startswith(mn.SPEC_DRAFT_LEN_PREFIX)
-        }
+        lengths = _spec_rows.draft_lengths(epochs)
         flat[f"{key}_draft_lengths"] = lengths
         lines.append(
-            f"| {batch} | {row_label(name, k)} | {speed:,.1f} | {speed / base:.2f}x | {accept:.2f} | "
+            f"| {batch} | {row_label(name, k)} | {speed:,.1f} | {ratio:.2f}x | {accept:.2f} | "
             f"{per_verify:.2f} | {lengths or '-'} |"
         )
     return lines
@@ -246,25 +236,11 @@ def rl_figures(steps: int = E2E_STEPS, eval_prompts: int = 16) -> dict[str, obje
             if key in summary:
                 flat[f"real_e2e_{label}_{key}"] = summary[key]
     flat["real_e2e_speedup"] = round(walls["none"] / walls["default"], 3)
-    tokenizer = load_tokenizer(model_dir)
-    task = task_from_config(cfg.task)
-    t = cfg.sampling.temperature
-    start = load_pretrained(model_dir).eval()
-    final = load_pretrained(latest_checkpoint(run_dir / "checkpoints")).eval()
-    frozen = copy.deepcopy(final)
-    frozen.draft.load_state_dict(start.draft.state_dict())
+    d = drift(model_dir, run_dir, "draft", eval_prompts)
     # The states depend on the policy only, so the frozen draft reads the final policy's.
-    before = held_out_acceptance(
-        start, held_out_samples(start, cfg, tokenizer, task, eval_prompts), t, 8, 256
-    )
-    after_samples = held_out_samples(final, cfg, tokenizer, task, eval_prompts)
-    after = held_out_acceptance(final, after_samples, t, 8, 256)
-    frozen_after = held_out_acceptance(frozen, after_samples, t, 8, 256)
-    flat.update(
-        real_draft_acceptance_before=round(before, 4),
-        real_draft_acceptance_after=round(after, 4),
-        real_draft_acceptance_frozen_after=round(frozen_after, 4),
-        real_draft_acceptance_after_rl_over_before=round(after / before, 3),
-        real_draft_acceptance_frozen_over_before=round(frozen_after / before, 3),
-    )
+    before = held_out_acceptance(d.start, d.before, d.temperature, 8, 256)
+    after = held_out_acceptance(d.final, d.after, d.temperature, 8, 256)
+    frozen_after = held_out_acceptance(d.frozen, d.after, d.temperature, 8, 256)
+    flat.update(drift_figures("real_draft_acceptance", before, after, frozen_after))
+    flat["real_draft_acceptance_frozen_over_before"] = round(frozen_after / before, 3)
     return flat

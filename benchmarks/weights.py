@@ -121,6 +121,7 @@ from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
 from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
+from testing.shapes import shape, tensor_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,22 +144,7 @@ def model_shapes(target_bytes: int, d: int, vocab: int) -> dict[str, tuple[int, 
     per_layer = 2 * d * d + 2 * kv * d + 3 * ffn * d + 2 * d
     fixed = 2 * vocab * d + d
     layers = max(1, round((target_bytes / 4 - fixed) / per_layer))
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, d)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (d, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, d),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (ffn, d),
-            p + "mlp.up_proj.weight": (ffn, d),
-            p + "mlp.down_proj.weight": (d, ffn),
-        }
-    shapes |= {"model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
-    return shapes
+    return tensor_shapes(shape(vocab, d, ffn, layers, 4, 1, head_dim=kv, tie_word_embeddings=False))
 
 
 def make_model(label: str) -> dict[str, torch.Tensor]:

@@ -52,37 +52,13 @@ from common.weights.format import weights_digest
 from common.weights.publish.collective_sender import CollectiveSender
 from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer, find_free_port
+from testing.shapes import QWEN25_05B, shape, tensor_shapes
 
-QWEN25_05B = dict(vocab=151936, hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2)
-QUICK = dict(vocab=4096, hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2)
+QUICK = shape(4096, 256, 768, 2, 4, 2, tie_word_embeddings=True, attention_bias=True)
+"""``--quick``'s model: small, laid out as Qwen2 is (q/k/v biases, a tied embedding)."""
 GOAL = 0.5
 ACTORS = 2
 TIMEOUT_S = 600.0
-
-
-def qwen2_shapes(
-    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
-) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes of a Qwen2 model with a tied embedding (HF names)."""
-    kv = kv_heads * (hidden // heads)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (intermediate, hidden),
-            p + "mlp.up_proj.weight": (intermediate, hidden),
-            p + "mlp.down_proj.weight": (hidden, intermediate),
-        }
-    return shapes | {"model.norm.weight": (hidden,)}
 
 
 def random_state(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -266,7 +242,7 @@ def sha256_rate(nbytes: int = 256 * 2**20) -> float:
 def figures(versions: int = 3, bucket_mb: float = 256.0, quick: bool = False) -> dict[str, Any]:
     """Delivery times of both paths (medians of ``versions`` versions each, after one warm-up
     version each) and their ratio."""
-    shapes = qwen2_shapes(**(QUICK if quick else QWEN25_05B))
+    shapes = tensor_shapes(QUICK if quick else QWEN25_05B)
     state = random_state(shapes)
     size = nbytes(state)
     bucket_bytes = int(bucket_mb * 2**20)

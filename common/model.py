@@ -314,9 +314,26 @@ def write_weights(tensors: dict[str, Tensor], path: Path) -> None:
             (path / name).unlink(missing_ok=True)
 
 
-def _write_draft(draft: dict[str, Tensor], path: Path) -> None:
-    (path / DRAFT_FILE).parent.mkdir(exist_ok=True)
-    save_file(draft, str(path / DRAFT_FILE), metadata={"format": "pt"})
+def save_part(
+    path: str | Path, module: nn.Module, prefix: str, file: str, **config: object
+) -> None:
+    """Write ``module``'s tensors (keys ``prefix`` + name, floating ones in the checkpoint's
+    dtype) as ``file`` into the existing checkpoint directory ``path`` and ``config`` into its
+    ``config.json``, leaving the model's own tensors as they are: how the draft adapter and the
+    EAGLE-3 head are saved."""
+    path = Path(path)
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
+    state = {
+        prefix + name: t.detach()
+        .to("cpu", dtype if t.is_floating_point() else t.dtype)
+        .contiguous()
+        for name, t in module.state_dict().items()
+    }
+    (path / file).parent.mkdir(exist_ok=True)
+    save_file(state, str(path / file), metadata={"format": "pt"})
+    cfg.update(config)
+    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def save_draft(model: Transformer, path: str | Path) -> None:
@@ -325,18 +342,15 @@ def save_draft(model: Transformer, path: str | Path) -> None:
     tensors as they are; the adapter's tensors keep the dtype of the checkpoint's."""
     if model.draft is None:
         raise ValueError("the model has no draft adapter to save")
-    path = Path(path)
-    cfg = json.loads((path / CONFIG_FILE).read_text())
-    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
-    state = {
-        DRAFT_PREFIX + name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype)
-        for name, t in model.draft.state_dict().items()
-    }
-    _write_draft(state, path)
-    cfg.update(
-        draft_exit_layer=model.args.draft_exit_layer, draft_vocab_size=model.args.draft_vocab_size
+    args = model.args
+    save_part(
+        path,
+        model.draft,
+        DRAFT_PREFIX,
+        DRAFT_FILE,
+        draft_exit_layer=args.draft_exit_layer,
+        draft_vocab_size=args.draft_vocab_size,
     )
-    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def load_pretrained(

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from common.model import Transformer
 from common.sampling import processed_logprobs
-from learner.microbatch import over_chunks
+from learner.microbatch import kl_and_acceptance
 
 
 def loss_temperature(temperature: float) -> float:
@@ -62,18 +62,9 @@ def _summed_terms(
 ) -> tuple[Tensor, Tensor]:
     """``_terms`` over every position, ``chunk`` positions' logits at a time (recomputed in
     backward when the adapter's states need a gradient)."""
-    parts = over_chunks(
-        _terms,
-        h_full.shape[0],
-        chunk,
-        torch.is_grad_enabled() and d.requires_grad,
-        lambda s: (policy, h_full[s], d[s], temperature),
+    return kl_and_acceptance(
+        _terms, h_full.shape[0], chunk, d, lambda s: (policy, h_full[s], d[s], temperature)
     )
-    kl = d.new_zeros((), dtype=torch.float32)
-    accept = torch.zeros((), dtype=torch.float32, device=d.device)
-    for part, acc in parts:
-        kl, accept = kl + part, accept + acc.float()
-    return kl, accept
 
 
 def adapter_terms(

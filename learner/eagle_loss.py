@@ -28,7 +28,7 @@ from torch import Tensor
 from common.model import Transformer
 from common.sampling import processed_logprobs
 from learner.draft_loss import loss_temperature
-from learner.microbatch import over_chunks
+from learner.microbatch import kl_and_acceptance
 
 
 def eagle_states(policy: Transformer, input_ids: Tensor, aux: list[Tensor]) -> Tensor:
@@ -117,18 +117,9 @@ def eagle_kl_terms(
     ``loss_temperature(temperature)``, ``chunk`` positions' logits at a time (recomputed in
     backward when the head's output needs a gradient)."""
     t = loss_temperature(temperature)
-    parts = over_chunks(
-        _terms,
-        h_next.shape[0],
-        chunk,
-        torch.is_grad_enabled() and prenorm.requires_grad,
-        lambda s: (policy, h_next[s], prenorm[s], t),
+    return kl_and_acceptance(
+        _terms, h_next.shape[0], chunk, prenorm, lambda s: (policy, h_next[s], prenorm[s], t)
     )
-    kl = prenorm.new_zeros((), dtype=torch.float32)
-    accept = torch.zeros((), dtype=torch.float32, device=prenorm.device)
-    for part, acc in parts:
-        kl, accept = kl + part, accept + acc.float()
-    return kl, accept
 
 
 def eagle_terms(

@@ -127,6 +127,25 @@ def over_chunks(
     return out
 
 
+def kl_and_acceptance(
+    terms: Callable[..., tuple[Tensor, Tensor]],
+    n: int,
+    chunk: int,
+    draft: Tensor,
+    args: Callable[[slice], tuple],
+) -> tuple[Tensor, Tensor]:
+    """(sum of the KL terms, sum of the acceptance terms), float32 scalars, of ``terms(*args(s))``
+    (a draft's (KL, acceptance) over one chunk) over the ``chunk``-position slices of ``n``
+    (``over_chunks``), recomputed in backward when ``draft`` (the draft's output [n, H]) needs a
+    gradient."""
+    recompute = torch.is_grad_enabled() and draft.requires_grad
+    kl = draft.new_zeros((), dtype=torch.float32)
+    accept = torch.zeros((), dtype=torch.float32, device=draft.device)
+    for part, acc in over_chunks(terms, n, chunk, recompute, args):
+        kl, accept = kl + part, accept + acc.float()
+    return kl, accept
+
+
 def chosen_logprobs(
     lm_head: nn.Module,
     h: Tensor,  # [N, H] final-normed hidden states at completion positions

@@ -300,41 +300,30 @@ def header(argv: list[str], layout: dict[str, list[int]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+ENV_OPTIONS: dict[str, tuple[Any, str, Any, str | None]] = {
+    # option: (type, environment variable, default where the variable is unset or empty, help)
+    "--gpus": (int, "GPUS", None, "GPUs on this node (default: nvidia-smi -L)"),
+    "--learner-gpus": (int, "LEARNER_GPUS", 1, None),
+    "--gpus-per-actor": (int, "GPUS_PER_ACTOR", 1, None),
+    "--actors": (int, "ACTORS", None, "default: as many as the GPUs left after the learner's hold"),
+    "--model-dir": (Path, "MODEL_DIR", None, None),
+    "--data-file": (Path, "DATA_FILE", None, None),
+    "--actor-gpu-memory": (float, "ACTOR_GPU_MEMORY", 0.3, "vLLM gpu_memory_utilization of an "
+                           "actor sharing its GPU with the learner"),
+    "--gpu-memory-gib": (float, "GPU_MEMORY_GIB", None, "memory of one GPU, for the learner's "
+                         "share of a GPU it shares (default: nvidia-smi)"),
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    env = os.environ
     p = argparse.ArgumentParser(
         prog="compose_gpu.py",
         description="Write docker-compose.gpu.yml for this node's GPUs and model.",
     )
-    p.add_argument(
-        "--gpus",
-        type=int,
-        default=int(env["GPUS"]) if env.get("GPUS") else None,
-        help="GPUs on this node (default: nvidia-smi -L)",
-    )
-    p.add_argument("--learner-gpus", type=int, default=int(env.get("LEARNER_GPUS") or 1))
-    p.add_argument("--gpus-per-actor", type=int, default=int(env.get("GPUS_PER_ACTOR") or 1))
-    p.add_argument(
-        "--actors",
-        type=int,
-        default=int(env["ACTORS"]) if env.get("ACTORS") else None,
-        help="default: as many as the GPUs left after the learner's hold",
-    )
-    p.add_argument("--model-dir", type=Path, default=env.get("MODEL_DIR") or None)
-    p.add_argument("--data-file", type=Path, default=env.get("DATA_FILE") or None)
-    p.add_argument(
-        "--actor-gpu-memory",
-        type=float,
-        default=float(env.get("ACTOR_GPU_MEMORY") or 0.3),
-        help="vLLM gpu_memory_utilization of an actor sharing its GPU with the learner",
-    )
-    p.add_argument(
-        "--gpu-memory-gib",
-        type=float,
-        default=float(env["GPU_MEMORY_GIB"]) if env.get("GPU_MEMORY_GIB") else None,
-        help="memory of one GPU, for the learner's share of a GPU it shares (default: nvidia-smi)",
-    )
+    for option, (kind, variable, default, text) in ENV_OPTIONS.items():
+        value = os.environ.get(variable)
+        p.add_argument(option, type=kind, default=kind(value) if value else default, help=text)
     p.add_argument("--publish-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
     p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)

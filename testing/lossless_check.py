@@ -25,6 +25,8 @@ from testing.models import random_model, token_logprobs
 
 EOS = 2
 """The EOS id of the engines in :func:`greedy_matches_plain` and :func:`sampled_pvalue`."""
+NO_EOS = 99
+"""An EOS id outside an enumerable model's vocabulary: every completion runs to its length."""
 
 
 def peaky_model(vocab: int, seed: int, scale: float, layers: int = 3) -> Transformer:

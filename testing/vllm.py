@@ -6,6 +6,7 @@ from __future__ import annotations
 from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig
 from common.model import Transformer
+from testing.lossless_check import NO_EOS
 from testing.models import random_model
 
 EOS = 2
@@ -23,17 +24,20 @@ def tokens(out) -> list[list[int]]:
     return [r.token_ids.tolist() for g in out for r in g]
 
 
+def vllm_engine(path, eos_id: int, engine: dict, spec=None, **kwargs) -> VllmEngine:
+    """A vLLM engine (in-flight mode ``keep``) on the checkpoint at ``path``; ``engine``:
+    ``EngineConfig`` fields; ``kwargs``: its temperature, top_p, seed, version."""
+    return VllmEngine(path, eos_id, EngineConfig(**engine), spec=spec, inflight="keep", **kwargs)
+
+
 def greedy_vllm(path, version: int = 0, eos_id: int = EOS, spec=None, **engine) -> VllmEngine:
-    """A greedy vLLM engine (in-flight mode ``keep``) on the checkpoint at ``path``; ``engine``:
-    ``EngineConfig`` fields (``vllm_max_model_len`` 64 unless given)."""
+    """A greedy :func:`vllm_engine` on the checkpoint at ``path``; ``engine``: ``EngineConfig``
+    fields (``vllm_max_model_len`` 64 unless given)."""
     engine.setdefault("vllm_max_model_len", 64)
-    return VllmEngine(
-        path,
-        eos_id,
-        EngineConfig(**engine),
-        spec=spec,
-        inflight="keep",
-        temperature=0.0,
-        seed=0,
-        version=version,
-    )
+    return vllm_engine(path, eos_id, engine, spec, temperature=0.0, seed=0, version=version)
+
+
+def enumerable_vllm(path, spec, seed: int, **kwargs) -> VllmEngine:
+    """A sampling :func:`vllm_engine` (contexts up to 32 tokens, no EOS) on the enumerable model
+    at ``path``, drafting with ``spec``; ``kwargs``: its temperature, top_p, version."""
+    return vllm_engine(path, NO_EOS, {"vllm_max_model_len": 32}, spec, seed=seed, **kwargs)

@@ -7,7 +7,7 @@ The layouts are checked on what Compose itself makes of the files (`docker compo
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import json
 import os
 import re
@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,11 @@ from safetensors.torch import save_file
 from common.config.learner import LearnerConfig
 from common.config.run import RedisConfig
 from ops.redis_server import find_free_port, find_redis_server_binary
+from testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compose_gpu.py"
-_spec = importlib.util.spec_from_file_location("compose_gpu", SCRIPT)
-compose_gpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compose_gpu)
+compose_gpu = load_script("compose_gpu")
 
 
 def compose_command() -> list[str] | None:
@@ -335,25 +335,43 @@ def start_compose_redis(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen
     )
 
 
-def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path):
-    """The compose file's Redis command, run for real: no AOF, no RDB save rules, and a write
-    past maxmemory fails instead of evicting what is stored."""
-    port = find_free_port()
-    env = {
+def compose_redis_env(port: int, password: str) -> dict[str, str]:
+    """The compose stack's Redis settings: ``port`` on the loopback, ``password``, 8 MiB."""
+    return {
         "SPECRL_REDIS_PORT": str(port),
         "SPECRL_REDIS_BIND": "127.0.0.1",
-        "REDIS_PASSWORD": "pw",
+        "REDIS_PASSWORD": password,
         "SPECRL_REDIS_MAXMEMORY": "8mb",
     }
+
+
+@contextlib.contextmanager
+def compose_redis(
+    tmp_path: Path, env: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen, redis.Redis]]:
+    """Within: :func:`start_compose_redis`'s process and a client (``env``'s port and password)
+    that it has answered; the process is killed on the way out."""
     proc = start_compose_redis(tmp_path, env)
     try:
-        client = redis.Redis(port=port, password="pw")
+        client = redis.Redis(port=int(env["SPECRL_REDIS_PORT"]), password=env["REDIS_PASSWORD"])
         for _ in range(200):
             try:
                 client.ping()
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
+        else:
+            client.ping()  # still not up after 10 s: its error
+        yield proc, client
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path):
+    """The compose file's Redis command, run for real: no AOF, no RDB save rules, and a write
+    past maxmemory fails instead of evicting what is stored."""
+    with compose_redis(tmp_path, compose_redis_env(find_free_port(), "pw")) as (_, client):
         assert client.config_get("save")["save"] == ""
         assert client.config_get("appendonly")["appendonly"] == "no"
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
@@ -367,9 +385,6 @@ def test_redis_keeps_weights_in_memory_only_and_refuses_past_maxmemory(tmp_path)
         # Nothing stored was evicted to make room.
         assert 0 < stored < 64
         assert all(client.exists(f"weights:run:1:chunk:{i}") for i in range(stored))
-    finally:
-        proc.kill()
-        proc.wait()
     assert not list((tmp_path / "data").iterdir()), "Redis wrote files"
 
 
@@ -380,30 +395,14 @@ def test_redis_password_reaches_the_server_in_a_0600_file_not_its_argv(tmp_path)
     cannot hold is refused before Redis starts."""
     port = find_free_port()
     password = "c0ffee+/=-_.pw"
-    env = {
-        "SPECRL_REDIS_PORT": str(port),
-        "SPECRL_REDIS_BIND": "127.0.0.1",
-        "REDIS_PASSWORD": password,
-        "SPECRL_REDIS_MAXMEMORY": "8mb",
-    }
-    proc = start_compose_redis(tmp_path, env)
-    try:
-        client = redis.Redis(port=port, password=password)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+    env = compose_redis_env(port, password)
+    with compose_redis(tmp_path, env) as (proc, _):
         assert password.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         conf = tmp_path / "tmp" / "specrl-redis.conf"
         assert conf.stat().st_mode & 0o777 == 0o600
         assert conf.read_text() == f"requirepass {password}\n"
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).get("k")
-    finally:
-        proc.kill()
-        proc.wait()
     # sh execs redis-server, so the argv above was redis-server's as exec'd: the script
     # passes the config file, never the value.
     script = redis_script()

@@ -18,6 +18,7 @@ from common import metric_names as mn
 from common.eagle import EAGLE_FILE, attach_eagle
 from common.model import DRAFT_FILE, attach_draft
 from testing.models import random_model
+from testing.shapes import shape
 
 H, FF, L, HEADS, KV, V = 32, 48, 4, 4, 2, 40
 D = H // HEADS
@@ -25,15 +26,7 @@ EAGLE_IDS, ADAPTER_IDS = list(range(0, 24, 2)), list(range(10))
 
 
 def tiny(tied: bool):
-    model = random_model(
-        V,
-        hidden_size=H,
-        intermediate_size=FF,
-        num_hidden_layers=L,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV,
-        tie_word_embeddings=tied,
-    )
+    model = random_model(**shape(V, H, FF, L, HEADS, KV, tie_word_embeddings=tied))
     attach_draft(model, 1, torch.tensor(ADAPTER_IDS))
     attach_eagle(model, aux_layers=(1, 2, 3), vocab_ids=torch.tensor(EAGLE_IDS))
     return model
@@ -168,7 +161,7 @@ def test_the_vllm_native_head_is_exact_and_the_rotated_q_control_is_not():
     gc.collect()  # dead engines go before this one starts (tests/engine_vllm/conftest.py)
     figures = engines_eagle.lossless(quick=True)
     assert figures["real_vllm_eagle_lossless"] is True
-    assert figures["real_vllm_eagle_lossless_control_pvalue"] < engines_eagle.PVALUE_MIN
+    assert figures["real_vllm_eagle_lossless_control_pvalue"] < eagle_rows.PVALUE_MIN
     assert figures["real_vllm_eagle_lossless_acceptance_t1.0_p1.0"] > 0.05
     # StepClock timed the engine's steps (what the speed rows' step cost reads).
     assert figures["real_vllm_eagle_lossless_engine_steps"] > 0

@@ -2,22 +2,14 @@
 safetensors), and torch.load is never called. The import layers: tests/test_package_layers.py."""
 
 import ast
-import importlib.util
 from pathlib import Path
 
+from testing.scripts import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "package_diagram.py"  # the layer checker reads imports the same way
 
-
-def _layer_checker():
-    spec = importlib.util.spec_from_file_location("package_diagram", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-imported_top_levels = _layer_checker().top_level_imports  # loaded once, not once per file
+# The layer checker's reading of imports, loaded once (not once per file).
+imported_top_levels = load_script("package_diagram").top_level_imports
 
 
 UNSAFE_DESERIALIZERS = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}

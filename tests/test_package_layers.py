@@ -9,26 +9,18 @@ tests/; each end of a boundary-crossing concern stays on its side. The check and
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from testing.scripts import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "package_diagram.py"
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("package_diagram", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pd = load_script()
+pd = load_script("package_diagram")
 
 
 def test_imports_follow_the_layers():

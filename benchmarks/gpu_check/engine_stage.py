@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engines.torch_engine import TorchEngine
-from benchmarks import cli
+from benchmarks import _spec_rows, cli
 from benchmarks.gpu_check import eagle as gpu_eagle
 from benchmarks.gpu_check.plan import (
     LOSSLESS_ALPHA,
@@ -282,13 +282,8 @@ def engine_rows(
 
 
 def batch_figures(flat: dict[str, Any], engines: dict, batch: int) -> list[str]:
-    base = _median(engines["none"][1], mn.ACTOR_TOKENS_PER_S)
     lines = []
-    for name, (_, epochs) in engines.items():
-        key = f"gpu_{name}_b{batch}"
-        speed = _median(epochs, mn.ACTOR_TOKENS_PER_S)
-        flat[f"{key}_tokens_per_s"] = round(speed, 1)
-        flat[f"{key}_ratio"] = round(speed / base, 3)
+    for name, key, epochs, speed, ratio in _spec_rows.speeds(flat, engines, batch, "gpu", _median):
         if name == "none":
             lines.append(f"| {batch} | none | {speed:,.1f} | 1.00x | - | - | - |")
             continue
@@ -298,16 +293,12 @@ def batch_figures(flat: dict[str, Any], engines: dict, batch: int) -> list[str]:
         accept = _median(epochs, mn.SPEC_ACCEPTANCE_RATE) if verified else None
         flat[f"{key}_tokens_per_verify"] = None if per_verify is None else round(per_verify, 3)
         flat[f"{key}_acceptance"] = None if accept is None else round(accept, 3)
-        lengths = {
-            k.removeprefix(mn.SPEC_DRAFT_LEN_PREFIX): round(v, 3)
-            for k, v in epochs[-1].items()
-            if k.startswith(mn.SPEC_DRAFT_LEN_PREFIX)
-        }
+        lengths = _spec_rows.draft_lengths(epochs)
         if lengths:
             flat[f"{key}_draft_lengths"] = lengths
         cells = ["-" if v is None else f"{v:.2f}" for v in (accept, per_verify)]
         lines.append(
-            f"| {batch} | {name} | {speed:,.1f} | {speed / base:.2f}x | {cells[0]} | "
+            f"| {batch} | {name} | {speed:,.1f} | {ratio:.2f}x | {cells[0]} | "
             f"{cells[1]} | {lengths or '-'} |"
         )
     return lines

@@ -18,21 +18,11 @@ from testing.shapes import QWEN25_05B, SMOLLM2_135M, shape
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY_ENGINE = shape(
-    512, 64, 128, 4, 2, 1,
-    tie_word_embeddings=True,
-    max_position_embeddings=256,
-    eos_token_id=2,
-    pad_token_id=2,
-)  # fmt: skip
-TINY_LEARNER = shape(
-    1024, 64, 128, 2, 2, 1,
-    tie_word_embeddings=True,
-    attention_bias=True,
-    max_position_embeddings=256,
-    eos_token_id=2,
-    pad_token_id=2,
-)  # fmt: skip
+TINY_FIELDS = dict(
+    tie_word_embeddings=True, max_position_embeddings=256, eos_token_id=2, pad_token_id=2
+)
+TINY_ENGINE = shape(512, 64, 128, 4, 2, 1, **TINY_FIELDS)
+TINY_LEARNER = shape(1024, 64, 128, 2, 2, 1, attention_bias=True, **TINY_FIELDS)
 """``--cpu``: 2 heads of 32 channels (the smallest head the engines' kernels are used with)."""
 
 
@@ -67,60 +57,35 @@ class Plan:
     budget_s: float
 
 
-GPU_PLAN = Plan(
-    engine_shape=SMOLLM2_135M,
-    learner_shape=QWEN25_05B,
-    dtype=torch.bfloat16,
-    batches=(1, 8, 32, 128),
-    prompt_len=32,
-    max_new=96,
-    timed_calls=2,
-    k=4,
-    chain_size=1024,
-    chain_fanout=8,
-    structure_steps=300,
-    structure_batch=64,
-    structure_lr=1e-3,
-    structure_budget_s=90.0,
-    warmup_prompts=96,
-    warmup_epochs=6,
-    draft_vocab=8192,
-    lossless_samples=3000,
-    learner_groups=8,
-    learner_prompt=128,
-    learner_completion=384,
-    learner_microbatch_tokens=16_384,
-    learner_steps=3,
-    weight_rounds=2,
-    budget_s=420.0,
+PLANS = dict(  # field=(GPU, --cpu)
+    engine_shape=(SMOLLM2_135M, TINY_ENGINE),
+    learner_shape=(QWEN25_05B, TINY_LEARNER),
+    dtype=(torch.bfloat16, torch.float32),
+    batches=((1, 8, 32, 128), (1, 8)),
+    prompt_len=(32, 16),
+    max_new=(96, 24),
+    timed_calls=(2, 1),
+    k=(4, 4),
+    chain_size=(1024, 96),
+    chain_fanout=(8, 4),
+    structure_steps=(300, 100),
+    structure_batch=(64, 24),
+    structure_lr=(1e-3, 3e-3),
+    structure_budget_s=(90.0, 30.0),
+    warmup_prompts=(96, 24),
+    warmup_epochs=(6, 4),
+    draft_vocab=(8192, 128),
+    lossless_samples=(3000, 1200),
+    learner_groups=(8, 2),
+    learner_prompt=(128, 16),
+    learner_completion=(384, 32),
+    learner_microbatch_tokens=(16_384, 256),
+    learner_steps=(3, 2),
+    weight_rounds=(2, 2),
+    budget_s=(420.0, 240.0),
 )
-CPU_PLAN = Plan(
-    engine_shape=TINY_ENGINE,
-    learner_shape=TINY_LEARNER,
-    dtype=torch.float32,
-    batches=(1, 8),
-    prompt_len=16,
-    max_new=24,
-    timed_calls=1,
-    k=4,
-    chain_size=96,
-    chain_fanout=4,
-    structure_steps=100,
-    structure_batch=24,
-    structure_lr=3e-3,
-    structure_budget_s=30.0,
-    warmup_prompts=24,
-    warmup_epochs=4,
-    draft_vocab=128,
-    lossless_samples=1200,
-    learner_groups=2,
-    learner_prompt=16,
-    learner_completion=32,
-    learner_microbatch_tokens=256,
-    learner_steps=2,
-    weight_rounds=2,
-    budget_s=240.0,
-)
+GPU_PLAN = Plan(**{field: gpu for field, (gpu, _) in PLANS.items()})
+CPU_PLAN = Plan(**{field: cpu for field, (_, cpu) in PLANS.items()})
 
 LOSSLESS_ALPHA = 0.01
 """Family-wise level of the lossless check: each p-value must reach this over the tests' count."""

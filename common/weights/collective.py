@@ -61,7 +61,7 @@ from common.weights.format import (
     WeightsNonFinite,
     dtype_name,
 )
-from common.weights.manifest import digest_of_digests, parse_manifest
+from common.weights.manifest import check_format, digest_of_digests, parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -318,13 +318,16 @@ def check_received(
     """Raise unless ``manifest`` is the collective manifest of what was received: the same run,
     version, layout and bucket digests (``WeightsCorrupt``); ``WeightsNonFinite`` where the
     sender found a non-finite float; ``WeightsError`` where there is none."""
-    if manifest is None:
-        raise WeightsError(f"version {version}: no collective manifest in Redis")
-    if manifest.get("format") != COLLECTIVE_FORMAT:
-        raise WeightsError(
-            f"version {version}: collective manifest format {manifest.get('format')!r}, this "
-            f"reader reads {COLLECTIVE_FORMAT}"
-        )
+    missing = f"version {version}: no collective manifest in Redis"
+    manifest = check_format(
+        manifest,
+        COLLECTIVE_FORMAT,
+        missing,
+        lambda found: (
+            f"version {version}: collective manifest format {found!r}, this reader reads "
+            f"{COLLECTIVE_FORMAT}"
+        ),
+    )
     if manifest.get("run_id") != run_id or manifest.get("version") != version:
         raise WeightsCorrupt(
             f"version {version}: collective manifest is of run {manifest.get('run_id')!r} "

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 
 from common.weights.format import WeightsCorrupt, WeightsError, dtype_name
 
 MANIFEST_FORMAT = 3
+
+_M = TypeVar("_M", bound=Mapping[str, Any])
 
 
 def sha256_of(data: memoryview) -> bytes:
@@ -38,16 +40,28 @@ def parse_manifest(raw: bytes | str, what: str) -> dict[str, Any]:
     return manifest
 
 
+def check_format(
+    manifest: _M | None, expected: int, missing: str, wrong: Callable[[Any], str]
+) -> _M:
+    """``manifest``, unless it is None (``WeightsError(missing)``) or of a format other than
+    ``expected`` (``WeightsError(wrong(the format it has))``): a reader's first check of a
+    manifest it read from Redis."""
+    if manifest is None:
+        raise WeightsError(missing)
+    if manifest.get("format") != expected:
+        raise WeightsError(wrong(manifest.get("format")))
+    return manifest
+
+
 def check_manifest(run_id: str, version: int, manifest: dict[str, Any] | None) -> dict[str, Any]:
     """``manifest`` if it is one this reader can use; raises ``WeightsError`` if it is missing
     or of another format, ``WeightsCorrupt`` if it is malformed."""
-    if manifest is None:
-        raise WeightsError(f"weights version {version} of run {run_id!r} not found")
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise WeightsError(
-            f"weights version {version} of run {run_id!r} has manifest format "
-            f"{manifest.get('format')!r}; this reader reads format {MANIFEST_FORMAT}"
-        )
+    where = f"weights version {version} of run {run_id!r}"
+
+    def wrong(found: Any) -> str:
+        return f"{where} has manifest format {found!r}; this reader reads format {MANIFEST_FORMAT}"
+
+    manifest = check_format(manifest, MANIFEST_FORMAT, f"{where} not found", wrong)
     kind = manifest.get("kind")
     digest = manifest.get("weights_sha256")
     if kind not in ("full", "delta") or not isinstance(digest, str) or len(digest) != 64:

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -109,16 +110,19 @@ def load_policy(model_dir: Path, device: torch.device) -> Transformer:
         ) from e
 
 
-def resolve_vocab(cfg: SpecRLConfig, vocab_size: int, explicit: int | None) -> int:
+def resolve_vocab(
+    cfg: SpecRLConfig, vocab_size: int, explicit: int | None, key: str = "adapter_vocab"
+) -> int:
     """The draft vocabulary's size, 0 for the whole vocabulary: ``explicit`` (the user set
-    ``spec.adapter_vocab``; refused above the vocabulary), else ``spec.adapter_vocab`` capped at
-    the vocabulary (the default 8192 exceeds a tiny model's whole vocabulary)."""
+    ``spec.<key>``, ``spec.adapter_vocab`` by default; refused above the vocabulary), else
+    ``spec.<key>`` capped at the vocabulary (the default 8192 exceeds a tiny model's whole
+    vocabulary)."""
     if explicit is not None and explicit > vocab_size:
         raise WarmDraftError(
-            f"spec.adapter_vocab={explicit} exceeds the model's vocabulary of {vocab_size} "
+            f"spec.{key}={explicit} exceeds the model's vocabulary of {vocab_size} "
             "tokens (0 = the whole vocabulary)"
         )
-    size = cfg.spec.adapter_vocab if explicit is None else explicit
+    size = getattr(cfg.spec, key) if explicit is None else explicit
     return 0 if size >= vocab_size else size
 
 
@@ -450,6 +454,21 @@ def sample_for_warmup(
     ids = draft_vocabulary(completions, prompts[held:], vocab, policy.args.vocab_size, keep)
     covered = coverage(ids, [s.completion for s in evaluation])
     return Sampled(train, evaluation, ids, covered, time.perf_counter() - started)
+
+
+def save_into(
+    policy: Transformer,
+    model_dir: Path,
+    out: Path | None,
+    save: Callable[[Transformer, Path], None],
+) -> Path:
+    """``save(policy, dir)`` (the adapter's or the head's) into ``model_dir``, or into ``out``,
+    made a copy of it first; returns the directory written."""
+    target = model_dir if out is None else out
+    if not target.exists() or not target.samefile(model_dir):
+        shutil.copytree(model_dir, target, dirs_exist_ok=True)
+    save(policy, target)
+    return target
 
 
 def write_summary(

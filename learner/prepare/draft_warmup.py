@@ -18,10 +18,8 @@ batch: the learner may not import the actors' engine (docs/design.md §1.2).
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +42,7 @@ from learner.prepare.draft_data import (
     pick_device,
     resolve_vocab,
     sample_for_warmup,
+    save_into,
     torch_threads,
     train_draft,
     write_summary,
@@ -141,15 +140,6 @@ def train_adapter(
     return train_draft(policy, policy.draft, samples, opts, lr, seed, batch_loss)
 
 
-def _save(policy: Transformer, model_dir: Path, out: Path | None) -> Path:
-    """The adapter into ``model_dir``, or into ``out``, made a copy of it first."""
-    target = model_dir if out is None else out
-    if not target.exists() or not target.samefile(model_dir):
-        shutil.copytree(model_dir, target, dirs_exist_ok=True)
-    save_draft(policy, target)
-    return target
-
-
 def warm_draft(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, dict]:
     """Sample, pick the vocabulary, train, evaluate and save the adapter (module docstring);
     returns the policy with its trained adapter and the summary (also written as JSON). With
@@ -182,7 +172,7 @@ def _warm_draft(
     )
     steps, loss = train_adapter(policy, data.train, opts, temperature, cfg.run.seed)
     after = held_out_acceptance(policy, data.evaluation, temperature, opts.batch, opts.chunk)
-    out = _save(policy, model_dir, opts.out)
+    out = save_into(policy, model_dir, opts.out, save_draft)
     own = {
         "model_dir": str(out),
         "exit_layer": exit_layer,

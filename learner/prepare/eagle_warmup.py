@@ -18,22 +18,19 @@ never runs the policy.
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor
 
 from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
 from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
-from common.model import CONFIG_FILE, Transformer
+from common.model import Transformer, save_part
 from common.sampling import processed_logprobs
 from common.tokenizer import load_tokenizer
 from learner.draft_loss import loss_temperature
@@ -42,11 +39,12 @@ from learner.microbatch import over_chunks
 from learner.prepare.draft_data import (
     WARMUP_LR,
     Sample,
-    WarmDraftError,
     WarmDraftOptions,
     load_policy,
     pick_device,
+    resolve_vocab,
     sample_for_warmup,
+    save_into,
     train_draft,
     write_summary,
 )
@@ -81,13 +79,7 @@ def resolve_eagle_vocab(cfg: SpecRLConfig, vocab_size: int, explicit: int | None
     the vocabulary."""
     if explicit is None and cfg.spec.eagle_vocab != SpecConfig.eagle_vocab:
         explicit = cfg.spec.eagle_vocab
-    if explicit is not None and explicit > vocab_size:
-        raise WarmDraftError(
-            f"spec.eagle_vocab={explicit} exceeds the model's vocabulary of {vocab_size} tokens "
-            "(0 = the whole vocabulary)"
-        )
-    size = cfg.spec.eagle_vocab if explicit is None else explicit
-    return 0 if size >= vocab_size else size
+    return resolve_vocab(cfg, vocab_size, explicit, "eagle_vocab")
 
 
 @torch.no_grad()
@@ -232,31 +224,14 @@ def save_eagle(model: Transformer, path: str | Path) -> None:
     tensors as they are; the head's floating tensors take the checkpoint's dtype."""
     if model.eagle is None:
         raise ValueError("the model has no EAGLE-3 head to save")
-    path = Path(path)
-    cfg = json.loads((path / CONFIG_FILE).read_text())
-    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
-    state = {
-        EAGLE_PREFIX + name: t.detach()
-        .to("cpu", dtype if t.is_floating_point() else t.dtype)
-        .contiguous()
-        for name, t in model.eagle.state_dict().items()
-    }
-    (path / EAGLE_FILE).parent.mkdir(exist_ok=True)
-    save_file(state, str(path / EAGLE_FILE), metadata={"format": "pt"})
-    cfg.update(
+    save_part(
+        path,
+        model.eagle,
+        EAGLE_PREFIX,
+        EAGLE_FILE,
         eagle_aux_layers=list(model.args.eagle_aux_layers),
         eagle_vocab_size=model.args.eagle_vocab_size,
     )
-    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def _save(policy: Transformer, model_dir: Path, out: Path | None) -> Path:
-    """The head into ``model_dir``, or into ``out``, made a copy of it first."""
-    target = model_dir if out is None else out
-    if not target.exists() or not target.samefile(model_dir):
-        shutil.copytree(model_dir, target, dirs_exist_ok=True)
-    save_eagle(policy, target)
-    return target
 
 
 def warm_eagle(
@@ -282,7 +257,7 @@ def warm_eagle(
     steps, loss = train_head(policy, train, opts, lr, temperature, cfg.run.seed, draft_steps)
     after = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk)
     second = held_out_acceptance(policy, evaluation, temperature, opts.batch, opts.chunk, 2)
-    out = _save(policy, model_dir, opts.out)
+    out = save_into(policy, model_dir, opts.out, save_eagle)
     own = {
         "model_dir": str(out),
         "method": "eagle3",

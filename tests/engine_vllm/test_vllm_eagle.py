@@ -26,36 +26,40 @@ from actors.engines.vllm_eagle import (
     set_draft_version,
 )
 from actors.engines.vllm_engine import VllmEngine
-from common.config.actor import EngineConfig, SpecConfig
-from common.policy_meta import policy_meta
-from common.tokenizer import CharTokenizer
+from common.config.actor import SpecConfig
 from ops.cli import main as cli
-from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
-from testing.vllm_eagle import HEAD_FILE, head_of, published, save_with_head, with_head
+from testing.lossless_check import NO_EOS, exact_sequence_logprobs, peaky_model, rollouts_pvalue
+from testing.vllm_eagle import (
+    AUX,
+    HEAD_FILE,
+    NEW,
+    PROMPT,
+    VOCAB_IDS,
+    K,
+    enumerable_policy,
+    head_of,
+    published,
+    published_engine,
+    pvalue,
+    rotated_draft_q,
+    sample,
+    save_with_head,
+    with_head,
+)
 
 pytestmark = pytest.mark.vllm
 
-PROMPT, NO_EOS, NEW = [1, 4, 5, 4], 99, 3
-AUX, VOCAB_IDS, K = (1, 2, 3), (0, 2, 3, 4, 5), 2
 EAGLE = SpecConfig(method="eagle3", k=K, adaptive=False)
 
 
 def policy(seed: int):
-    """An enumerable peaky model with a random EAGLE-3 head (``eagle.*`` tensors)."""
-    model = with_head(peaky_model(6, seed, 6.0), AUX, VOCAB_IDS, seed=seed + 10)
+    """An enumerable peaky model with a random EAGLE-3 head, and the head (``eagle.*``)."""
+    model = enumerable_policy(seed)
     return model, head_of(model)
 
 
 def exact(model, temperature: float = 1.0, top_p: float = 1.0):
     return exact_sequence_logprobs(model, PROMPT, NEW, temperature, top_p, NO_EOS)
-
-
-def control_pvalue(law, out) -> float:
-    """A negative control's p-value: 0 when a sample lies outside ``law``'s support (top-p)."""
-    try:
-        return rollouts_pvalue(law, out)
-    except KeyError:
-        return 0.0
 
 
 def greedy_reference(model, n: int) -> list[int]:
@@ -169,29 +173,7 @@ def test_a_policy_or_layout_without_a_usable_head_is_refused_before_vllm_starts(
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     # Started as an actor starts it: from the directory it writes of a published version.
-    from actors.wiring import write_published
-
-    model, _ = policy(1)
-    path = tmp_path_factory.mktemp("eagle") / "policy"
-    write_published(policy_meta(model.args, CharTokenizer("abc")), published(model), path)
-    yield VllmEngine(
-        path,
-        NO_EOS,
-        EngineConfig(vllm_max_model_len=32),
-        spec=EAGLE,
-        inflight="keep",
-        temperature=1.0,
-        seed=5,
-        version=0,
-    )
-
-
-def sample(engine: VllmEngine, n: int, temperature: float = 1.0, top_p: float = 1.0):
-    engine.temperature, engine.top_p = temperature, top_p  # read per request (_params)
-    out = []
-    for _ in range(n // 300):
-        out += engine.generate([PROMPT], 300, NEW)[0]
-    return out
+    yield published_engine(policy(1)[0], tmp_path_factory.mktemp("eagle") / "policy", EAGLE)
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
@@ -202,30 +184,19 @@ def test_sampling_through_the_native_head_is_exact(engine, temperature, top_p):
     assert stats["spec/draft_tokens"] > 500 and 0.05 < stats["spec/acceptance_rate"] < 0.99
     assert stats["spec/acceptance_pos1"] > 0 and stats["spec/acceptance_pos2"] > 0
     model, _ = policy(1)
-    p = rollouts_pvalue(exact(model, temperature, top_p), out)
-    assert p > 0.01
+    assert rollouts_pvalue(exact(model, temperature, top_p), out) > 0.01
     # Control: the same samples against another policy's law fail.
-    assert control_pvalue(exact(policy(2)[0], temperature, top_p), out) < 0.01
+    assert pvalue(policy(2)[0], out, temperature, top_p) < 0.01
 
 
 def test_a_wrong_draft_q_makes_it_inexact(engine):
     # The rejection sampler reads the q vLLM's drafter hands it; another one (the head's q with
     # its token ids rotated by one, while the drafts are still drawn from the true q) breaks
     # exactness: the test above would see it (p < 1e-25 in three runs of 600 samples).
-    drafter = engine.llm.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
-    take = drafter.take_last_draft_probs
-
-    def rotated():
-        q = take()
-        return None if q is None else q.roll(1, dims=-1).contiguous()
-
-    drafter.take_last_draft_probs = rotated
-    try:
+    with rotated_draft_q(engine):
         out = sample(engine, 600)
-    finally:
-        drafter.take_last_draft_probs = take
     assert engine.stats()["spec/draft_tokens"] > 300
-    assert control_pvalue(exact(policy(1)[0]), out) < 0.01
+    assert pvalue(policy(1)[0], out) < 0.01
 
 
 def test_a_swap_reloads_the_draft_with_the_target(engine):
@@ -252,7 +223,7 @@ def test_a_swap_reloads_the_draft_with_the_target(engine):
     assert stats["spec/draft_tokens"] > 300 and stats["spec/acceptance_rate"] > 0.05
     assert stats["spec/draft_version"] == 1
     assert rollouts_pvalue(exact(v2_model), out) > 0.01
-    assert control_pvalue(exact(v1_model), out) < 0.01
+    assert pvalue(v1_model, out) < 0.01
     engine.load_weights(2, published(v1_model))  # back to the law the others test
     torch.testing.assert_close(draft_lm_head(draft), v1_head["eagle.lm_head.weight"])
 
@@ -296,7 +267,7 @@ def test_a_swap_mid_rollout_with_delayed_verification_stays_exact(engine):
     # against v2 and the rest is drafted by v2's head: complete sequences follow v2's law.
     out, _, v1_model, v2_model = swapped_mid_rollout(engine, 1.0, 1.0)
     assert rollouts_pvalue(exact(v2_model), out) > 0.01
-    assert control_pvalue(exact(v1_model), out) < 0.01
+    assert pvalue(v1_model, out) < 0.01
 
 
 def test_a_swap_mid_rollout_at_temperature_and_top_p_stays_exact(engine):
@@ -314,7 +285,7 @@ def test_a_swap_mid_rollout_at_temperature_and_top_p_stays_exact(engine):
         engine.score_processed = False
         engine.temperature, engine.top_p = 1.0, 1.0
     assert rollouts_pvalue(exact(v2_model, 0.7, 0.9), out) > 0.01
-    assert control_pvalue(exact(v1_model, 0.7, 0.9), out) < 0.01
+    assert pvalue(v1_model, out, 0.7, 0.9) < 0.01
 
 
 def test_a_version_without_the_head_or_a_stale_draft_is_refused(engine):

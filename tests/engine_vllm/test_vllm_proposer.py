@@ -12,8 +12,8 @@ from actors.engines.torch_engine import TorchEngine
 from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import save_pretrained
-from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
-from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights
+from testing.lossless_check import NO_EOS, exact_sequence_logprobs, peaky_model, rollouts_pvalue
+from testing.vllm import EOS, PROMPTS, enumerable_vllm, greedy_vllm, tokens, weights
 
 pytestmark = pytest.mark.vllm
 
@@ -44,17 +44,9 @@ def test_sampling_through_the_drafter_is_exact(tmp_path):
     # An enumerable model (vocabulary 6, 3 tokens): every completion's probability is known.
     model = peaky_model(6, 1, 6.0)
     save_pretrained(model, tmp_path)
-    prompt, no_eos = [1, 4, 5, 4], 99
-    exact = exact_sequence_logprobs(model, prompt, 3, 1.0, 1.0, no_eos)
-    engine = VllmEngine(
-        tmp_path,
-        no_eos,
-        EngineConfig(vllm_max_model_len=32),
-        spec=NGRAM,
-        inflight="keep",
-        temperature=1.0,
-        seed=5,
-    )
+    prompt = [1, 4, 5, 4]
+    exact = exact_sequence_logprobs(model, prompt, 3, 1.0, 1.0, NO_EOS)
+    engine = enumerable_vllm(tmp_path, NGRAM, seed=5)
     out = []
     for _ in range(20):  # later calls draft from the earlier calls' completions (history)
         out += engine.generate([prompt], 100, 3)[0]
@@ -62,7 +54,7 @@ def test_sampling_through_the_drafter_is_exact(tmp_path):
     assert stats["spec/draft_tokens"] > 1000 and stats["spec/acceptance_rate"] > 0.01
     assert rollouts_pvalue(exact, out) > 0.01
     # Negative control: the same samples against another model's distribution fail.
-    other = exact_sequence_logprobs(peaky_model(6, 2, 6.0), prompt, 3, 1.0, 1.0, no_eos)
+    other = exact_sequence_logprobs(peaky_model(6, 2, 6.0), prompt, 3, 1.0, 1.0, NO_EOS)
     assert rollouts_pvalue(other, out) < 0.01
 
 

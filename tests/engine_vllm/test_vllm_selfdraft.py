@@ -16,6 +16,7 @@ from common.config.actor import EngineConfig, SpecConfig
 from common.model import Transformer, attach_draft, save_pretrained
 from testing.lossless_check import (
     ADAPTER_VOCAB,
+    NO_EOS,
     assert_recorded_logprobs_exact,
     exact_sequence_logprobs,
     peaky_model,
@@ -23,7 +24,7 @@ from testing.lossless_check import (
     with_adapter,
 )
 from testing.models import random_model
-from testing.vllm import EOS, PROMPTS, tokens
+from testing.vllm import EOS, PROMPTS, enumerable_vllm, tokens
 
 pytestmark = pytest.mark.vllm
 
@@ -58,22 +59,38 @@ def acceptance(engine: VllmEngine, n: int = 4) -> float:
     return engine.stats()["spec/acceptance_rate"]
 
 
-PROMPT, NO_EOS, TEMPERATURE = [1, 4, 5, 4], 99, 0.7
-"""The enumerable checks' prompt, an EOS id outside the vocabulary, and the temperature."""
+PROMPT, TEMPERATURE = [1, 4, 5, 4], 0.7
+"""The enumerable checks' prompt and temperature."""
 
 
-def enumerable_engine(path, seed: int) -> tuple[VllmEngine, dict[tuple[int, ...], float]]:
-    """An engine drafting with an enumerable model (vocabulary 6, 3 tokens) whose adapter covers
-    5 of the 6 tokens and drafts differently from the model (perturbed), and the exact log-prob
-    of every completion of PROMPT."""
+def drafting_engine(path, seed: int, top_p: float = 1.0) -> tuple[VllmEngine, Transformer]:
+    """An engine (at TEMPERATURE and ``top_p``) drafting with an enumerable model (vocabulary 6)
+    whose adapter covers 5 of the 6 tokens and drafts differently from the model (perturbed), and
+    the model."""
     spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
     model = with_adapter(peaky_model(6, 1, 6.0), spec, ADAPTER_VOCAB)
     save_pretrained(model, path)
-    config = EngineConfig(vllm_max_model_len=32)
-    engine = VllmEngine(
-        path, NO_EOS, config, spec=spec, inflight="keep", temperature=TEMPERATURE, seed=seed
-    )
+    return enumerable_vllm(path, spec, seed, temperature=TEMPERATURE, top_p=top_p), model
+
+
+def enumerable_engine(path, seed: int) -> tuple[VllmEngine, dict[tuple[int, ...], float]]:
+    """:func:`drafting_engine`, and the exact log-prob of every completion of PROMPT (3 tokens)."""
+    engine, model = drafting_engine(path, seed)
     return engine, exact_sequence_logprobs(model, PROMPT, 3, TEMPERATURE, 1.0, NO_EOS)
+
+
+def count_rejection_sampling(engine: VllmEngine) -> dict[str, int]:
+    """A counter (``["n"]``) of the calls to vLLM's rejection sampler of ``engine``."""
+    runner = engine.proposer.runner
+    calls = {"n": 0}
+    forward = runner.rejection_sampler.forward
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return forward(*args, **kwargs)
+
+    runner.rejection_sampler.forward = counted
+    return calls
 
 
 def other_model() -> dict[tuple[int, ...], float]:
@@ -113,15 +130,7 @@ def test_a_step_without_drafts_samples_through_the_plain_sampler_exactly(tmp_pat
     # whose requests have no drafts (k = 0: what an adaptive length picks when drafting does
     # not pay) takes the plain sampler instead (vllm_setup.plain_steps_without_drafts).
     engine, exact = enumerable_engine(tmp_path, seed=7)
-    runner = engine.proposer.runner
-    calls = {"n": 0}
-    forward = runner.rejection_sampler.forward
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return forward(*args, **kwargs)
-
-    runner.rejection_sampler.forward = counted
+    calls = count_rejection_sampling(engine)
     engine.generate([PROMPT], 4, 3)
     assert calls["n"] > 0 and engine.stats()["spec/draft_tokens"] > 0  # drafts: rejection
     engine.proposer.k = 0  # no request drafts in any step
@@ -141,28 +150,8 @@ def test_recorded_logprobs_equal_a_reference_forward_with_and_without_drafts(tmp
     # recovered tokens and bonus tokens) and steps with k = 0 (the plain sampler,
     # vllm_setup.plain_steps_without_drafts). Each must equal a fresh forward of specrl's own
     # torch model on the same weights, processed at the engine's temperature and top-p.
-    spec = SpecConfig(method="early_exit", adapter=True, exit_layer=1, k=3, adaptive=False)
-    model = with_adapter(peaky_model(6, 1, 6.0), spec, ADAPTER_VOCAB)
-    save_pretrained(model, tmp_path)
-    engine = VllmEngine(
-        tmp_path,
-        NO_EOS,
-        EngineConfig(vllm_max_model_len=32),
-        spec=spec,
-        inflight="keep",
-        temperature=TEMPERATURE,
-        top_p=top_p,
-        seed=11,
-    )
-    runner = engine.proposer.runner
-    calls = {"n": 0}
-    forward = runner.rejection_sampler.forward
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return forward(*args, **kwargs)
-
-    runner.rejection_sampler.forward = counted
+    engine, model = drafting_engine(tmp_path, 11, top_p)
+    calls = count_rejection_sampling(engine)
     prompts = [PROMPT, [1, 3, 0, 5, 3]]
     drafted = engine.generate(prompts, 6, 16)
     stats = engine.stats()

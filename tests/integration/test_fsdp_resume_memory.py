@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint  # noqa: F401  (loaded before any baseline: code, not state)
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -43,17 +41,10 @@ from learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from learner.distributed import (
-    full_model_state,
-    init_from_env,
-    load_optimizer_state,
-    local_rank_env,
-    shard,
-    shutdown,
-)
+from learner.distributed import full_model_state, load_optimizer_state, shard
 from learner.step import make_optimizer
 from learner.wiring import gather_checkpoint, setup, train_on
-from ops.redis_server import find_free_port
+from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import random_model
 from testing.shapes import shape
@@ -116,10 +107,7 @@ class AnonPeak:
 
 
 def _rank(rank: int, world: int, port: int, tmp: str, phase: str) -> None:
-    os.environ.update(local_rank_env(rank, world, port))
-    torch.set_num_threads(1)
-    ctx = init_from_env(timeout_s=120)
-    try:
+    with group_rank(rank, world, port) as ctx:
         out = Path(tmp)
         cfg = _config(out / "model")
         root = out / "checkpoints"
@@ -156,8 +144,6 @@ def _rank(rank: int, world: int, port: int, tmp: str, phase: str) -> None:
         (out / f"{phase}_{rank}.json").write_text(json.dumps(report))
         # Tear the group down together (a rank leaving early can abort gloo's threads).
         ctx.barrier()
-    finally:
-        shutdown()
 
 
 def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
@@ -171,7 +157,7 @@ def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _run(tmp_path: Path, phase: str, world: int = 2) -> list[dict[str, float]]:
-    mp.spawn(_rank, args=(world, find_free_port(), str(tmp_path), phase), nprocs=world)
+    spawn_ranks(_rank, str(tmp_path), phase, world=world)
     return [json.loads((tmp_path / f"{phase}_{r}.json").read_text()) for r in range(world)]
 
 

@@ -9,12 +9,11 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.cli import run_module
 from common.model_presets import get_preset
 from learner.prepare.presets import PresetError, ensure_preset, gguf_path, missing_extras
 from ops.processes import ROOT
@@ -65,15 +64,7 @@ def readme_preset_command() -> list[str]:
 
 
 def specrl_run(args: list[str], cwd: Path, timeout: float = 600) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "ops.cli", "run", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    done = run_module("ops.cli", "run", *args, cwd=cwd, timeout=timeout)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "did not stop" not in out, out[-4000:]  # actors leave a generate at a stop

@@ -12,27 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import common.weights.collective as wc
 from common.config.actor import ActorConfig
 from common.config.learner import LearnerConfig
-from common.weights.collective import (
-    WIRE_DTYPE,
-    CollectiveError,
-    WeightsGroup,
-    bucket_ranges,
-    bucket_sha256,
-    check_device,
-    check_received,
-    join_proof,
-    new_manifest,
-    new_secret,
-    pack,
-    parse_address,
-    proof_matches,
-    slots,
-    store_server,
-    views,
-    wire_layout,
-)
 from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite
 from common.weights.manifest import digest_of_digests
 from ops.redis_server import find_free_port
@@ -51,22 +33,24 @@ def state() -> dict[str, torch.Tensor]:
 
 
 def payload_of(s, bucket_bytes=128):
-    layout = wire_layout(s, bucket_bytes)
-    payload = pack(s, layout, torch.device("cpu"))
-    digests = [bucket_sha256(payload[a:b]) for a, b in bucket_ranges(payload.numel(), bucket_bytes)]
+    layout = wc.wire_layout(s, bucket_bytes)
+    payload = wc.pack(s, layout, torch.device("cpu"))
+    digests = [
+        wc.bucket_sha256(payload[a:b]) for a, b in wc.bucket_ranges(payload.numel(), bucket_bytes)
+    ]
     return layout, payload, digests
 
 
 def test_pack_then_views_give_the_state_in_the_wire_dtype():
     s = state()
     layout, payload, _ = payload_of(s)
-    got = views(payload, slots(layout))
+    got = wc.views(payload, wc.slots(layout))
     assert list(got) == list(s)
     for name, t in s.items():
-        want = t.to(WIRE_DTYPE) if t.is_floating_point() else t
+        want = t.to(wc.WIRE_DTYPE) if t.is_floating_point() else t
         assert got[name].dtype == want.dtype and got[name].shape == want.shape
         assert torch.equal(got[name], want), name
-    entries = slots(layout)
+    entries = wc.slots(layout)
     assert all(e.offset % 64 == 0 for e in entries)
     # The padding between tensors is zero, so the digests depend on the tensors alone.
     covered = torch.zeros(payload.numel(), dtype=torch.bool)
@@ -78,15 +62,15 @@ def test_pack_then_views_give_the_state_in_the_wire_dtype():
 
 def test_a_dtype_the_wire_cannot_carry_is_refused():
     with pytest.raises(WeightsError, match="cannot travel"):
-        wire_layout({"c": torch.zeros(2, dtype=torch.complex64)})
+        wc.wire_layout({"c": torch.zeros(2, dtype=torch.complex64)})
 
 
 def test_buckets_cover_the_payload_once():
-    assert bucket_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert bucket_ranges(8, 4) == [(0, 4), (4, 8)]
-    assert bucket_ranges(0, 4) == []
+    assert wc.bucket_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert wc.bucket_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert wc.bucket_ranges(0, 4) == []
     with pytest.raises(ValueError, match="bucket_bytes"):
-        wire_layout(state(), 32)
+        wc.wire_layout(state(), 32)
 
 
 @pytest.mark.parametrize(
@@ -101,58 +85,58 @@ def test_buckets_cover_the_payload_once():
     ],
 )
 def test_a_layout_that_does_not_fit_is_refused(change, match):
-    layout = wire_layout(state())
+    layout = wc.wire_layout(state())
     change(layout["tensors"])
     with pytest.raises(WeightsCorrupt, match=match):
-        slots(layout)
+        wc.slots(layout)
 
 
 def test_a_layout_past_the_payload_end_is_refused():
-    layout = wire_layout(state())
+    layout = wc.wire_layout(state())
     layout["total_bytes"] -= 64
     with pytest.raises(WeightsCorrupt, match="does not fit"):
-        slots(layout)
+        wc.slots(layout)
 
 
 def test_received_bytes_are_checked_against_the_manifest():
     layout, payload, digests = payload_of(state())
     assert len(digests) > 1
-    manifest = new_manifest("run", 3, layout, digests)
-    check_received("run", 3, copy.deepcopy(layout), digests, manifest)
+    manifest = wc.new_manifest("run", 3, layout, digests)
+    wc.check_received("run", 3, copy.deepcopy(layout), digests, manifest)
 
     flipped = payload.clone()
     flipped[-1] ^= 1
-    bad = [bucket_sha256(flipped[a:b]) for a, b in bucket_ranges(flipped.numel(), 128)]
+    bad = [wc.bucket_sha256(flipped[a:b]) for a, b in wc.bucket_ranges(flipped.numel(), 128)]
     with pytest.raises(WeightsCorrupt, match=f"bucket {len(digests) - 1} hashes"):
-        check_received("run", 3, layout, bad, manifest)
+        wc.check_received("run", 3, layout, bad, manifest)
     with pytest.raises(WeightsCorrupt, match="run 'run' version 3"):
-        check_received("other", 3, layout, digests, manifest)
+        wc.check_received("other", 3, layout, digests, manifest)
     with pytest.raises(WeightsCorrupt, match="version 3"):
-        check_received("run", 4, layout, digests, manifest)
-    other = wire_layout({**state(), "w": torch.zeros(13, 7)}, 128)
+        wc.check_received("run", 4, layout, digests, manifest)
+    other = wc.wire_layout({**state(), "w": torch.zeros(13, 7)}, 128)
     with pytest.raises(WeightsCorrupt, match="tensors differs"):
-        check_received("run", 3, other, digests, manifest)
+        wc.check_received("run", 3, other, digests, manifest)
     listed = {**manifest, "bucket_sha256": list(reversed(digests))}
     with pytest.raises(WeightsCorrupt, match="bucket list is damaged"):
-        check_received("run", 3, layout, digests, listed)
+        wc.check_received("run", 3, layout, digests, listed)
     relisted = {**listed, "buckets_sha256": digest_of_digests(listed["bucket_sha256"])}
     with pytest.raises(WeightsCorrupt, match="bucket 0 hashes"):
-        check_received("run", 3, layout, digests, relisted)
+        wc.check_received("run", 3, layout, digests, relisted)
     refused = {"format": 1, "run_id": "run", "version": 3, "refused": "tensor w has 1 NaN"}
     with pytest.raises(WeightsNonFinite, match="1 NaN"):
-        check_received("run", 3, layout, digests, refused)
+        wc.check_received("run", 3, layout, digests, refused)
     with pytest.raises(WeightsError, match="no collective manifest"):
-        check_received("run", 3, layout, digests, None)
+        wc.check_received("run", 3, layout, digests, None)
     with pytest.raises(WeightsError, match="format"):
-        check_received("run", 3, layout, digests, {**manifest, "format": 99})
+        wc.check_received("run", 3, layout, digests, {**manifest, "format": 99})
 
 
 def test_addresses_are_checked():
-    assert parse_address("127.0.0.1:29650") == ("127.0.0.1", 29650)
-    assert parse_address("[::1]:80") == ("::1", 80)
+    assert wc.parse_address("127.0.0.1:29650") == ("127.0.0.1", 29650)
+    assert wc.parse_address("[::1]:80") == ("::1", 80)
     for bad in ("127.0.0.1", ":80", "host:0", "host:port", "host:70000"):
         with pytest.raises(ValueError, match="HOST:PORT"):
-            parse_address(bad)
+            wc.parse_address(bad)
 
 
 def listening(port: int) -> set[str]:
@@ -167,8 +151,8 @@ def listening(port: int) -> set[str]:
 def test_a_host_that_is_not_loopback_is_refused_unless_allowed():
     port = find_free_port()
     for host in ("10.1.2.3", "0.0.0.0", "example.org"):
-        with pytest.raises(CollectiveError, match="not a loopback host"):
-            store_server(f"{host}:{port}", 5.0)
+        with pytest.raises(wc.CollectiveError, match="not a loopback host"):
+            wc.store_server(f"{host}:{port}", 5.0)
         with pytest.raises(ValueError, match="weights_group_allow_remote"):
             LearnerConfig(weights_group=True, weights_group_address=f"{host}:{port}")
     assert listening(port) == set()  # nothing was opened
@@ -177,45 +161,45 @@ def test_a_host_that_is_not_loopback_is_refused_unless_allowed():
     LearnerConfig(
         weights_group=True, weights_group_address="10.1.2.3:1", weights_group_allow_remote=True
     )
-    store = store_server(f"localhost:{port}", 5.0)
+    store = wc.store_server(f"localhost:{port}", 5.0)
     assert listening(port) and listening(port) <= {"127.0.0.1", "::1"}
     del store
     # Allowed explicitly, it listens where it is told, every interface included.
-    store = store_server(f"0.0.0.0:{port}", 5.0, allow_remote=True)
+    store = wc.store_server(f"0.0.0.0:{port}", 5.0, allow_remote=True)
     assert listening(port) == {"0.0.0.0"}
     del store
 
 
 def test_the_nccl_path_is_refused_until_a_gpu_has_run_it():
-    with pytest.raises(CollectiveError, match="not been run on a GPU"):
-        check_device(torch.device("cuda"))
-    check_device(torch.device("cpu"))
+    with pytest.raises(wc.CollectiveError, match="not been run on a GPU"):
+        wc.check_device(torch.device("cuda"))
+    wc.check_device(torch.device("cpu"))
     with pytest.raises(ValueError, match="not been run on a GPU"):
         ActorConfig(weights_group=True, device="cuda:0")
     ActorConfig(weights_group=False, device="cuda:0")
 
 
 def test_join_proofs_are_bound_to_the_secret_and_the_ticket():
-    secret = new_secret()
-    proof = join_proof(secret, "run", 3)
-    assert proof_matches(secret, "run", 3, proof.encode())
-    assert not proof_matches(secret, "run", 4, proof)  # another ticket
-    assert not proof_matches(secret, "other", 3, proof)  # another run
-    assert not proof_matches(new_secret(), "run", 3, proof)  # another secret
-    assert not proof_matches(secret, "run", 3, None)
+    secret = wc.new_secret()
+    proof = wc.join_proof(secret, "run", 3)
+    assert wc.proof_matches(secret, "run", 3, proof.encode())
+    assert not wc.proof_matches(secret, "run", 4, proof)  # another ticket
+    assert not wc.proof_matches(secret, "other", 3, proof)  # another run
+    assert not wc.proof_matches(wc.new_secret(), "run", 3, proof)  # another secret
+    assert not wc.proof_matches(secret, "run", 3, None)
 
 
 def form_and_authenticate(secrets: list[str]) -> list[BaseException | None]:
     """Ranks 0..n-1 of one gloo group in threads, each proving its own ``secrets[rank]``;
     what each raised."""
     port = find_free_port()
-    store = store_server(f"127.0.0.1:{port}", 20.0)
+    store = wc.store_server(f"127.0.0.1:{port}", 20.0)
     outcome: list[BaseException | None] = [None] * len(secrets)
 
     def rank_main(rank: int) -> None:
         client = store if rank == 0 else dist.TCPStore("127.0.0.1", port, is_master=False)
         try:
-            group = WeightsGroup(client, 1, rank, len(secrets), torch.device("cpu"), 20.0)
+            group = wc.WeightsGroup(client, 1, rank, len(secrets), torch.device("cpu"), 20.0)
             group.authenticate(secrets[rank], "run", 20.0)
         except BaseException as e:  # noqa: BLE001 - reported to the test
             outcome[rank] = e
@@ -229,10 +213,10 @@ def form_and_authenticate(secrets: list[str]) -> list[BaseException | None]:
 
 
 def test_every_rank_of_an_epoch_proves_the_secret_over_the_group():
-    secret = new_secret()
+    secret = wc.new_secret()
     assert form_and_authenticate([secret, secret, secret]) == [None, None, None]
-    outcome = form_and_authenticate([secret, secret, new_secret()])
-    assert all(isinstance(e, CollectiveError) for e in outcome), outcome
+    outcome = form_and_authenticate([secret, secret, wc.new_secret()])
+    assert all(isinstance(e, wc.CollectiveError) for e in outcome), outcome
     # The proper ranks find rank 2 out; rank 2 finds that the others do not share its secret.
     assert all("rank(s) [2] do not know the run's secret" in str(e) for e in outcome[:2])
     assert "rank(s) [0, 1] do not know" in str(outcome[2])

@@ -1,5 +1,6 @@
 """What the publisher tests share: a tiny policy, a publisher on the real Redis of the session
-(under the test module's ``RUN``), and a way to hold its uploads."""
+(under the test module's ``RUN``), both ways it uploads, and a way to hold its uploads; what the
+warm-draft tests share: the tiny model they warm up."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from common.config import load_config
 from common.model import Transformer
 from common.tokenizer import CharTokenizer
 from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
+from learner.prepare.warm_start import warm_start
 from testing.models import random_model
+from testing.warm_draft import TINY
 
 
 def _tiny_policy() -> Transformer:
@@ -75,3 +80,18 @@ def make_publisher(
 def uploads_held() -> Callable[[Publisher, WeightWriter], contextlib.AbstractContextManager]:
     """``with uploads_held(pub, store):`` every upload of ``pub`` waits until the block exits."""
     return _uploads_held
+
+
+@pytest.fixture(params=["thread", "process"])
+def upload(request: pytest.FixtureRequest) -> str:
+    """Where a publisher uploads: on a background thread, or in a child process."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model of :data:`testing.warm_draft.TINY`, built once per test module: a test that
+    changes it works on a copy."""
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    warm_start(load_config(TINY), out)
+    return out

@@ -12,13 +12,8 @@ from common.config.run import SamplingConfig
 from common.model import DRAFT_FILE, attach_draft
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
-from learner.checkpoint import (
-    TrainerState,
-    load_checkpoint,
-    restore_optimizer,
-    save_checkpoint,
-)
 from learner.step import make_optimizer, train_step
+from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups
 from testing.models import tiny_model
 
@@ -73,21 +68,12 @@ def test_adapter_is_not_trained_without_spec_adapter():
 def test_adapter_checkpoint_round_trip(tmp_path):
     cfg = LearnerConfig(lr=1e-3)
     tokenizer, model, batch = _setup(adapter=True)
-    opt = make_optimizer(model, cfg, SPEC)
-    train_step(model, opt, batch, cfg, SamplingConfig(), spec=SPEC)
-    path = save_checkpoint(tmp_path, model, tokenizer, opt, TrainerState(1, 1, {}))
+    path, opt, loaded, opt2 = checkpoint_round_trip(tmp_path, tokenizer, model, batch, cfg, SPEC)
     assert (path / DRAFT_FILE).exists()
-    loaded, opt_tensors, _, groups = load_checkpoint(path, torch.device("cpu"))
     assert loaded.draft is not None
     assert torch.equal(loaded.draft.vocab_ids, model.draft.vocab_ids)
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    opt2 = make_optimizer(loaded, cfg, SPEC)
-    restore_optimizer(loaded, opt2, opt_tensors, groups)
     assert opt2.param_groups[1]["lr"] == SPEC.adapter_lr
     # The next step is the same from the original and from the resumed state.
-    m1 = train_step(model, opt, batch, cfg, SamplingConfig(), spec=SPEC)
-    m2 = train_step(loaded, opt2, batch, cfg, SamplingConfig(), spec=SPEC)
-    assert m1[mn.SPEC_DRAFT_ACCEPTANCE] == m2[mn.SPEC_DRAFT_ACCEPTANCE]
-    for name, tensor in model.state_dict().items():
-        assert torch.allclose(loaded.state_dict()[name], tensor, atol=1e-6), name
+    assert_next_step_matches(model, opt, loaded, opt2, batch, cfg, SPEC)

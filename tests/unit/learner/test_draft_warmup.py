@@ -6,11 +6,9 @@ the command runs end to end, and bad input is refused before any sampling."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,24 +28,10 @@ from learner.prepare.draft_data import (
     turn_end_ids,
 )
 from learner.prepare.draft_warmup import restricted_kl_sum, warm_draft
-from learner.prepare.warm_start import default_model_dir, warm_start
+from learner.prepare.warm_start import default_model_dir
 from ops.cli import main
 from testing.models import random_model
-
-# A tiny model of the default task, trained briefly so that its distributions are peaked.
-TINY = ["model.init_steps=40"]
-FAST = ["--prompts", "24", "--samples-per-prompt", "2", "--epochs", "4"]
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    warm_start(load_config(TINY), out)
-    return out
+from testing.warm_draft import FAST, TINY, assert_draft_saved_beside_untouched_model, digest
 
 
 def test_states_recorded_while_sampling_are_the_teacher_forced_ones():
@@ -107,7 +91,7 @@ def test_vocabulary_keeps_end_ids_then_frequent_tokens_then_fills_up():
 def test_warm_up_raises_held_out_acceptance_and_saves_the_adapter(tiny_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_dir, model_dir)
-    weights = _digest(model_dir / "model.safetensors")
+    weights = digest(model_dir / "model.safetensors")
     cfg = load_config([*TINY, f"model.path={model_dir}"])
     opts = WarmDraftOptions(prompts=24, epochs=4, summary=tmp_path / "summary.json")
     policy, summary = warm_draft(cfg, opts)
@@ -115,18 +99,11 @@ def test_warm_up_raises_held_out_acceptance_and_saves_the_adapter(tiny_dir, tmp_
     assert summary["exit_layer"] == 1  # a fifth of 4 layers, at least 1
     assert summary["draft_vocab"] == summary["vocab_size"]  # 8192 capped: the whole vocabulary
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == summary["steps"]
-    assert _digest(model_dir / "model.safetensors") == weights
+    assert digest(model_dir / "model.safetensors") == weights
     loaded = load_pretrained(model_dir)
     assert loaded.args.draft_exit_layer == 1
-    saved, trained = loaded.draft.state_dict(), policy.draft.state_dict()
-    assert saved.keys() == trained.keys()
-    for key, value in trained.items():
-        torch.testing.assert_close(saved[key], value, rtol=0, atol=0)
-    # Everything but the adapter is the model that was there before.
-    before = load_pretrained(tiny_dir).state_dict()
-    for key, value in loaded.state_dict().items():
-        if not key.startswith("draft."):
-            torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    # The adapter is the one trained; everything else is the model that was there before.
+    assert_draft_saved_beside_untouched_model(loaded, policy, "draft", tiny_dir)
 
 
 def test_command_runs_end_to_end_on_the_tiny_default(tiny_dir, monkeypatch, tmp_path):
@@ -145,11 +122,11 @@ def test_command_runs_end_to_end_on_the_tiny_default(tiny_dir, monkeypatch, tmp_
     loaded = load_pretrained(model_dir)
     assert loaded.draft.vocab_ids.numel() == 30
     # --out: a copy of the model directory with the adapter, the model directory untouched.
-    draft = _digest(model_dir / DRAFT_FILE)
+    draft = digest(model_dir / DRAFT_FILE)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*argv, "spec.exit_layer=2", "--epochs", "1", "--out", "copy"]) == 0
     assert load_pretrained(tmp_path / "copy").args.draft_exit_layer == 2
-    assert _digest(model_dir / DRAFT_FILE) == draft
+    assert digest(model_dir / DRAFT_FILE) == draft
     assert main(["warm-draft", "--help"]) == 0
 
 

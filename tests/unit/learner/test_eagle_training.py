@@ -19,11 +19,11 @@ from common.layers import KVCache
 from common.model_args import default_eagle_aux_layers
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
-from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
 from learner.eagle_loss import eagle_states, eagle_terms, unrolled_states
 from learner.policy import backbone
 from learner.step import make_optimizer, train_step
 from learner.wiring import attach_eagle_head
+from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups
 from testing.models import random_hf_model, random_model, tiny_model
 
@@ -181,20 +181,11 @@ def test_head_is_not_trained_without_eagle3_or_with_no_weight(spec):
 def test_head_checkpoint_round_trip(tmp_path):
     cfg = LearnerConfig(lr=1e-3)
     tokenizer, model, batch = _setup()
-    opt = make_optimizer(model, cfg, SPEC)
-    train_step(model, opt, batch, cfg, SamplingConfig(), spec=SPEC)
-    path = save_checkpoint(tmp_path, model, tokenizer, opt, TrainerState(1, 1, {}))
+    path, opt, loaded, opt2 = checkpoint_round_trip(tmp_path, tokenizer, model, batch, cfg, SPEC)
     assert (path / EAGLE_FILE).exists()
-    loaded, opt_tensors, _, groups = load_checkpoint(path, torch.device("cpu"))
     assert loaded.eagle is not None and loaded.args.eagle_vocab_size == model.args.eagle_vocab_size
-    opt2 = make_optimizer(loaded, cfg, SPEC)
-    restore_optimizer(loaded, opt2, opt_tensors, groups)
     assert opt2.param_groups[1]["lr"] == SPEC.eagle_lr
-    m1 = train_step(model, opt, batch, cfg, SamplingConfig(), spec=SPEC)
-    m2 = train_step(loaded, opt2, batch, cfg, SamplingConfig(), spec=SPEC)
-    assert m1[mn.SPEC_DRAFT_ACCEPTANCE] == m2[mn.SPEC_DRAFT_ACCEPTANCE]
-    for name, tensor in model.state_dict().items():
-        assert torch.allclose(loaded.state_dict()[name], tensor, atol=1e-6), name
+    assert_next_step_matches(model, opt, loaded, opt2, batch, cfg, SPEC)
 
 
 def test_wiring_attaches_a_head_only_where_missing(caplog):

@@ -5,17 +5,15 @@ loads back beside untouched model tensors, the command runs end to end, and bad 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from common.config import load_config
-from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
+from common.eagle import EAGLE_FILE, attach_eagle
 from common.model import load_pretrained
 from learner.eagle_loss import eagle_terms
 from learner.policy import backbone
@@ -28,24 +26,12 @@ from learner.prepare.eagle_warmup import (
     restricted_kl_sum,
     teacher_states,
 )
-from learner.prepare.warm_start import default_model_dir, warm_start
+from learner.prepare.warm_start import default_model_dir
 from ops.cli import main
 from testing.models import random_model
+from testing.warm_draft import FAST, TINY, assert_draft_saved_beside_untouched_model, digest
 
-TINY = ["model.init_steps=40"]
 EAGLE = ["spec.method=eagle3"]
-FAST = ["--prompts", "24", "--samples-per-prompt", "2", "--epochs", "4"]
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    warm_start(load_config(TINY), out)
-    return out
 
 
 def test_records_and_loss_are_the_learners():
@@ -87,25 +73,18 @@ def test_records_and_loss_are_the_learners():
 def test_warm_up_raises_held_out_acceptance_and_saves_the_head(tiny_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_dir, model_dir)
-    weights = _digest(model_dir / "model.safetensors")
+    weights = digest(model_dir / "model.safetensors")
     cfg = load_config([*TINY, *EAGLE, "spec.eagle_vocab=30", f"model.path={model_dir}"])
     opts = WarmDraftOptions(prompts=24, epochs=4, summary=tmp_path / "summary.json")
     policy, summary = warm_draft(cfg, opts)
     assert summary["method"] == "eagle3" and summary["draft_vocab"] == 30
     assert summary["acceptance_after"] > summary["acceptance_before"] + 0.05, summary
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == summary["steps"]
-    assert _digest(model_dir / "model.safetensors") == weights
+    assert digest(model_dir / "model.safetensors") == weights
     loaded = load_pretrained(model_dir)
     assert loaded.args.eagle_aux_layers == policy.args.eagle_aux_layers
     assert loaded.args.eagle_vocab_size == 30 and loaded.eagle.vocab_ids.numel() == 30
-    saved, trained = loaded.eagle.state_dict(), policy.eagle.state_dict()
-    assert saved.keys() == trained.keys()
-    for key, value in trained.items():
-        torch.testing.assert_close(saved[key], value, rtol=0, atol=0)
-    before = load_pretrained(tiny_dir).state_dict()
-    for key, value in loaded.state_dict().items():
-        if not key.startswith(EAGLE_PREFIX):
-            torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    assert_draft_saved_beside_untouched_model(loaded, policy, "eagle", tiny_dir)
 
 
 def test_command_runs_end_to_end_on_the_tiny_default(tiny_dir, monkeypatch, tmp_path):

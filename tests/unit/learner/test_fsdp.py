@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from common.config.learner import LearnerConfig
@@ -24,17 +23,10 @@ from common.config.run import SamplingConfig
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from learner.distributed import (
-    full_model_state,
-    init_from_env,
-    load_optimizer_state,
-    local_rank_env,
-    shard,
-    shutdown,
-)
+from learner.distributed import full_model_state, load_optimizer_state, shard
 from learner.step import make_optimizer, train_step
 from learner.wiring import LearnerState, gather_checkpoint
-from ops.redis_server import find_free_port
+from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import tiny_model
 
@@ -52,10 +44,7 @@ def _batches():
 
 
 def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
-    os.environ.update(local_rank_env(rank, world, port))
-    torch.set_num_threads(1)
-    ctx = init_from_env(timeout_s=120)
-    try:
+    with group_rank(rank, world, port) as ctx:
         cfg = LearnerConfig(**CFG)
         batches = _batches()
         module = shard(tiny_model(VOCAB))
@@ -92,12 +81,10 @@ def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
             save_file(final, os.path.join(out, "params.safetensors"))
             Path(out, "metrics.json").write_text(json.dumps(trainer.step))
         ctx.barrier()
-    finally:
-        shutdown()
 
 
 def run_ranks(tmp_path, mode: str, world: int = 2) -> dict[str, torch.Tensor]:
-    mp.spawn(_worker, args=(world, find_free_port(), str(tmp_path), mode), nprocs=world)
+    spawn_ranks(_worker, str(tmp_path), mode, world=world)
     return load_file(str(tmp_path / "params.safetensors"))
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from common.config.learner import LearnerConfig
@@ -35,14 +34,11 @@ from learner.distributed import (
     empty_policy,
     full_model_state,
     full_optimizer_state,
-    init_from_env,
-    local_rank_env,
     materialize,
     shard,
-    shutdown,
 )
 from learner.step import make_optimizer, train_step
-from ops.redis_server import find_free_port
+from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import random_model
 
@@ -74,10 +70,7 @@ def _checkpoint(root: Path, case: str) -> Path:
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(local_rank_env(rank, world, port))
-    torch.set_num_threads(1)
-    ctx = init_from_env(timeout_s=120)
-    try:
+    with group_rank(rank, world, port) as ctx:
         for case in CASES:
             path = next((Path(root) / case).glob("step_*"))
             module = shard(empty_policy(path, "auto", torch.float32))
@@ -96,13 +89,11 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                 save_file(moments, os.path.join(root, f"{case}.optimizer.safetensors"))
                 Path(root, f"{case}.groups.json").write_text(json.dumps(groups))
         ctx.barrier()
-    finally:
-        shutdown()
 
 
 def test_sharded_reads_equal_the_single_process_load(tmp_path):
     paths = {case: _checkpoint(tmp_path, case) for case in CASES}
-    mp.spawn(_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_worker, str(tmp_path))
 
     for case in ("tied", "draft_older_layout"):
         model, tensors, _, groups = load_checkpoint(paths[case], CPU)

@@ -60,7 +60,6 @@ def test_versions_in_order_from_a_snapshot(
     assert kinds == ["full", "delta", "delta", "full", "delta"]  # the uploader keeps the base
 
 
-@pytest.mark.parametrize("upload", ["thread", "process"])
 def test_snapshot_is_taken_before_the_next_step(
     redis_client: redis.Redis, upload: str, make_publisher, uploads_held
 ) -> None:
@@ -74,9 +73,8 @@ def test_snapshot_is_taken_before_the_next_step(
     assert torch.equal(WeightReader(redis_client, RUN).fetch(1)[1]["lm_head.weight"], before)
 
 
-@pytest.mark.parametrize("upload", ["thread", "process"])
 def test_learner_waits_only_when_max_inflight_versions_are_in_flight(
-    redis_client: redis.Redis, upload: str, make_publisher, uploads_held
+    upload: str, make_publisher, uploads_held
 ) -> None:
     _, pub, store = make_publisher(max_inflight=2, upload=upload)
     with uploads_held(pub, store):
@@ -93,10 +91,7 @@ def test_learner_waits_only_when_max_inflight_versions_are_in_flight(
     assert store.latest_version() == 3
 
 
-@pytest.mark.parametrize("upload", ["thread", "process"])
-def test_non_finite_weights_are_refused_and_counted(
-    redis_client: redis.Redis, upload: str, make_publisher
-) -> None:
+def test_non_finite_weights_are_refused_and_counted(upload: str, make_publisher) -> None:
     marks: list[int] = []
     m, pub, store = make_publisher(max_inflight=1, on_published=marks.append, upload=upload)
     pub.publish(1)
@@ -113,10 +108,7 @@ def test_non_finite_weights_are_refused_and_counted(
     assert store.latest_version() == 3
 
 
-@pytest.mark.parametrize("upload", ["thread", "process"])
-def test_upload_error_is_raised_on_the_learner_thread(
-    redis_client: redis.Redis, upload: str, make_publisher
-) -> None:
+def test_upload_error_is_raised_on_the_learner_thread(upload: str, make_publisher) -> None:
     _, pub, store = make_publisher(max_inflight=1, upload=upload)
     pub.publish(5)
     pub.publish(3)  # versions only grow: the store refuses on the upload thread
@@ -125,7 +117,6 @@ def test_upload_error_is_raised_on_the_learner_thread(
     pub.close()
 
 
-@pytest.mark.parametrize("upload", ["thread", "process"])
 @pytest.mark.parametrize("with_optimizer", [True, False])
 def test_an_optimizer_step_waits_for_the_snapshot_taken_on_the_thread(
     redis_client: redis.Redis,
@@ -190,7 +181,6 @@ def test_a_killed_upload_process_is_an_error_on_the_learner_thread(
     pub.close()
 
 
-@pytest.mark.parametrize("upload", ["thread", "process"])
 def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str, tiny_policy) -> None:
     """Redis down: the upload retries (a restart must not kill the learner) until the learner
     stops; then flush and close return and nothing is published."""

@@ -14,18 +14,16 @@ from common.config import load_config
 from common.entrypoint import PUBLISH_HOST_ENV, publish_refusal
 from ops.processes import ROOT, child_env
 
+LOOPBACK = ("", "127.0.0.1", "::1", "localhost")  # "": not under the compose files
+BEYOND_LOOPBACK = ("0.0.0.0", "::", "10.1.2.3")
+
 
 @pytest.mark.parametrize(
     ("host", "curve_dir", "refused"),
     [
-        ("", "", False),  # not under the compose files
-        ("127.0.0.1", "", False),
-        ("::1", "", False),
-        ("localhost", "", False),
-        ("0.0.0.0", "", True),
-        ("::", "", True),
-        ("10.1.2.3", "", True),
-        ("0.0.0.0", "/keys", False),
+        *[(host, "", False) for host in LOOPBACK],
+        *[(host, "", True) for host in BEYOND_LOOPBACK],
+        ("0.0.0.0", "/keys", False),  # CurveZMQ: any host
     ],
 )
 def test_publish_refusal(host, curve_dir, refused):
