@@ -19,7 +19,7 @@ from typing import Any
 from actors.draft_length import PLAIN, DraftLength
 from actors.drafting import NgramDrafter
 from actors.engines.vllm_compat import request_key
-from actors.engines.vllm_selfdraft import StepTimer
+from actors.engines.vllm_selfdraft import StepTimer, claim_pending
 
 _PENDING: list[tuple[NgramDrafter, DraftLength | None]] = []
 PROPOSER_PATH = "actors.engines.vllm_proposer.SpecrlNgramProposer"
@@ -35,12 +35,9 @@ class SpecrlNgramProposer:
     """``propose`` for vLLM's ``custom_class`` method; see the module docstring."""
 
     def __init__(self, vllm_config: Any) -> None:
-        if not _PENDING:
-            raise RuntimeError(
-                "SpecrlNgramProposer is built by actors.engines.vllm_engine.VllmEngine "
-                "(it needs the engine's n-gram drafter); do not name it in a bare vLLM config"
-            )
-        self.drafter, control = _PENDING.pop()
+        self.drafter, control = claim_pending(
+            _PENDING, "SpecrlNgramProposer", "the engine's n-gram drafter"
+        )
         self.timer = StepTimer(control) if control is not None else None
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.runner: Any = None

@@ -268,6 +268,18 @@ class _Row:
     written: list[int]  # tokens whose draft KV is in the pool, from position 0
 
 
+def claim_pending(pending: list, proposer: str, needs: str) -> Any:
+    """What the engine left for the ``custom_class`` proposer vLLM is now constructing (the
+    newest entry of ``pending``), or a RuntimeError saying how the proposer must be built."""
+    if not pending:
+        raise RuntimeError(
+            f"{proposer} is built by actors.engines.vllm_engine.VllmEngine (it needs {needs}); "
+            "do not name it in a bare vLLM config, and run the engine core in-process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    return pending.pop()
+
+
 class StepTimer:
     """Adaptive draft length on vLLM: the step a ``propose`` call decides runs between it and the
     next call; that call records the step's wall time and per row the drafts accepted (vLLM's
@@ -307,13 +319,7 @@ class SpecrlSelfDraftProposer:
     """``propose`` for vLLM's ``custom_class`` method; see the module docstring."""
 
     def __init__(self, vllm_config: Any) -> None:
-        if not _PENDING:
-            raise RuntimeError(
-                "SpecrlSelfDraftProposer is built by actors.engines.vllm_engine.VllmEngine "
-                "(it needs the engine's draft); do not name it in a bare vLLM config, and run "
-                "the engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-            )
-        setup = _PENDING.pop()
+        setup = claim_pending(_PENDING, "SpecrlSelfDraftProposer", "the engine's draft")
         self.draft = setup.draft
         self.temperature, self.top_p = setup.temperature, setup.top_p
         self.generator = torch.Generator(device=self.draft.device).manual_seed(setup.seed)
@@ -543,6 +549,7 @@ __all__ = [
     "SpecrlSelfDraftProposerSetup",
     "StaleDraftError",
     "StepTimer",
+    "claim_pending",
     "adaptive_control",
     "draft_dtype",
     "pending",
