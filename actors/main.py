@@ -13,7 +13,7 @@ from common.entrypoint import run_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(argv, "specrl-actor", __doc__, run)
+    return run_main(argv, "specrl-actor", __doc__, run, role="actor")
 
 
 def exit_now(code: int) -> NoReturn:

@@ -10,7 +10,9 @@ from collections.abc import Callable, Mapping
 
 from common.config import SpecRLConfig, load_config
 from common.config.actor import ActorConfig
+from common.config.gpu_profile import UnusualLearningRate
 from common.config.run import RunConfig, is_loopback_host
+from common.gpu_start import Role, prepare
 
 PUBLISH_HOST_ENV = "SPECRL_PUBLISH_HOST"
 """The host interface the compose files publish the learner's and Redis' ports on (Docker's
@@ -75,12 +77,20 @@ def run_main(
     prog: str,
     description: str | None,
     run: Callable[[SpecRLConfig], object],
+    role: Role | None = None,
 ) -> int:
     """A process entry point: ``run(cfg)`` on the config of ``argv`` (default: the command line);
     exit status 0 (help printed, or ``run`` returned). ``description`` heads the help (an entry
-    module passes its docstring)."""
-    cfg = parse(sys.argv[1:] if argv is None else argv, prog, description or "")
+    module passes its docstring). ``role`` (``learner``, ``actor``): on CUDA, the GPU profile's
+    defaults first (:func:`common.gpu_start.prepare`; nothing without CUDA)."""
+    overrides = sys.argv[1:] if argv is None else argv
+    cfg = parse(overrides, prog, description or "")
     if cfg is not None:
+        if role is not None:
+            try:
+                prepare(cfg, overrides, role)
+            except UnusualLearningRate as e:
+                raise SystemExit(f"{prog}: invalid configuration: {e}") from e
         run(cfg)
     return 0
 

@@ -11,6 +11,7 @@ import torch
 
 from common import metric_names as mn
 from common.config import SpecRLConfig
+from common.config.learner import weights_group_refusal
 from common.entrypoint import StopFlag
 from common.link.protocol import TrajectoryGroup
 from common.link.receive.admission import wire_limits
@@ -33,6 +34,12 @@ log = logging.getLogger(__name__)
 
 def run(cfg: SpecRLConfig) -> dict[str, float]:
     """Train for ``cfg.run.steps`` steps; returns the last metrics record."""
+    if cfg.learner.weights_group:
+        # Refused on CUDA before the process group forms or the model loads, every rank alike
+        # (the device is the one init_from_env and Learner pick).
+        refusal = weights_group_refusal("cuda" if torch.cuda.is_available() else "cpu")
+        if refusal is not None:
+            raise SystemExit(f"specrl-learner: refusing to start: learner.weights_group: {refusal}")
     torch.set_num_threads(cfg.run.torch_threads)
     torch.manual_seed(cfg.run.seed)
     # Under torchrun (WORLD_SIZE > 1): data-parallel FSDP2 ranks; rank 0 runs everything below,

@@ -19,7 +19,7 @@ def checked_run(cfg: SpecRLConfig) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(argv, "specrl-learner", __doc__, checked_run)
+    return run_main(argv, "specrl-learner", __doc__, checked_run, role="learner")
 
 
 if __name__ == "__main__":

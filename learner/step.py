@@ -83,6 +83,14 @@ def make_optimizer(
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def warm_up_lr(optimizer: torch.optim.Optimizer, cfg: LearnerConfig, step: int) -> None:
+    """Before optimizer step ``step`` (0-based, counted over the run, so a resume continues the
+    ramp): the policy's learning rate rises linearly to ``learner.lr`` over
+    ``learner.lr_warmup_steps`` steps; the draft groups keep theirs. Nothing without a warm-up."""
+    if cfg.lr_warmup_steps > 1:
+        optimizer.param_groups[0]["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -55,7 +55,7 @@ from learner.policy import (
 )
 from learner.prepare.fit_check import fit_learner
 from learner.prepare.warm_start import ensure_model
-from learner.step import make_optimizer, train_step
+from learner.step import make_optimizer, train_step, warm_up_lr
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,7 @@ def train_on(
     state: LearnerState, batch: TrainBatch, cfg: SpecRLConfig, dist: DistContext | None
 ) -> dict[str, float]:
     """One optimizer step on ``batch``: the same call on rank 0 and on the other ranks."""
+    warm_up_lr(state.optimizer, cfg.learner, state.step)
     return train_step(
         state.model,
         state.optimizer,

@@ -22,7 +22,7 @@ service different GPUs, so each actor is a service of its own: ``actor``, ``acto
 
 A layout that needs more GPUs than the node has is refused. Every option also reads an
 environment variable (GPUS, LEARNER_GPUS, GPUS_PER_ACTOR, ACTORS, MODEL_DIR, DATA_FILE,
-ACTOR_GPU_MEMORY); ``--gpus`` defaults to the count of ``nvidia-smi -L``.
+RUNS_DIR, ACTOR_GPU_MEMORY); ``--gpus`` defaults to the count of ``nvidia-smi -L``.
 
 ``--model-dir`` (an HF model directory on this host) is mounted read-only at /model in the learner
 and every actor (the actors read its tokenizer) and given as ``model.path``; ``--data-file`` (a
@@ -33,12 +33,27 @@ task.path=...``. With a model, the sizes that scale with it are derived from its
 
 - the actors' shared weights cache (tmpfs): 3 V (the two versions it keeps and the one being
   written), plus 5%;
-- Redis ``maxmemory``: (redis.retention + 2) V, plus 1 GiB: the retained versions, the version
-  being uploaded and room for the delta chain of the oldest retained one;
+- Redis ``maxmemory``: (1 + R + (K - 1) f) V, plus 1 GiB, with R = redis.retention (3),
+  K = redis.keyframe_every (10) and f = 0.5, the largest delta the writer stores
+  (common/weights/publish/writer.py): the store keeps the R newest versions and the chain back to
+  the oldest one's keyframe, and the next version is written before it prunes. At worst the
+  oldest kept is the chain's last delta: its keyframe (V), K - 1 deltas (f V each), the R - 1
+  newer versions and the one being written (V each, a delta refused for its size being a full
+  version): 8.5 V at the defaults;
 - the learner's /dev/shm: ``learner.publish_max_inflight`` + 1 copies of V, plus 4 GiB (NCCL);
 - how long the learner waits for a group (``learner.group_timeout_s``; the first one comes after
   every actor's cold start: reading V, building its engine, a first rollout): 600 s plus 60 s per
   GiB of V.
+
+``--runs-dir`` (a directory on this host) is mounted at /runs in the learner and every actor in
+place of the ``runs`` named volume: the run directory, checkpoints included, on a disk of your
+choice.
+
+Before it writes the file it checks the host (scripts/compose_host.py; ``--skip-host-checks``
+writes it anyway, with a warning): the NVIDIA driver that ``nvidia-smi`` reports against the CUDA
+of the Dockerfile's base image (driver 580 or newer for CUDA 13), and, with a model, MemAvailable
+against the stack's host RAM and the free disk of the run directory (``--runs-dir``, else Docker's
+data root) against the checkpoints; a shortfall is refused with the numbers.
 
 Needs Python 3 with PyYAML (Debian/Ubuntu: python3-yaml).
 """
@@ -47,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -55,6 +71,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +86,28 @@ REDIS_RETENTION = 3
 """redis.retention's default (common/config/run.py); the learner keeps this many versions."""
 PUBLISH_MAX_INFLIGHT = 1
 """learner.publish_max_inflight's default (common/config/learner.py)."""
+KEYFRAME_EVERY = 10
+"""redis.keyframe_every's default (common/config/run.py): a delta chain is at most K - 1 long."""
+MAX_DELTA_FRACTION = 0.5
+"""The largest delta the weight store writes, as a fraction of a full version
+(common/weights/publish/writer.py); a larger one is written as a full version."""
+RUNS_MOUNT = "/runs"
+
+
+def sibling(name: str) -> ModuleType:
+    """``scripts/<name>.py``, loaded by its path once and kept in ``sys.modules``: scripts/ is
+    not a package, and this script runs as a file or is loaded by path (testing/scripts.py)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+host_checks = sibling("compose_host")
 
 
 class LayoutError(ValueError):
@@ -172,11 +211,29 @@ def gib(nbytes: float) -> str:
     return f"{max(1, math.ceil(nbytes / GIB))}g"
 
 
+def chain_versions() -> float:
+    """The most the weight store holds at once, in full versions: 1 + R + (K - 1) f (8.5 at the
+    defaults; the module doc says why)."""
+    return 1 + REDIS_RETENTION + (KEYFRAME_EVERY - 1) * MAX_DELTA_FRACTION
+
+
+def redis_maxmemory_bytes(version: int) -> int:
+    """Redis ``maxmemory`` for versions of ``version`` bytes: :func:`chain_versions` of them
+    (the longest delta chain the store keeps, the newer retained versions and the one being
+    written), plus 1 GiB for Redis's own keys and overhead."""
+    return math.ceil(chain_versions() * version) + GIB
+
+
+def weights_cache_bytes(version: int) -> int:
+    """The actors' weights cache: the 2 versions it keeps and the one being written, plus 5%."""
+    return math.ceil(3 * version * 1.05)
+
+
 def sizes(parameters: int, publish_dtype: str) -> dict[str, str]:
     version = parameters * DTYPE_BYTES[publish_dtype]
     return {
-        "weights_cache": gib(3 * version * 1.05),
-        "redis_maxmemory": gib((REDIS_RETENTION + 2) * version + GIB) + "b",
+        "weights_cache": gib(weights_cache_bytes(version)),
+        "redis_maxmemory": gib(redis_maxmemory_bytes(version)) + "b",
         "learner_shm": gib((PUBLISH_MAX_INFLIGHT + 1) * version + 4 * GIB),
         "group_timeout_s": str(600 + math.ceil(60 * version / GIB)),
     }
@@ -208,11 +265,48 @@ def set_node_args(env: dict[str, str], args: list[str]) -> None:
         env.pop("SPECRL_NODE_ARGS", None)
 
 
+def mount_target(volume: str) -> str:
+    """The container path of a short-syntax volume (``SOURCE:TARGET[:MODE]`` or ``TARGET``)."""
+    parts = volume.split(":")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def with_mounts(existing: list[str], mounts: list[str]) -> list[str]:
+    """``existing`` volumes with ``mounts`` added, each replacing one at its container path (as
+    Compose merges a service's volumes across files)."""
+    targets = {mount_target(m) for m in mounts}
+    return [v for v in existing if mount_target(v) not in targets] + mounts
+
+
+def apply_model(
+    out: dict[str, Any], base: dict[str, Any], model_dir: Path, publish_dtype: str
+) -> tuple[list[str], list[str]]:
+    """The sizes derived from the model, set in ``out`` as the defaults of the variables that
+    set them by hand; returns the learner's and the actors' overrides."""
+    services = out["services"]
+    size = sizes(model_parameters(model_dir), publish_dtype)
+    learner_args = [
+        f"model.path={MODEL_MOUNT}",
+        f"learner.publish_dtype={publish_dtype}",
+        f"learner.group_timeout_s=${{LEARNER_GROUP_TIMEOUT_S:-{size['group_timeout_s']}}}",
+    ]
+    cache = f"size=${{ACTOR_WEIGHTS_CACHE_SIZE:-{size['weights_cache']}}},mode=1777"
+    out["volumes"] = {
+        "weights-cache": merge(base["volumes"]["weights-cache"], {"driver_opts": {"o": cache}})
+    }
+    # Redis holds the longest delta chain the weight store keeps (redis_maxmemory_bytes).
+    redis_env = services["redis"].setdefault("environment", {})
+    redis_env["SPECRL_REDIS_MAXMEMORY"] = f"${{REDIS_MAXMEMORY:-{size['redis_maxmemory']}}}"
+    services["learner"]["shm_size"] = f"${{LEARNER_SHM_SIZE:-{size['learner_shm']}}}"
+    return learner_args, [f"model.path={MODEL_MOUNT}"]
+
+
 def render(
     layout: dict[str, list[int]],
     *,
     model_dir: Path | None = None,
     data_file: Path | None = None,
+    runs_dir: Path | None = None,
     actor_gpu_memory: float = 0.3,
     gpu_memory: float | None = None,
     publish_dtype: str = "bfloat16",
@@ -232,23 +326,11 @@ def render(
     volumes: list[str] = []
     learner_args: list[str] = []
     actor_args: list[str] = []
+    if runs_dir is not None:
+        volumes.append(f"{runs_dir.resolve()}:{RUNS_MOUNT}")  # in place of the runs volume
     if model_dir is not None:
         volumes.append(f"{model_dir.resolve()}:{MODEL_MOUNT}:ro")
-        # The derived sizes are the defaults of the variables that set them by hand.
-        size = sizes(model_parameters(model_dir), publish_dtype)
-        learner_args += [
-            f"model.path={MODEL_MOUNT}",
-            f"learner.publish_dtype={publish_dtype}",
-            f"learner.group_timeout_s=${{LEARNER_GROUP_TIMEOUT_S:-{size['group_timeout_s']}}}",
-        ]
-        actor_args.append(f"model.path={MODEL_MOUNT}")
-        cache = f"size=${{ACTOR_WEIGHTS_CACHE_SIZE:-{size['weights_cache']}}},mode=1777"
-        out["volumes"] = {
-            "weights-cache": merge(base["volumes"]["weights-cache"], {"driver_opts": {"o": cache}})
-        }
-        redis_env = services["redis"].setdefault("environment", {})
-        redis_env["SPECRL_REDIS_MAXMEMORY"] = f"${{REDIS_MAXMEMORY:-{size['redis_maxmemory']}}}"
-        services["learner"]["shm_size"] = f"${{LEARNER_SHM_SIZE:-{size['learner_shm']}}}"
+        learner_args, actor_args = apply_model(out, base, model_dir, publish_dtype)
     if data_file is not None:
         if not data_file.is_file():
             raise LayoutError(f"--data-file {data_file}: no such file")
@@ -266,7 +348,7 @@ def render(
     set_node_args(learner_env, learner_args)
     learner["deploy"] = gpu_reservation(layout["learner"])
     if volumes:
-        learner["volumes"] = learner.get("volumes", []) + volumes
+        learner["volumes"] = with_mounts(learner.get("volumes", []), volumes)
 
     template = merge(base["services"]["actor"], services["actor"])
     template.pop("deploy", None)
@@ -283,7 +365,7 @@ def render(
         set_node_args(env, extra)
         service["deploy"] = {"replicas": 1, **gpu_reservation(ids)}
         if volumes:
-            service["volumes"] = service.get("volumes", []) + volumes
+            service["volumes"] = with_mounts(service.get("volumes", []), volumes)
         services[name] = service
     return out
 
@@ -308,6 +390,8 @@ ENV_OPTIONS: dict[str, tuple[Any, str, Any, str | None]] = {
     "--actors": (int, "ACTORS", None, "default: as many as the GPUs left after the learner's hold"),
     "--model-dir": (Path, "MODEL_DIR", None, None),
     "--data-file": (Path, "DATA_FILE", None, None),
+    "--runs-dir": (Path, "RUNS_DIR", None, "directory mounted at /runs in place of the runs "
+                   "volume: the run directory, checkpoints included (default: the volume)"),
     "--actor-gpu-memory": (float, "ACTOR_GPU_MEMORY", 0.3, "vLLM gpu_memory_utilization of an "
                            "actor sharing its GPU with the learner"),
     "--gpu-memory-gib": (float, "GPU_MEMORY_GIB", None, "memory of one GPU, for the learner's "
@@ -315,8 +399,7 @@ ENV_OPTIONS: dict[str, tuple[Any, str, Any, str | None]] = {
 }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="compose_gpu.py",
         description="Write docker-compose.gpu.yml for this node's GPUs and model.",
@@ -325,8 +408,95 @@ def main(argv: list[str] | None = None) -> int:
         value = os.environ.get(variable)
         p.add_argument(option, type=kind, default=kind(value) if value else default, help=text)
     p.add_argument("--publish-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument(
+        "--skip-host-checks",
+        action="store_true",
+        help="write the file without checking the driver, host RAM and disk (with a warning)",
+    )
     p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def whole_gib(nbytes: int) -> int:
+    """``nbytes`` as :func:`gib` writes it for Docker and Redis, in bytes."""
+    return max(1, math.ceil(nbytes / GIB)) * GIB
+
+
+def host_needs(model_dir: Path, publish_dtype: str, layout: dict[str, list[int]]) -> Any:
+    """What the layout needs of the host with this model (``compose_host.Needs``)."""
+    parameters = model_parameters(model_dir)
+    version = parameters * DTYPE_BYTES[publish_dtype]
+    return host_checks.needs(
+        parameters,
+        version,
+        sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
+        learner_ranks=len(layout["learner"]),
+        actors=len(layout) - 1,
+        publish_max_inflight=PUBLISH_MAX_INFLIGHT,
+        redis=whole_gib(redis_maxmemory_bytes(version)),
+        weights_cache=whole_gib(weights_cache_bytes(version)),
+    )
+
+
+def check_host(args: argparse.Namespace, layout: dict[str, list[int]], host: Any) -> None:
+    """The host checks of scripts/compose_host.py (a refusal raised as ``LayoutError``; what
+    could not be checked printed as a warning), unless ``--skip-host-checks``."""
+    if args.skip_host_checks:
+        print(
+            "compose_gpu.py: warning: --skip-host-checks: the NVIDIA driver, host RAM and disk "
+            "are not checked",
+            file=sys.stderr,
+        )
+        return
+    need = (
+        None if args.model_dir is None else host_needs(args.model_dir, args.publish_dtype, layout)
+    )
+    try:
+        warnings = host_checks.check_host(host, need, args.runs_dir)
+    except host_checks.HostRefused as e:
+        raise LayoutError(f"{e}\n(--skip-host-checks writes the file anyway)") from e
+    for warning in warnings:
+        print(f"compose_gpu.py: warning: {warning}", file=sys.stderr)
+
+
+def build(args: argparse.Namespace, host: Any) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """The layout and the compose file of ``args``, once the host is checked (``LayoutError``
+    for a layout, an input or a host that cannot serve)."""
+    detected = visible_gpus()
+    gpus = args.gpus if args.gpus is not None else detected
+    if gpus is None:
+        raise LayoutError("no nvidia-smi here to count the GPUs: give --gpus N (or GPUS=N)")
+    if detected is not None and gpus > detected:
+        raise LayoutError(f"--gpus {gpus}, but nvidia-smi -L lists {detected} GPU(s) here")
+    if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+        raise LayoutError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
+    if not 0 < args.actor_gpu_memory < 1:
+        raise LayoutError(f"--actor-gpu-memory must be in (0, 1), got {args.actor_gpu_memory}")
+    layout = plan(gpus, args.learner_gpus, args.gpus_per_actor, args.actors)
+    if args.model_dir is not None and not args.model_dir.is_dir():
+        raise LayoutError(f"--model-dir {args.model_dir}: no such directory")
+    if args.runs_dir is not None and not args.runs_dir.is_dir():
+        raise LayoutError(
+            f"--runs-dir {args.runs_dir}: no such directory (create it on the disk that should "
+            "hold the checkpoints)"
+        )
+    check_host(args, layout, host)
+    config = render(
+        layout,
+        model_dir=args.model_dir,
+        data_file=args.data_file,
+        runs_dir=args.runs_dir,
+        actor_gpu_memory=args.actor_gpu_memory,
+        gpu_memory=args.gpu_memory_gib if args.gpu_memory_gib else gpu_memory_gib(),
+        publish_dtype=args.publish_dtype,
+    )
+    return layout, config
+
+
+def main(argv: list[str] | None = None, host: Any = None) -> int:
+    """The command line; ``host``: the host's probes (``compose_host.Host``; a test's fakes)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     try:
         import yaml
     except ImportError:
@@ -336,27 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        detected = visible_gpus()
-        gpus = args.gpus if args.gpus is not None else detected
-        if gpus is None:
-            raise LayoutError("no nvidia-smi here to count the GPUs: give --gpus N (or GPUS=N)")
-        if detected is not None and gpus > detected:
-            raise LayoutError(f"--gpus {gpus}, but nvidia-smi -L lists {detected} GPU(s) here")
-        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
-            raise LayoutError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib}")
-        if not 0 < args.actor_gpu_memory < 1:
-            raise LayoutError(f"--actor-gpu-memory must be in (0, 1), got {args.actor_gpu_memory}")
-        layout = plan(gpus, args.learner_gpus, args.gpus_per_actor, args.actors)
-        if args.model_dir is not None and not args.model_dir.is_dir():
-            raise LayoutError(f"--model-dir {args.model_dir}: no such directory")
-        config = render(
-            layout,
-            model_dir=args.model_dir,
-            data_file=args.data_file,
-            actor_gpu_memory=args.actor_gpu_memory,
-            gpu_memory=args.gpu_memory_gib if args.gpu_memory_gib else gpu_memory_gib(),
-            publish_dtype=args.publish_dtype,
-        )
+        layout, config = build(args, host if host is not None else host_checks.Host())
     except LayoutError as e:
         print(f"compose_gpu.py: {e}", file=sys.stderr)
         return 2

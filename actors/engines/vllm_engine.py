@@ -114,7 +114,7 @@ class _Slot:
     def record_bytes(self) -> int:
         return sum(ids.nbytes + lps.nbytes for ids, lps in self.records)
 
-    def rollout(self, eos_id: int) -> Rollout:
+    def rollout(self, stop_ids: list[int]) -> Rollout:
         tokens, logprobs, versions = list(self.tokens), list(self.logprobs), list(self.versions)
         for token, entry, version in self._live_tokens():
             tokens.append(int(token))
@@ -124,7 +124,7 @@ class _Slot:
             token_ids=np.asarray(tokens, dtype=np.int32),
             behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
             token_versions=np.asarray(versions, dtype=np.int32),
-            finished=bool(tokens) and tokens[-1] == eos_id,
+            finished=bool(tokens) and tokens[-1] in stop_ids,
         )
 
 
@@ -149,6 +149,7 @@ class VllmEngine(EngineBase):
         spec = spec or SpecConfig()
         check_options(inflight, engine, spec, model_dir)
         self.eos_id, self.seed, self.version = eos_id, seed, version
+        self.stop_ids = list(dict.fromkeys([eos_id, *engine.vllm_stop_token_ids]))  # every EOS
         self.temperature, self.top_p = temperature, top_p
         self.inflight = inflight
         self.verify_topk = engine.vllm_verify_topk
@@ -321,7 +322,7 @@ class VllmEngine(EngineBase):
             # The sampled token's processed log-prob; with verify_on_swap also the top
             # verify_topk of the distribution it was drawn from (all with -1), for the residual.
             logprobs=self.verify_topk if self.inflight == "verify_on_swap" else 0,
-            stop_token_ids=[self.eos_id] if 0 <= self.eos_id < self.vocab_size else [],
+            stop_token_ids=[i for i in self.stop_ids if 0 <= i < self.vocab_size],
             seed=seed,
             detokenize=False,
         )
@@ -379,7 +380,7 @@ class VllmEngine(EngineBase):
                 if update is not None:
                     self._swap(update, slots, by_request, max_new_tokens)
         self._gen_time_s += time.perf_counter() - started
-        rollouts = [slot.rollout(self.eos_id) for slot in slots]
+        rollouts = [slot.rollout(self.stop_ids) for slot in slots]
         if self.proposer is not None:
             for request_id in by_request:
                 self.proposer.unregister(request_id)
@@ -544,7 +545,7 @@ class VllmEngine(EngineBase):
         slot.logprobs = logprobs + [float(token_lp)]
         slot.versions = [self.version] * len(slot.tokens)
         slot.records = records
-        return token != self.eos_id
+        return token not in self.stop_ids
 
     def _spec_counters(self) -> dict[str, float]:
         totals = dict.fromkeys(SPEC_COUNTERS.values(), 0.0)

@@ -14,6 +14,7 @@ from common.config.checks import (
     require_positive,
 )
 from common.config.field_types import EngineName, InflightMode, NgramSource, SpecMethod, TorchDtype
+from common.config.learner import weights_group_refusal
 from common.config.modes import (
     AUTO_SPEC_METHOD,
     EAGLE_METHODS,
@@ -226,12 +227,8 @@ class ActorConfig:
         require(-1 <= self.seed < 2**32, f"actor.seed must be -1 or in [0, 2**32), got {self.seed}")
         require(0 <= self.nice <= 19, f"actor.nice must be in [0, 19], got {self.nice}")
         require_positive("actor", self, "weights_group_join_timeout_s", "weights_group_fallback_s")
-        require(
-            not (self.weights_group and self.device.startswith("cuda")),
-            "actor.weights_group on a CUDA device (NCCL) has not been run on a GPU yet and is "
-            "refused: run the actor on CPU for the weights group, or leave actor.weights_group "
-            "off (versions then come through Redis)",
-        )
+        refusal = weights_group_refusal(self.device) if self.weights_group else None
+        require(refusal is None, f"actor.weights_group on device {self.device!r}: {refusal}")
 
 
 @dataclass
@@ -272,6 +269,9 @@ class EngineConfig:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """vLLM: extra ``LLM(...)`` arguments, e.g. ``{gpu_memory_utilization: 0.5}``; they override
     the engine's own (``enforce_eager``, ``max_logprobs``, ...)."""
+    vllm_stop_token_ids: list[int] = field(default_factory=list)
+    """vLLM: token ids that end a completion besides the tokenizer's EOS (the GPU profile sets
+    every ``eos_token_id`` of the model's ``generation_config.json``)."""
     vllm_verify_topk: int = 8
     """vLLM with ``actor.inflight=verify_on_swap``: how much of each old sampling distribution
     is recorded for the residual: the top k processed log-probs plus the sampled token's (at most
@@ -288,4 +288,9 @@ class EngineConfig:
         require(
             self.vllm_verify_topk == -1 or self.vllm_verify_topk >= 1,
             f"engine.vllm_verify_topk must be -1 or >= 1, got {self.vllm_verify_topk}",
+        )
+        require(
+            all(isinstance(i, int) and i >= 0 for i in self.vllm_stop_token_ids),
+            "engine.vllm_stop_token_ids must be token ids (ints >= 0), got "
+            f"{list(self.vllm_stop_token_ids)}",
         )

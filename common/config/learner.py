@@ -27,6 +27,27 @@ from common.config.modes import (
 )
 from common.config.run import is_loopback_host
 
+WEIGHTS_GROUP_ON_CUDA = (
+    "the weights group on CUDA (NCCL) has not been run on a GPU yet and is refused, for three "
+    "reasons: an actor would receive each whole version into GPU memory beside vLLM's share "
+    "(14.2 GiB at 7B in bfloat16: out of memory); the group's timeout is its 10 s connect "
+    "timeout and PyTorch's NCCL watchdog tears the process down when a collective fails, so a "
+    "member that dies or pauses would kill learner rank 0; and its address defaults to "
+    "127.0.0.1, which another container cannot reach. Leave learner.weights_group and "
+    "actor.weights_group off: versions then go through the Redis weight store, the supported "
+    "path (docs/deployment.md); the group itself runs on CPU (gloo)"
+)
+
+
+def weights_group_refusal(device: object = "cpu", backend: str = "") -> str | None:
+    """Why the weights group may not run on ``device`` (a torch device or its description:
+    ``cpu``, ``cuda``, ``cuda:1``) or over ``backend`` (``gloo``, ``nccl``); None where it may.
+    CUDA, where the group would use NCCL, is refused until a GPU has run it."""
+    kind = str(device).strip().lower().partition(":")[0]
+    if kind == "cuda" or backend.strip().lower() == "nccl":
+        return WEIGHTS_GROUP_ON_CUDA
+    return None
+
 
 @dataclass
 class LearnerConfig:
@@ -36,7 +57,14 @@ class LearnerConfig:
     """Where the learner binds; empty: same as ``address``. Use ``tcp://0.0.0.0:5555`` to accept
     actors on other machines (loopback only by default)."""
     lr: float = 3e-4
-    """AdamW learning rate."""
+    """AdamW learning rate. On CUDA with a real model the GPU profile picks one in the range RL
+    recipes use at the model's size (``common/config/gpu_profile.py``; 1e-6 at 7B) and refuses
+    one far above that range."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up of the policy's learning rate over the first N steps (0 or 1: none)."""
+    allow_unusual_lr: bool = False
+    """Run with a ``learner.lr`` far above the range RL recipes use at the model's size (which
+    the GPU profile otherwise refuses at start), with a warning."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -172,7 +200,7 @@ class LearnerConfig:
         require_at_least("learner", self, queue_max=1, metrics_every=1)
         require_at_least("learner", self, publish_max_inflight=0, max_staleness=0, kl_coef=0)
         require_at_least("learner", self, max_tokens_per_microbatch=0, logprob_chunk_tokens=0)
-        require_at_least("learner", self, device_memory_gib=0)
+        require_at_least("learner", self, device_memory_gib=0, lr_warmup_steps=0)
         require_positive("learner", self, "lr", "max_abs_reward", "group_timeout_s")
         require(0 < self.clip_eps < 1, f"learner.clip_eps must be in (0, 1), got {self.clip_eps}")
         require(self.dual_clip > 1, f"learner.dual_clip must be > 1, got {self.dual_clip}")

@@ -127,6 +127,13 @@ class RunConfig:
     passes over a real model's weights); :func:`default_torch_threads`."""
     log_level: str = "INFO"
     """Python logging level of every process."""
+    gpu_profile: bool = True
+    """On CUDA with a real model (``model.path`` or a preset): start from the GPU profile's
+    defaults, chosen from the model and the devices and logged as a table
+    (``common/config/gpu_profile.py``); a value you set is kept. False: the dataclass defaults,
+    as on a CPU."""
+    tf32: bool = False
+    """TF32 tensor cores for fp32 matmuls and convolutions on CUDA (the GPU profile turns it on)."""
     ledger: bool = False
     """Write ``ledger/*.jsonl`` in the run directory: every ``(actor_id, seq)`` sent by actors and
     consumed by the learner (trained, dropped as stale, or pending at exit). For audits and tests."""

@@ -3,8 +3,11 @@ the actors that joined its weights group, and Redis keeps the manifest (docs/des
 
 The weights group is a torch.distributed process group of its own, never the learner's training
 group: rank 0 is the learner's sender (``common.weights.publish.collective_sender``), ranks 1..n the actors'
-receivers (``common.weights.fetch.collective_feed``). Gloo on CPU; CUDA devices (NCCL) are refused until a GPU
-has run the group (``check_device``). The sender hosts a
+receivers (``common.weights.fetch.collective_feed``). Gloo on CPU; CUDA devices (NCCL) are
+refused until a GPU has run the group (``check_device``, with the reasons of
+``common.config.learner.weights_group_refusal``: a whole version received into GPU memory beside
+vLLM, NCCL's watchdog killing the learner for a dead member, a default address other containers
+cannot reach; the supported path is the Redis weight store). The sender hosts a
 ``TCPStore`` at ``host:port`` for the rendezvous and the membership, listening on that host only
 (a loopback host unless ``learner.weights_group_allow_remote``):
 
@@ -53,7 +56,7 @@ import redis
 import torch
 import torch.distributed as dist
 
-from common.config.learner import is_loopback_host
+from common.config.learner import is_loopback_host, weights_group_refusal
 from common.weights.format import (
     DTYPE_NAMES,
     WeightsCorrupt,
@@ -84,12 +87,6 @@ SECRET_TTL_S = 120
 away soon after the learner does."""
 PROOF_WAIT_S = 10.0
 """How long the sender waits for a ticket's proof before it refuses the ticket."""
-NCCL_UNTESTED = (
-    "the weights group on CUDA (NCCL) has not been run on a GPU yet and is refused: its "
-    "failure handling (a timed-out broadcast raising, the sender re-forming the group) is only "
-    "tested with gloo on CPU; run the learner and actors on CPU for the weights group, or leave "
-    "learner.weights_group/actor.weights_group off (versions then go through Redis)"
-)
 
 _DTYPES = {dtype_name(d): d for d in DTYPE_NAMES}
 
@@ -121,10 +118,11 @@ def backend_for(device: torch.device) -> str:
 
 
 def check_device(device: torch.device) -> None:
-    """Refuse a device whose backend has not been run (``CollectiveError``): NCCL until a GPU
-    has run the group's failure paths (docs/design.md §6.7)."""
-    if backend_for(device) == "nccl":
-        raise CollectiveError(NCCL_UNTESTED)
+    """Refuse a device whose backend has not been run (``CollectiveError``, with the reason of
+    ``weights_group_refusal``): NCCL until a GPU has run the group (docs/design.md §6.7)."""
+    refusal = weights_group_refusal(device, backend_for(device))
+    if refusal is not None:
+        raise CollectiveError(refusal)
 
 
 # ---------------------------------------------------------------------------------- secret

@@ -3,6 +3,8 @@ through Redis, behaviour log-probs, n-gram speculative decoding, and in-flight m
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +104,21 @@ def test_a_learner_checkpoint_serves_in_vllm_as_it_is(tmp_path):
     assert (path / "training_state" / "optimizer.safetensors").is_file()
     served = greedy_vllm(path, version=1)
     assert tokens(served.generate(PROMPTS, 1, 8)) == greedy_torch(model)
+
+
+def test_every_stop_id_ends_a_completion(tmp_path):
+    # engine.vllm_stop_token_ids (the GPU profile's every eos_token_id of generation_config):
+    # a greedy row ends at the first of them it samples, finished, as it would at the EOS.
+    save_pretrained(weights(0), tmp_path)
+    free = greedy_vllm(tmp_path, eos_id=-1)
+    reference = tokens(free.generate(PROMPTS, 1, 8))
+    del free
+    gc.collect()  # one vLLM engine at a time (tests/engine_vllm/conftest.py)
+    stops = [reference[0][2], reference[2][4]]
+    stopped = greedy_vllm(tmp_path, eos_id=-1, vllm_stop_token_ids=stops)
+    out = [r for g in stopped.generate(PROMPTS, 1, 8) for r in g]
+    for row, ref in zip(out, reference, strict=True):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))
+        assert row.token_ids.tolist() == ref[:cut]
+        assert row.finished == (ref[cut - 1] in stops)
+    assert out[0].finished and len(out[0].token_ids) <= 3
