@@ -23,6 +23,8 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,11 +43,14 @@ from common.weights.fetch.host_cache import HostCache
 from learner.prepare.presets import PresetError, ensure_preset
 from learner.prepare.warm_start import default_model_dir, ensure_model
 from ops import processes
-from ops.metrics_file import read_metrics
+from ops.metrics_file import MetricsTail, read_metrics
 from ops.processes import Process
 from ops.redis_server import RedisServer, find_free_port
 from ops.report import write_report
 from ops.run_summary import summarize
+
+PROGRESS_WINDOW = 10
+"""Steps the progress line averages the reward over."""
 
 
 def directory_has_chat_template(model_dir: str | Path) -> bool:
@@ -380,7 +385,8 @@ def _warm_draft(cfg: SpecRLConfig, console: Console) -> None:
 def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, stop: dict) -> str:
     """Show progress until the learner exits, a child fails, or a signal arrives."""
     learner = launch.children[0]
-    metrics_path = run_dir / "metrics.jsonl"
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    rows: deque[dict] = deque(maxlen=PROGRESS_WINDOW)  # the newest steps, for the progress line
     last_plain = 0.0
     with Progress(
         TextColumn("[bold]RL"),
@@ -396,9 +402,7 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
                 console.print(f"signal {stop['signal']}: stopping learner and actors")
                 return "interrupted"
             code = learner.poll()
-            rows = [
-                r for r in read_metrics(metrics_path) if mn.LEARNER_STEP in r and "event" not in r
-            ]
+            rows.extend(r for r in tail.new_records() if mn.LEARNER_STEP in r and "event" not in r)
             if rows:
                 last = rows[-1]
                 line = _progress_line(rows)
@@ -416,10 +420,10 @@ def _follow(cfg: SpecRLConfig, launch: Launch, run_dir: Path, console: Console, 
             time.sleep(0.5)
 
 
-def _progress_line(rows: list[dict]) -> str:
+def _progress_line(rows: Sequence[dict]) -> str:
+    """The newest step's figures, with the reward averaged over ``rows`` (the newest steps)."""
     last = rows[-1]
-    window = rows[-10:]
-    reward = sum(r.get(mn.LEARNER_REWARD_MEAN, 0.0) for r in window) / len(window)
+    reward = sum(r.get(mn.LEARNER_REWARD_MEAN, 0.0) for r in rows) / len(rows)
     line = (
         f"v{last[mn.LEARNER_VERSION]} reward {reward:.3f} "
         f"tok/s {last.get(mn.ACTOR_TOKENS_PER_S, 0):.0f} "
