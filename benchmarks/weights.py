@@ -2,7 +2,7 @@
 host, then publish and fetch throughput and how long until every reader holds a new version,
 for several model sizes and reader counts side by side in one run.
 
-    python -m benchmarks.weights [--quick] [--full] [--json PATH] [--chunk-mb MB]
+    python -m benchmarks.weights [--quick] [--full] [--stages-only] [--json PATH] [--chunk-mb MB]
 
 Scaling figures (all in one run, on the same Redis):
 
@@ -60,6 +60,17 @@ Delivery figures (one run: a learner publishing while 2 actor processes decode):
                              end on the last uploaded version.
   ``--quick`` runs them on a ~10 MB model, 12 steps back to back (a smoke test).
 
+Publish stages (benchmarks/publish_stages.py, first in the run; ``--stages-only``: these alone):
+
+  publish_stage_gbps         GB/s of bf16 state through each stage of a version on this machine
+                             (cast fp32 -> bf16, the 2-rank gloo streamed gather, the copy into
+                             the shared-memory slot, finite check, digest, serialise, the Redis
+                             write with chunk hashes), on a 256 MB bf16 state, medians of 3.
+  publish_7b_projected_s     Qwen2.5-7B (15.2 GB bf16) on a 4-GPU learner from those rates: the
+                             stages run one after another, so the sum of 15.2 GB / rate (the
+                             cast a quarter each, on 4 ranks at once); goal <= 5 s.
+                             ``publish_7b_projected_threads``: the hashing/serialising threads.
+
 Collective figure (benchmarks/weights_collective.py, its own run):
 
   collective_over_redis_delivery_s
@@ -114,6 +125,7 @@ import torch
 
 from benchmarks import cli, weights_collective
 from benchmarks._procs import Children
+from benchmarks.publish_stages import stage_figures
 from benchmarks.weight_delivery import STALL_GOAL, TIMEOUT_S, delivery_figures, next_version
 from benchmarks.weight_scaling import GOALS, scaling_figures
 from common.config.run import RedisConfig
@@ -318,6 +330,19 @@ def print_goals(summary: dict, scaling: dict, delivery: dict, collective: dict) 
     )
 
 
+def print_stages(stages: dict) -> None:
+    """Each publish stage's rate and the projected seconds per version for Qwen2.5-7B."""
+    projected = stages["publish_7b_projected_stage_s"]
+    for stage, gbps in stages["publish_stage_gbps"].items():
+        print(f"publish stage {stage}: {gbps} GB/s, 7B: {projected.get(stage, '-')} s")
+    print(
+        f"publish_7b_projected_s = {stages['publish_7b_projected_s']} (goal <= "
+        f"{stages['publish_7b_projected_goal_s']}, {stages['publish_7b_projected_threads']} "
+        f"threads): {'met' if stages['publish_7b_projected_met'] else 'NOT met'}",
+        flush=True,
+    )
+
+
 def main() -> int:
     parser = cli.parser(__doc__)
     parser.add_argument(
@@ -331,13 +356,23 @@ def main() -> int:
         help="WeightStore chunk size in MiB (default: redis.chunk_bytes of the config)",
     )
     parser.add_argument("--versions", type=int, default=0, help="timed versions per config")
+    parser.add_argument(
+        "--stages-only", action="store_true", help="only the publish stages and their projection"
+    )
     opts = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
+    if opts.stages_only:
+        with RedisServer(password="specrl-bench") as server:
+            stages = stage_figures(server.url)
+        print_stages(stages)
+        return cli.finish(stages, opts.json, started)
     labels = list(MODELS) if opts.full else ["10mb", "100mb"]
     chunk_bytes = int(opts.chunk_mb * 2**20)
 
     with RedisServer(password="specrl-bench") as server:
+        stages = stage_figures(server.url)
+        print_stages(stages)
         client = redis.Redis.from_url(server.url)
         plain = ("100mb", make_model("100mb"))
         scaling = scaling_figures(server.url, client, opts.quick, chunk_bytes, plain)
@@ -371,6 +406,7 @@ def main() -> int:
         **scaling,
         **delivery,
         **flat,
+        **stages,
     }
     print_goals(summary, scaling, delivery, collective)
     return cli.finish(summary, opts.json)

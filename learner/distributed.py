@@ -8,7 +8,8 @@ checkpoints). It broadcasts each step's groups (wire frames in a uint8 tensor; n
 version; every rank collates the same full batch and trains its shard of rows. Why N ranks give
 the 1-rank update: docs/design.md §4.1 and ``learner/microbatch.py``.
 
-Publishing and checkpoints gather the full state dict to rank 0's CPU, a collective every rank
+Checkpoints gather the full state dict to rank 0's CPU; publishing streams it there in the
+publish dtype, one tensor at a time (``stream_full_state``). Both are collectives every rank
 joins at the same point: publishing follows ``publish_every`` and the step's (all-reduced)
 skipped flag, checkpoints ``checkpoint_every``, the final checkpoint rank 0's ``stop`` message.
 On resume every rank builds the model with its parameters on the meta device (``empty_policy``),
@@ -225,6 +226,43 @@ def full_model_state(module: PolicyModule) -> dict[str, Tensor]:
         module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     return {_strip(k): v for k, v in state.items()}
+
+
+def stream_full_state(
+    module: nn.Module, dtype: torch.dtype, into: dict[str, Tensor] | None
+) -> dict[str, Tensor] | None:
+    """Collective: the unsharded state (HF names) in ``dtype`` gathered one tensor at a time into
+    ``into`` on rank 0's CPU (tensors of the right shape and dtype, refilled in place; missing
+    ones are allocated once); ranks > 0 pass None and get None.
+
+    Each floating tensor's local shard is cast to ``dtype`` on its own device first, then
+    gathered (``DTensor.full_tensor()``, every rank in the same order) and copied into its
+    destination before the next one is gathered: no rank ever holds more than one full tensor,
+    and no full fp32 state is built. Casting is elementwise, so the values are bit-identical to
+    casting the gathered fp32 state. A tensor registered under two names (a tied LM head) is
+    gathered once, and both names hold the same destination."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, str] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        name = _strip(key)
+        if id(value) in seen:
+            if into is not None:
+                into[name] = into[seen[id(value)]]
+            continue
+        seen[id(value)] = name
+        local = value.detach()
+        if local.is_floating_point():
+            local = local.to(dtype)  # on the device, on this rank's shard only
+        full = local.full_tensor() if isinstance(local, DTensor) else local
+        if into is None:
+            continue
+        dest = into.get(name)
+        if dest is None or dest.shape != full.shape or dest.dtype != full.dtype:
+            dest = into[name] = torch.empty(full.shape, dtype=full.dtype)
+        dest.copy_(full)
+        del full
+    return into
 
 
 def full_optimizer_state(

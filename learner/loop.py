@@ -83,7 +83,8 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
     limits, _ = wire_limits(
         state.args.vocab_size, make_admission(cfg, state.args), cfg.learner.max_frame_bytes
     )
-    view = PolicyView(state.model, state.args, dist)
+    dtype = publish_dtype(state.model, cfg.learner.publish_dtype)
+    view = PolicyView(state.model, state.args, dist, dtype)
     view.refresh()  # rank 0's first publish
     last: dict[str, float] = {}
     while True:
@@ -167,8 +168,9 @@ class Learner:
     def _start_publishing(self, store: WeightWriter) -> None:
         """Publish the first version; the version mark is written once a version is in Redis."""
         state, lcfg = self.state, self.cfg.learner
-        self.view = PolicyView(state.model, state.args, self.dist)
-        self.view.refresh()  # a collective under FSDP: every rank gathers, rank 0 keeps it
+        dtype = publish_dtype(state.model, lcfg.publish_dtype)
+        self.view = PolicyView(state.model, state.args, self.dist, dtype)
+        self.view.refresh()  # a collective under FSDP: every rank streams, rank 0 keeps it
         # learner.weights_group: the same versions also go, as bf16 buckets, to the actors that
         # joined the weights group (common/weights/collective.py); Redis keeps the order. The
         # sender broadcasts the publisher's snapshot of each version: no copy of its own here.
@@ -183,7 +185,7 @@ class Learner:
             store,
             self.view,
             state.tokenizer,
-            dtype=publish_dtype(self.view, lcfg.publish_dtype),
+            dtype=dtype,
             max_inflight=lcfg.publish_max_inflight,
             upload=lcfg.publish_upload,
             latest_wins=lcfg.publish_latest_wins,

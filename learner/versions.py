@@ -17,7 +17,7 @@ from common.model_args import Layout
 from common.weights.connection import REDIS_DOWN, retry_redis
 from common.weights.format import WeightsError
 from common.weights.store import WeightStore
-from learner.distributed import DistContext, full_model_state
+from learner.distributed import DistContext, stream_full_state
 from learner.policy import unwrap
 
 log = logging.getLogger(__name__)
@@ -26,19 +26,35 @@ log = logging.getLogger(__name__)
 class PolicyView:
     """What the Publisher reads of the policy (``args``, ``state_dict()``, ``parameters()``).
 
-    One process: the live model's state dict. FSDP: the full state dict gathered on rank 0 by the
-    last ``refresh`` (a collective every rank calls at the same point); the republisher re-sends
-    it without a collective."""
+    One process: the live model's state dict (the Publisher casts it as it copies). FSDP: the
+    full state in the publish ``dtype`` that the last ``refresh`` streamed to rank 0's CPU (a
+    collective every rank calls at the same point: each shard cast on its device, then gathered
+    one tensor at a time into a buffer kept across versions; no full fp32 state is built). The
+    republisher re-sends it without a collective. ``dtype`` None: the training dtype.
 
-    def __init__(self, model: nn.Module, args: Layout, dist: DistContext | None) -> None:
+    The buffer is refilled only by the next ``refresh``, at the next publish, after the next
+    optimizer step: the Publisher's snapshot of a version is taken before that step (its
+    pre-hook waits for it)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Layout,
+        dist: DistContext | None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.args = args
         self.dist = dist
+        self.dtype = dtype or next(
+            (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32
+        )
         self._full: dict[str, torch.Tensor] = {}
 
     def refresh(self) -> None:
         if self.dist is not None:
-            self._full = full_model_state(self.model)
+            into = self._full if self.dist.is_main else None
+            stream_full_state(self.model, self.dtype, into)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._full if self.dist is not None else unwrap(self.model).state_dict()

@@ -75,6 +75,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+MAX_PUBLISH_THREADS = 8
+
+
+def publish_threads() -> int:
+    """Threads a writer hashes and serialises a version on: the cores this process may run on,
+    at most ``MAX_PUBLISH_THREADS`` (hashlib and torch's copies release the GIL)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_PUBLISH_THREADS, cores))
+
+
+def threaded_map(fn, items: list, threads: int) -> list:
+    """``[fn(x) for x in items]``, on ``threads`` threads where more than one."""
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
 def weights_digest(state_dict: Mapping[str, torch.Tensor], threads: int = 0) -> str:
     """sha256 over (name, dtype, shape, sha256 of the raw bytes) of every tensor, names sorted.
 
@@ -89,11 +110,7 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor], threads: int = 0) -> 
     def digest(t: torch.Tensor) -> bytes:
         return hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
 
-    if threads == 1:
-        digests = [digest(t) for t in tensors]
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            digests = list(pool.map(digest, tensors))
+    digests = threaded_map(digest, tensors, threads)
     outer = hashlib.sha256()
     for name, t, d in zip(names, tensors, digests, strict=True):
         outer.update(json.dumps([name, dtype_name(t.dtype), list(t.shape)]).encode() + d)
@@ -155,24 +172,35 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def safetensors_bytes(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    threads: int = 1,
 ) -> bytearray:
-    """The safetensors file of ``tensors`` in one buffer (the state's bytes exist once more)."""
+    """The safetensors file of ``tensors`` in one buffer (the state's bytes exist once more);
+    the tensors are copied in on ``threads`` threads (each to its own byte range)."""
     order, head, size = safetensors_layout(tensors, metadata)
     out = bytearray(len(head) + size)
     out[: len(head)] = head
     if size:
         body = torch.frombuffer(out, dtype=torch.uint8)[len(head) :]
-        position = 0
+        ranges, position = [], 0
         for name in order:
             raw = raw_bytes(tensors[name])
-            body[position : position + raw.numel()].copy_(raw)
+            ranges.append((raw, position))
             position += raw.numel()
+
+        def put(item: tuple[torch.Tensor, int]) -> None:
+            raw, start = item
+            body[start : start + raw.numel()].copy_(raw)
+
+        threaded_map(put, ranges, threads)
     return out
 
 
-def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes | bytearray:
-    """safetensors bytes of ``state_dict`` as contiguous CPU tensors.
+def serialize_state_dict(
+    state_dict: Mapping[str, torch.Tensor], threads: int = 1
+) -> bytes | bytearray:
+    """safetensors bytes of ``state_dict`` as contiguous CPU tensors (copied on ``threads``).
 
     Tensors that share storage (tied embedding / LM head) are cloned, because safetensors refuses
     shared storage; the reader gets separate tensors, which ``load_state_dict`` handles.
@@ -188,7 +216,7 @@ def serialize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bytes | byte
         tensors[name] = t
     if not writable(tensors):
         return safetensors.torch.save(tensors)
-    return safetensors_bytes(tensors)
+    return safetensors_bytes(tensors, threads=threads)
 
 
 # ------------------------------------------------------------------------------------- read

@@ -25,6 +25,7 @@ from common.weights.format import (
     WeightsError,
     check_finite,
     dtype_name,
+    publish_threads,
     serialize_state_dict,
     weights_digest,
 )
@@ -63,7 +64,13 @@ return {1, ARGV[1]}
 
 
 def write_chunks(
-    client: redis.Redis, run_id: str, version: int, data: bytes | bytearray, size: int, ttl_s: int
+    client: redis.Redis,
+    run_id: str,
+    version: int,
+    data: bytes | bytearray,
+    size: int,
+    ttl_s: int,
+    threads: int = 1,
 ) -> tuple[list[str], list[str]]:
     """Write ``data`` as the ``size``-byte chunks of ``version``, each expiring after ``ttl_s``
     unless a commit makes it permanent (a writer that dies here leaves no garbage); their keys
@@ -71,9 +78,9 @@ def write_chunks(
     view = memoryview(data)
     chunks = [view[i : i + size] for i in range(0, len(data), size)]
     keys = [weights_chunk_key(run_id, version, i) for i in range(len(chunks))]
-    # Hash on a helper thread (hashlib releases the GIL) while the chunks go out; the digests
-    # are only needed by the manifest, which is written last.
-    with ThreadPoolExecutor(1, thread_name_prefix="weights-sha256") as hasher:
+    # Hash on ``threads`` helper threads (hashlib releases the GIL) while the chunks go out; the
+    # digests are only needed by the manifest, which is written last.
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights-sha256") as hasher:
         digests = hasher.map(sha256_of, chunks)
         pipe = client.pipeline(transaction=False)
         for key, chunk in zip(keys, chunks, strict=True):
@@ -174,6 +181,9 @@ class WeightWriter(WeightStore):
         self._published: HeldVersion | None = None  # base of the next delta we write
         self.last_publish_bytes = 0
         """Bytes written for the last published version (a delta's, or the full size)."""
+        self.threads = publish_threads()
+        """Threads hashing and serialising a version (the cores here, at most 8); the upload
+        process runs at a lower priority than the learner's threads."""
 
     def publish(
         self,
@@ -199,16 +209,23 @@ class WeightWriter(WeightStore):
             )
         state = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
         check_finite(version, state)
-        # One thread: publishing runs beside a training step and should take one core at most.
-        digest = weights_digest(state, threads=1)
+        digest = weights_digest(state, threads=self.threads)
         base = self._delta_base(version, current, state)
         delta = delta_bytes(base.state, state) if base is not None else None
         if delta is None:
             base = None  # written in full
-        data, encoding = delta if delta is not None else (serialize_state_dict(state), {})
+        data, encoding = (
+            delta if delta is not None else (serialize_state_dict(state, self.threads), {})
+        )
         settings = self.settings
         chunk_keys, chunk_sha256 = write_chunks(
-            self.client, self.run_id, version, data, settings.chunk_bytes, settings.pending_ttl_s
+            self.client,
+            self.run_id,
+            version,
+            data,
+            settings.chunk_bytes,
+            settings.pending_ttl_s,
+            self.threads,
         )
         keyframe = base.keyframe if base is not None else version
         manifest = new_manifest(

@@ -1,0 +1,56 @@
+"""A version hashed and serialised on several threads has the digests and bytes it has on one:
+the full-weights digest, the safetensors bytes, each chunk's sha256, and what a reader
+verifies."""
+
+import hashlib
+
+import redis
+import torch
+
+from common.weights.fetch.reader import WeightReader
+from common.weights.format import (
+    MAX_PUBLISH_THREADS,
+    publish_threads,
+    serialize_state_dict,
+    weights_digest,
+)
+from common.weights.publish.writer import WeightWriter, write_chunks
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    state = {f"layer.{i}.weight": torch.randn(64 + i, 33).to(torch.bfloat16) for i in range(9)}
+    state["norm.weight"] = torch.randn(7)
+    state["steps"] = torch.arange(5)
+    return state
+
+
+def test_threads_are_bounded_by_the_cores() -> None:
+    assert 1 <= publish_threads() <= MAX_PUBLISH_THREADS
+
+
+def test_digest_and_bytes_do_not_depend_on_the_threads() -> None:
+    state = _state()
+    assert weights_digest(state, threads=1) == weights_digest(state, threads=4)
+    one = serialize_state_dict(state, threads=1)
+    assert bytes(one) == bytes(serialize_state_dict(state, threads=4))
+
+
+def test_chunk_digests_do_not_depend_on_the_threads(redis_client: redis.Redis) -> None:
+    data = bytes(serialize_state_dict(_state()))
+    _, one = write_chunks(redis_client, "t", 1, data, 1000, 60, threads=1)
+    keys, many = write_chunks(redis_client, "t", 2, data, 1000, 60, threads=4)
+    assert one == many
+    assert many == [hashlib.sha256(redis_client.get(k)).hexdigest() for k in keys]
+
+
+def test_a_version_published_on_several_threads_fetches_verified(
+    redis_client: redis.Redis,
+) -> None:
+    state = _state()
+    writer = WeightWriter(redis_client, "threads", chunk_bytes=1024)
+    writer.threads = 4
+    writer.publish(0, state)
+    _, fetched = WeightReader(redis_client, "threads").fetch(0)
+    assert weights_digest(fetched) == weights_digest(state, threads=1)
+    assert all(torch.equal(fetched[n], t) for n, t in state.items())
