@@ -106,6 +106,8 @@ LEARNER_DROPPED_STALE = "learner/dropped_stale"
 LEARNER_FINISHED_FRAC = "learner/finished_frac"
 LEARNER_GRAD_NORM = "learner/grad_norm"
 LEARNER_GROUPS = "learner/groups"
+# Groups skipped by learner.dynamic_sampling: all their rewards equal (no signal), never trained.
+LEARNER_GROUPS_SKIPPED_NO_SIGNAL = "learner/groups_skipped_no_signal"
 LEARNER_KL = "learner/kl"
 LEARNER_LOSS = "learner/loss"
 LEARNER_MICROBATCHES = "learner/microbatches"

@@ -4,7 +4,9 @@
 counted, never silently: the count is a metric, and a run whose actors cannot keep up shows it.
 A group whose size differs from the run's group size would break GRPO's per-prompt
 normalisation; it is rejected and counted too (a misconfigured or hostile actor must not stop
-the learner).
+the learner). With ``signal`` (dynamic sampling, ``learner.dynamic_sampling``) an admitted group
+without signal (all rewards equal) is skipped and counted, and the step fills from the next
+groups; rank 0 alone collects, so every rank trains on the same groups.
 
 Design: docs/design.md §4.2.
 """
@@ -25,7 +27,11 @@ log = logging.getLogger(__name__)
 
 class StalenessBuffer:
     def __init__(
-        self, max_staleness: int, admission: Admission, ledger: MetricsWriter | None = None
+        self,
+        max_staleness: int,
+        admission: Admission,
+        ledger: MetricsWriter | None = None,
+        signal: Callable[[TrajectoryGroup], bool] | None = None,
     ) -> None:
         self.max_staleness = max_staleness
         self.admission = admission
@@ -35,6 +41,9 @@ class StalenessBuffer:
         """When given, one line per group with its outcome (stale, rejected, trained, pending)."""
         self.dropped_stale = 0
         self.rejected = 0
+        self.signal = signal
+        """Dynamic sampling: whether a group has signal (None: every group is trained on)."""
+        self.skipped_no_signal = 0
         self.step = 0
         """The optimizer step being assembled (set by the learner loop; goes into the ledger)."""
         self._carried: deque[TrajectoryGroup] = deque()
@@ -126,9 +135,20 @@ class StalenessBuffer:
                     )
                 continue
             last_arrival = time.monotonic()
-            if self.admit(group, learner_version):
+            if self.admit(group, learner_version) and self._has_signal(group, learner_version):
                 batch.append(group)
         return batch
+
+    def _has_signal(self, group: TrajectoryGroup, learner_version: int) -> bool:
+        """False (the group skipped and counted) for a group without signal under dynamic
+        sampling."""
+        if self.signal is None or self.signal(group):
+            return True
+        self.skipped_no_signal += 1
+        self._turn_away(
+            group, "no_signal", learner_version, logging.DEBUG, "skipped group %s/%d: no signal"
+        )
+        return False
 
     def pending(self) -> list[TrajectoryGroup]:
         """Carried groups not consumed yet (they go back into the checkpoint)."""

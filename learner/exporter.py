@@ -33,6 +33,10 @@ _LEARNER_METRICS = {
     mn.LEARNER_DROPPED_STALE: ("groups_dropped_stale", "Groups dropped beyond max_staleness."),
     mn.RECEIVER_DUPLICATES: ("groups_duplicated", "Resent groups dropped by (actor_id, seq)."),
     mn.LEARNER_REJECTED_GROUPS: ("groups_rejected", "Groups refused by the shape check."),
+    mn.LEARNER_GROUPS_SKIPPED_NO_SIGNAL: (
+        "groups_skipped_no_signal",
+        "Groups skipped by dynamic sampling: all their rewards equal (no signal).",
+    ),
     mn.LEARNER_SKIPPED_STEPS: (
         "skipped_steps",
         "Optimizer steps skipped because the loss or the gradients were not finite.",
@@ -128,13 +132,15 @@ _BY_REASON = tuple(_LEARNER_BY_REASON)
 _NOT_TRAINED = {
     mn.LEARNER_DROPPED_STALE: "stale",
     mn.LEARNER_REJECTED_GROUPS: "wrong_group_size",
+    mn.LEARNER_GROUPS_SKIPPED_NO_SIGNAL: "no_signal",
     mn.RECEIVER_DUPLICATES: "duplicate",
     mn.RECEIVER_HANDOVER_DROPPED: "handover",
     mn.LEARNER_WAL_SKIPPED: "wal_skipped",
 }
 _FRAMES_REFUSED_DOC = (
     "Frames received and never trained on, by reason: each bad-frame reason (oversize, ...), "
-    "each admission refusal, stale (beyond max_staleness), duplicate, handover, wal_skipped."
+    "each admission refusal, stale (beyond max_staleness), no_signal (dynamic sampling), "
+    "duplicate, handover, wal_skipped."
 )
 
 

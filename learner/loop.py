@@ -27,7 +27,14 @@ from learner.distributed import DistContext, init_from_env, shutdown
 from learner.exporter import LearnerExporter
 from learner.replay import Readmission, record_refused, replay_wal
 from learner.versions import PolicyView, Republisher, next_version, write_version_mark
-from learner.wiring import build_receiver, gather_checkpoint, make_admission, setup, train_on
+from learner.wiring import (
+    build_receiver,
+    gather_checkpoint,
+    make_admission,
+    setup,
+    signal_filter,
+    train_on,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +99,7 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
         if op == "stop":
             gather_checkpoint(state, dist)  # rank 0's final checkpoint
             return last
-        batch = collate(groups, version, state.tokenizer.pad_id, dist.device)
+        batch = collate(groups, version, state.tokenizer.pad_id, dist.device, state.shaping)
         last = train_on(state, batch, cfg, dist)
         state.step += 1
         due = cadence(cfg, state.step, bool(last[mn.LEARNER_SKIPPED]))
@@ -146,7 +153,9 @@ class Learner:
             cfg.learner.resolved_bind(),
         )
         self._open_logs(run_dir)
-        self.buffer = StalenessBuffer(cfg.learner.max_staleness, admission, self.ledger)
+        self.buffer = StalenessBuffer(
+            cfg.learner.max_staleness, admission, self.ledger, signal_filter(cfg, state)
+        )
         self.buffer.carry([*state.pending, *replayed])
         self.receiver = build_receiver(cfg, limits, admission, self.wal_dir, lambda: state.version)
         self.exporter.watch(
@@ -241,7 +250,7 @@ class Learner:
         state = self.state
         if self.dist is not None:
             self.dist.send_step(groups, state.version)
-        batch = collate(groups, state.version, state.tokenizer.pad_id, self.device)
+        batch = collate(groups, state.version, state.tokenizer.pad_id, self.device, state.shaping)
         step_metrics = train_on(state, batch, self.cfg, self.dist)
         skipped = step_metrics[mn.LEARNER_SKIPPED] > 0
         self.skipped_steps += skipped
@@ -277,6 +286,7 @@ class Learner:
             mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
             mn.LEARNER_REPUBLISHED: self.republisher.republished,
             mn.LEARNER_REJECTED_GROUPS: self.buffer.rejected,
+            mn.LEARNER_GROUPS_SKIPPED_NO_SIGNAL: self.buffer.skipped_no_signal,
             mn.LEARNER_SKIPPED_STEPS: self.skipped_steps,
             mn.LEARNER_WAL_SKIPPED: self.readmission.skipped,
             mn.LEARNER_WAIT_S: times.collected - times.started,

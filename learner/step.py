@@ -18,7 +18,7 @@ from learner.batch import TrainBatch
 from learner.distributed import DistContext
 from learner.draft_loss import adapter_terms, draft_states
 from learner.eagle_loss import eagle_terms
-from learner.loss import ppo_clip_loss
+from learner.loss import LossOptions, Sequences, ppo_clip_loss
 from learner.microbatch import (
     MicroBatch,
     chosen_logprobs,
@@ -83,12 +83,47 @@ def make_optimizer(
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def warm_up_lr(optimizer: torch.optim.Optimizer, cfg: LearnerConfig, step: int) -> None:
+def loss_options(cfg: LearnerConfig, agg_tokens: int = 0) -> LossOptions:
+    """The policy loss's algorithm options from the config (``agg_tokens``: the task's
+    ``max_new_tokens``, used when ``learner.loss_agg_tokens`` is 0)."""
+    return LossOptions(
+        clip_high=cfg.clip_high,
+        ratio_level=cfg.ratio_level,
+        aggregation=cfg.loss_agg,
+        agg_tokens=float(cfg.loss_agg_tokens or agg_tokens or 1),
+        tis_cap=cfg.tis_cap,
+    )
+
+
+def warm_up_lr(
+    optimizer: torch.optim.Optimizer, cfg: LearnerConfig, step: int, total_steps: int = 0
+) -> None:
     """Before optimizer step ``step`` (0-based, counted over the run, so a resume continues the
     ramp): the policy's learning rate rises linearly to ``learner.lr`` over
-    ``learner.lr_warmup_steps`` steps; the draft groups keep theirs. Nothing without a warm-up."""
-    if cfg.lr_warmup_steps > 1:
-        optimizer.param_groups[0]["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
+    ``learner.lr_warmup_steps`` steps, then follows ``learner.lr_schedule`` over the
+    ``total_steps`` of the run (``run.steps``); the draft groups keep theirs. Nothing with
+    neither a warm-up nor a decay."""
+    if cfg.lr_warmup_steps > 1 and step + 1 < cfg.lr_warmup_steps:
+        optimizer.param_groups[0]["lr"] = cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    elif cfg.lr_schedule != "constant" and total_steps > 0:
+        optimizer.param_groups[0]["lr"] = cfg.lr * lr_decay_factor(cfg, step, total_steps)
+    elif cfg.lr_warmup_steps > 1:
+        optimizer.param_groups[0]["lr"] = cfg.lr
+
+
+def lr_decay_factor(cfg: LearnerConfig, step: int, total_steps: int) -> float:
+    """The share of ``learner.lr`` at step ``step`` after the warm-up: 1 at the warm-up's last
+    step, ``lr_min_ratio`` at the run's last step (``total_steps - 1``), linear or cosine between."""
+    start = max(cfg.lr_warmup_steps - 1, 0)
+    span = total_steps - 1 - start
+    progress = min(max((step - start) / span, 0.0), 1.0) if span > 0 else 1.0
+    if cfg.lr_schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.lr_schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 1.0
+    return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * shape
 
 
 def train_step(
@@ -100,6 +135,7 @@ def train_step(
     ref_model: nn.Module | None = None,
     spec: SpecConfig | None = None,
     dist: DistContext | None = None,
+    agg_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
     advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0`` and the EAGLE-3
@@ -108,12 +144,15 @@ def train_step(
     ``model``: the policy, or its FSDP-sharded ``PolicyModule`` with ``dist``. The batch is the
     full step's batch on every rank; this rank trains its shard of rows in micro-batches, with
     the one-batch update (``learner/microbatch.py``). A step whose loss (any micro-batch, any
-    rank) or gradient norm is not finite is skipped: no optimizer step."""
+    rank) or gradient norm is not finite is skipped: no optimizer step. ``agg_tokens``: the
+    constant length of ``learner.loss_agg=seq_sum`` when ``learner.loss_agg_tokens`` is 0 (the
+    task's ``max_new_tokens``)."""
     module = model if isinstance(model, PolicyModule) else PolicyModule(model)
     module.train()
     set_activation_checkpointing(module.policy, cfg.activation_checkpointing)
     world = dist.world if dist is not None else 1
     n_valid = batch.mask.sum()  # completion tokens of the global batch (every rank has it all)
+    n_seqs = (batch.mask.sum(dim=-1) > 0).sum().float()  # and its sequences
     # The draft's loss only with spec.aux_coef > 0 (backbone checks exit_layer): the adapter's
     # when the policy has one, else the early exit's co-training loss.
     aux_coef = spec.aux_coef if spec is not None else 0.0
@@ -128,6 +167,7 @@ def train_step(
     terms = _StepTerms(
         cfg, sampling, exit_layer, aux_coef, n_valid, adapter, eagle_coef, eagle_steps
     )
+    terms.n_seqs, terms.options = n_seqs, loss_options(cfg, agg_tokens)
     micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
     autocast = torch.autocast(
         batch.input_ids.device.type,
@@ -266,6 +306,10 @@ class _StepTerms:
     """Weight of the EAGLE-3 head's loss (0: not trained)."""
     eagle_steps: int = 1
     """Draft steps the EAGLE-3 head is trained on (``spec.eagle_steps``)."""
+    n_seqs: torch.Tensor | float = 1.0
+    """Sequences (rows with completion tokens) of the global batch."""
+    options: LossOptions | None = None
+    """The algorithm options of the policy loss (None: GRPO's)."""
 
     def loss(
         self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
@@ -303,6 +347,8 @@ class _StepTerms:
             ref_logprobs=ref_lp,
             kl_coef=cfg.kl_coef,
             num_tokens=self.n_valid,
+            options=self.options,
+            sequences=self._sequences(mb, sel),
         )
         loss, draft = self._draft_terms(policy, mb, out.loss, (h, h_sel, h_exit), aux)
         if h_sel.shape[0] == 0:
@@ -323,6 +369,17 @@ class _StepTerms:
             ]
         )
         return loss, stats
+
+    def _sequences(self, mb: MicroBatch, sel: torch.Tensor) -> Sequences | None:
+        """Each selected token's row and its row's completion length, where the options need
+        sequences."""
+        opts = self.options
+        if opts is None or (opts.ratio_level == "token" and opts.aggregation == "token_mean"):
+            return None
+        b, t = mb.mask.shape
+        ids = torch.arange(b, device=mb.mask.device)[:, None].expand(b, t)[sel]
+        lengths = mb.mask.sum(dim=-1, keepdim=True).expand(b, t)[sel]
+        return Sequences(ids[:, None], lengths[:, None], self.n_seqs)
 
     def _draft_terms(
         self,

@@ -24,7 +24,7 @@ from common.link.transport import DEFAULT_HWM
 from common.model import attach_draft
 from common.model_args import Layout
 from common.tokenizer import Tokenizer, load_tokenizer
-from learner.batch import TrainBatch
+from learner.batch import RewardShaping, TrainBatch, has_signal
 from learner.checkpoint import (
     FullState,
     full_state,
@@ -78,6 +78,11 @@ class LearnerState:
     """First write-ahead-log segment the checkpoint does not cover (0: none, or a fresh run)."""
     args: Layout | None = None
     """The architecture actors build from published versions (``common.policy_meta``)."""
+    max_new_tokens: int = 0
+    """The task's generation budget, where an algorithm option needs it (``learner.overlong``
+    ``penalty``, ``loss_agg=seq_sum`` without ``loss_agg_tokens``); else 0."""
+    shaping: RewardShaping = RewardShaping()
+    """The reward-side algorithm options every rank collates with."""
 
 
 def setup(
@@ -146,9 +151,32 @@ def setup(
     if ckpt is not None and (dist is None or dist.is_main):
         pending = load_pending(ckpt, DecodeLimits(vocab_size=args.vocab_size))
         log.info("%d groups carried over from the checkpoint", len(pending))
-    return LearnerState(
+    state = LearnerState(
         model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from, args
     )
+    state.max_new_tokens = algorithm_max_new_tokens(cfg)
+    state.shaping = RewardShaping.from_config(lcfg, state.max_new_tokens)
+    return state
+
+
+def algorithm_max_new_tokens(cfg: SpecRLConfig) -> int:
+    """The task's ``max_new_tokens`` where an algorithm option needs it, else 0 (the task is
+    built only then: a data-set task reads its file)."""
+    lcfg = cfg.learner
+    if lcfg.overlong != "penalty" and (lcfg.loss_agg != "seq_sum" or lcfg.loss_agg_tokens):
+        return 0
+    from common.tasks import task_from_config
+
+    return int(task_from_config(cfg.task).max_new_tokens)
+
+
+def signal_filter(
+    cfg: SpecRLConfig, state: LearnerState
+) -> Callable[[TrajectoryGroup], bool] | None:
+    """Dynamic sampling's test of a group (``learner.dynamic_sampling``), else None."""
+    if not cfg.learner.dynamic_sampling:
+        return None
+    return lambda group: has_signal(group, state.shaping)
 
 
 def attach_adapter(policy: nn.Module, spec: SpecConfig, dist: DistContext | None) -> None:
@@ -216,7 +244,7 @@ def train_on(
     state: LearnerState, batch: TrainBatch, cfg: SpecRLConfig, dist: DistContext | None
 ) -> dict[str, float]:
     """One optimizer step on ``batch``: the same call on rank 0 and on the other ranks."""
-    warm_up_lr(state.optimizer, cfg.learner, state.step)
+    warm_up_lr(state.optimizer, cfg.learner, state.step, cfg.run.steps)
     return train_step(
         state.model,
         state.optimizer,
@@ -226,6 +254,7 @@ def train_on(
         state.ref_model,
         cfg.spec,
         dist,
+        agg_tokens=state.max_new_tokens,
     )
 
 

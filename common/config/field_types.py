@@ -18,11 +18,15 @@ __all__ = [
     "EngineName",
     "InflightMode",
     "LearnerProfile",
+    "LossAggregation",
+    "LrSchedule",
     "ModelImpl",
     "NgramSource",
+    "OverlongMode",
     "Precision",
     "PublishDtype",
     "PublishUpload",
+    "RatioLevel",
     "SpecMethod",
     "TaskName",
     "TorchDtype",
@@ -35,11 +39,15 @@ if TYPE_CHECKING:
         EngineName,
         InflightMode,
         LearnerProfile,
+        LossAggregation,
+        LrSchedule,
         ModelImpl,
         NgramSource,
+        OverlongMode,
         Precision,
         PublishDtype,
         PublishUpload,
+        RatioLevel,
         SpecMethod,
         TaskName,
         TorchDtype,
@@ -48,3 +56,4 @@ else:
     ChatTemplateMode = DatasetFormat = EngineName = InflightMode = LearnerProfile = str
     ModelImpl = NgramSource = Precision = PublishDtype = PublishUpload = str
     SpecMethod = TaskName = TorchDtype = str
+    LossAggregation = LrSchedule = OverlongMode = RatioLevel = str

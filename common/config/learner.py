@@ -13,17 +13,25 @@ from common.config.checks import (
 )
 from common.config.field_types import (
     LearnerProfile,
+    LossAggregation,
+    LrSchedule,
     ModelImpl,
+    OverlongMode,
     Precision,
     PublishDtype,
     PublishUpload,
+    RatioLevel,
 )
 from common.config.modes import (
     LEARNER_PROFILES,
+    LOSS_AGGREGATIONS,
+    LR_SCHEDULES,
     MODEL_IMPLS,
+    OVERLONG_MODES,
     PRECISIONS,
     PUBLISH_DTYPES,
     PUBLISH_UPLOADS,
+    RATIO_LEVELS,
 )
 from common.config.run import is_loopback_host
 
@@ -62,6 +70,11 @@ class LearnerConfig:
     one far above that range."""
     lr_warmup_steps: int = 0
     """Linear warm-up of the policy's learning rate over the first N steps (0 or 1: none)."""
+    lr_schedule: LrSchedule = "constant"
+    """The policy's learning rate after the warm-up: ``constant``, or a ``linear`` or ``cosine``
+    decay from ``learner.lr`` to ``lr * lr_min_ratio`` at the run's last step (``run.steps``)."""
+    lr_min_ratio: float = 0.0
+    """Floor of the ``linear`` and ``cosine`` decays, as a share of ``learner.lr`` (in [0, 1])."""
     allow_unusual_lr: bool = False
     """Run with a ``learner.lr`` far above the range RL recipes use at the model's size (which
     the GPU profile otherwise refuses at start), with a warning."""
@@ -74,7 +87,37 @@ class LearnerConfig:
     max_staleness: int = 2
     """Groups with ``learner_version - group.version`` above this are dropped (and counted)."""
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. With
+    ``ratio_level=sequence`` (GSPO) the ratio is a sequence's, and GSPO uses far smaller values
+    (3e-4 below, 4e-4 above)."""
+    clip_eps_high: float = 0.0
+    """Upper clip of the ratio (clip-higher, DAPO: 0.28 with clip_eps 0.2); 0: ``clip_eps``."""
+    ratio_level: RatioLevel = "token"
+    """``token``: one importance ratio per token; ``sequence`` (GSPO): one per sequence,
+    ``exp(mean over its tokens of log pi_theta - log pi_behaviour)``, clipped per sequence."""
+    loss_agg: LossAggregation = "token_mean"
+    """How token terms become the loss: ``token_mean`` over the batch's completion tokens,
+    ``seq_mean`` (mean over each sequence, then over sequences) or ``seq_sum`` (sum over tokens /
+    (sequences x ``loss_agg_tokens``), Dr.GRPO)."""
+    loss_agg_tokens: int = 0
+    """The constant length of ``loss_agg=seq_sum``; 0: the task's ``max_new_tokens``."""
+    adv_std_norm: bool = True
+    """Divide each group's centred rewards by the group's standard deviation (GRPO); false:
+    centred rewards only (Dr.GRPO)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: cap C (> 1) on a token's importance weight to the
+    behaviour policy, gradient kept (``learner/loss.py``); 0: off."""
+    dynamic_sampling: bool = False
+    """Skip groups whose rewards are all equal (no signal; counted in
+    ``learner/groups_skipped_no_signal``) and fill the step from the next groups (DAPO)."""
+    overlong: OverlongMode = "none"
+    """Completions that hit the length limit: ``none``; ``mask`` (left out of the loss);
+    ``penalty`` (DAPO's soft penalty on every completion's reward, by its length)."""
+    overlong_buffer: int = 0
+    """``overlong=penalty``: the last N tokens before ``max_new_tokens`` in which the penalty
+    rises linearly from 0 to ``overlong_penalty``; 0: a quarter of ``max_new_tokens``."""
+    overlong_penalty: float = 1.0
+    """``overlong=penalty``: the largest penalty (subtracted from the reward at the limit)."""
     dual_clip: float = 3.0
     """Dual-clip bound c: for negative advantages the surrogate is bounded below by c * A, which
     truncates importance ratios pi_theta / pi_behaviour above c (stale-token correction)."""
@@ -186,6 +229,7 @@ class LearnerConfig:
         require_choice("learner.precision", self.precision, PRECISIONS)
         require_choice("learner.publish_upload", self.publish_upload, PUBLISH_UPLOADS)
         require_choice("learner.profile", self.profile, LEARNER_PROFILES)
+        self._check_algorithm()
         require(
             self.publish_dtype in PUBLISH_DTYPES,
             f"learner.publish_dtype must be '', bfloat16, float16 or float32, got "
@@ -222,6 +266,28 @@ class LearnerConfig:
         )
         require_at_least("learner", self, weights_group_bucket_mb=1)
         require_positive("learner", self, "weights_group_timeout_s")
+
+    def _check_algorithm(self) -> None:
+        """The algorithm options (docs/configuration.md, Algorithms)."""
+        require_choice("learner.loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
+        require_choice("learner.ratio_level", self.ratio_level, RATIO_LEVELS)
+        require_choice("learner.overlong", self.overlong, OVERLONG_MODES)
+        require_choice("learner.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        require_at_least("learner", self, clip_eps_high=0, loss_agg_tokens=0, overlong_buffer=0)
+        require_at_least("learner", self, overlong_penalty=0)
+        require(
+            0 <= self.lr_min_ratio <= 1,
+            f"learner.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}",
+        )
+        require(
+            self.tis_cap == 0 or self.tis_cap > 1,
+            f"learner.tis_cap must be 0 (off) or > 1, got {self.tis_cap}",
+        )
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip of the ratio: ``clip_eps_high``, or ``clip_eps`` when that is 0."""
+        return self.clip_eps_high or self.clip_eps
 
     def resolved_bind(self) -> str:
         return self.bind or self.address

@@ -83,3 +83,22 @@ PUBLISH_UPLOADS: tuple[PublishUpload, ...] = get_args(PublishUpload)
 LearnerProfile = Literal["auto", "manual", "off"]
 """``learner.profile``: how the memory settings meet the device's memory."""
 LEARNER_PROFILES: tuple[LearnerProfile, ...] = get_args(LearnerProfile)
+
+LossAggregation = Literal["token_mean", "seq_mean", "seq_sum"]
+"""``learner.loss_agg``: how the per-token loss terms become one loss (``learner/loss.py``):
+``token_mean`` = over every completion token of the batch; ``seq_mean`` = the mean over each
+sequence's tokens, then over sequences; ``seq_sum`` = the sum of all token terms over (number of
+sequences x a constant length), length-unbiased (Dr.GRPO)."""
+LOSS_AGGREGATIONS: tuple[LossAggregation, ...] = get_args(LossAggregation)
+RatioLevel = Literal["token", "sequence"]
+"""``learner.ratio_level``: the importance ratio per token (PPO, GRPO), or one per sequence, the
+exponential of the mean token log-ratio, clipped per sequence (GSPO)."""
+RATIO_LEVELS: tuple[RatioLevel, ...] = get_args(RatioLevel)
+OverlongMode = Literal["none", "mask", "penalty"]
+"""``learner.overlong``: what happens to completions that hit the length limit: nothing; left out
+of the loss (``mask``); or DAPO's soft length penalty added to every completion's reward
+(``penalty``)."""
+OVERLONG_MODES: tuple[OverlongMode, ...] = get_args(OverlongMode)
+LrSchedule = Literal["constant", "linear", "cosine"]
+"""``learner.lr_schedule``: the policy's learning rate after the warm-up, over ``run.steps``."""
+LR_SCHEDULES: tuple[LrSchedule, ...] = get_args(LrSchedule)
