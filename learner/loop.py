@@ -26,6 +26,7 @@ from learner.checkpoint import TrainerState, save_checkpoint
 from learner.distributed import DistContext, init_from_env, shutdown
 from learner.exporter import LearnerExporter
 from learner.replay import Readmission, record_refused, replay_wal
+from learner.trackers import Trackers
 from learner.versions import PolicyView, Republisher, next_version, write_version_mark
 from learner.wiring import (
     build_receiver,
@@ -220,6 +221,7 @@ class Learner:
         """metrics.jsonl, the Prometheus exporter and, with ``run.ledger``, the ledger of every
         group's outcome (opened with a ``start`` event and the refused groups of readmission)."""
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        self.trackers = Trackers.open(self.cfg, run_dir)  # run.report_to: W&B, TensorBoard
         self.exporter = LearnerExporter.start(self.cfg, run_dir)
         self.ledger = (
             MetricsWriter(run_dir / "ledger" / "learner.jsonl") if self.cfg.run.ledger else None
@@ -301,6 +303,7 @@ class Learner:
         self.exporter.update(self.last, batch.staleness)
         if state.step % self.cfg.learner.metrics_every == 0 or state.step == self.cfg.run.steps:
             self.metrics.write(self.last)
+            self.trackers.log(self.last)
 
     def checkpoint(self, pending: list[TrajectoryGroup]) -> None:
         """Phase 5 (every ``checkpoint_every`` steps, and at exit): model, optimizer and every
@@ -352,6 +355,7 @@ class Learner:
             }
         )
         self.metrics.close()
+        self.trackers.close()
         if self.ledger is not None:
             self.ledger.close()
 

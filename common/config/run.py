@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -108,6 +108,12 @@ def default_torch_threads() -> int:
     return max(1, min(16, (cores or 1) // gpus))
 
 
+TRACKERS = ("wandb", "tensorboard")
+"""What ``run.report_to`` may name."""
+WANDB_MODES = ("", "online", "offline", "disabled")
+"""What ``run.wandb_mode`` may be."""
+
+
 @dataclass
 class RunConfig:
     name: str = "specrl"
@@ -137,9 +143,22 @@ class RunConfig:
     ledger: bool = False
     """Write ``ledger/*.jsonl`` in the run directory: every ``(actor_id, seq)`` sent by actors and
     consumed by the learner (trained, dropped as stale, or pending at exit). For audits and tests."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers the learner also logs every metrics record and the config to:
+    ``wandb`` and/or ``tensorboard`` (``pip install 'specrl[trackers]'``), e.g.
+    ``run.report_to=[wandb,tensorboard]``. Empty: metrics.jsonl and Prometheus only."""
+    wandb_project: str = "specrl"
+    """W&B project (``run.report_to`` with ``wandb``); the W&B run is named ``run.name``. The API
+    key comes from ``WANDB_API_KEY`` or ``wandb login``, never from the command line."""
+    wandb_mode: str = ""
+    """W&B mode: ``online``, ``offline`` (files under the run directory, ``wandb sync`` later)
+    or ``disabled``; empty: W&B's own choice (``WANDB_MODE``, else online)."""
 
     def __post_init__(self) -> None:
         require_at_least("run", self, steps=1, torch_threads=0, max_wall_s=0)
+        for tracker in self.report_to:
+            require_choice("run.report_to", tracker, TRACKERS)
+        require_choice("run.wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.torch_threads == 0:
             self.torch_threads = default_torch_threads()
         require(

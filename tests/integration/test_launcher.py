@@ -86,7 +86,12 @@ def wait_for_processes(proc: subprocess.Popen, n: int, timeout_s: float) -> set[
 
 def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     cache = tmp_path / "shm"
-    extra = ["run.steps=12", "actor.num_actors=2", f"redis.host_cache_dir={cache}"]
+    extra = [
+        "run.steps=12",
+        "actor.num_actors=2",
+        f"redis.host_cache_dir={cache}",
+        "run.report_to=[tensorboard]",
+    ]
     proc = launch(tmp_path, model_dir, extra)
     children = wait_for_processes(proc, 4, 60)  # redis + learner + 2 actors
     out, _ = proc.communicate(timeout=300)
@@ -107,6 +112,15 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     assert "reward_last_10pct" in out and "summary" in out
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("learner/step") == 12 for r in rows)
+    # run.report_to: the learner's records also reached TensorBoard, at their steps.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = {r["learner/step"]: r["learner/loss"] for r in rows if "learner/loss" in r}
+    assert logged and {e.step: e.value for e in events.Scalars("learner/loss")} == pytest.approx(
+        logged
+    )
 
 
 def test_sigterm_stops_everything(tmp_path, model_dir):
