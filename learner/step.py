@@ -164,10 +164,19 @@ def train_step(
     if not eagle_params(module):
         eagle_coef = 0.0
     eagle_steps = spec.eagle_steps if spec is not None else 1
+    options = loss_options(cfg, agg_tokens)
     terms = _StepTerms(
-        cfg, sampling, exit_layer, aux_coef, n_valid, adapter, eagle_coef, eagle_steps
+        cfg,
+        sampling,
+        exit_layer,
+        aux_coef,
+        n_valid,
+        adapter,
+        eagle_coef,
+        eagle_steps,
+        n_seqs,
+        options,
     )
-    terms.n_seqs, terms.options = n_seqs, loss_options(cfg, agg_tokens)
     micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
     autocast = torch.autocast(
         batch.input_ids.device.type,
