@@ -36,6 +36,14 @@ _ACTOR_METRICS = {
     mn.ACTOR_WAIT_S: ("wait_seconds", "Idle time waiting for a new version (synchronous mode)."),
     mn.ACTOR_TOKENS_PER_S: ("tokens_per_s", "Generated tokens/s of the last batch."),
     mn.ACTOR_REWARD_MEAN: ("reward_mean", "Mean reward of every completion generated so far."),
+    mn.ACTOR_REWARD_FAILURES: (
+        "reward_failures",
+        "Calls of task.reward that gave no reward (raised, timed out, NaN, unusable, crashed).",
+    ),
+    mn.ACTOR_REWARD_GROUPS_DROPPED: (
+        "reward_groups_dropped",
+        "Groups not sent because a reward call failed (task.reward_on_failure=drop_group).",
+    ),
     mn.SENDER_UNACKED: ("outbox_depth", "Groups in the outbox, not yet acked."),
     mn.SENDER_UNSENT: ("outbox_unsent", "Outbox groups waiting to be sent."),
     mn.ACTOR_TOKENS: ("tokens", "Tokens generated."),

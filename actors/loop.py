@@ -14,6 +14,7 @@ import torch
 
 from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.exporter import ActorExporter
+from actors.rewards.scoring import PoolScorer, Scorer, TaskScorer, outcome_stats
 from actors.wiring import Recovery, group_sender, wire
 from common import metric_names as mn
 from common.config import SpecRLConfig
@@ -35,6 +36,7 @@ class ActorStats:
     def __init__(self) -> None:
         self.batches, self.groups_sent, self.completions = 0, 0, 0
         self.tokens, self.weight_loads, self.reward_sum = 0, 0, 0.0
+        self.groups_dropped = 0  # task.reward_on_failure=drop_group
         self.weight_fetch_s = 0.0  # the latest fetch
         self.wait_s = 0.0  # idle, waiting for a new version (synchronous mode only)
 
@@ -43,24 +45,29 @@ def make_groups(
     problems: list[Problem],
     prompts: list[list[int]],
     rollouts: list[list[Rollout]],
-    task: Task,
+    scorer: Scorer,
     tokenizer: Tokenizer,
 ) -> list[TrajectoryGroup]:
-    """Score every completion and wrap each prompt's completions into one TrajectoryGroup."""
+    """Score every completion and wrap each prompt's completions into one TrajectoryGroup; a
+    group's ``stats`` hold its reward figures (:func:`~actors.rewards.scoring.outcome_stats`)."""
     groups = []
     for problem, prompt, completions in zip(problems, prompts, rollouts, strict=True):
-        scored = []
-        for r in completions:
-            text_ids = r.token_ids[:-1] if r.finished else r.token_ids  # reward sees text, not EOS
-            scored.append(
-                Completion(
-                    token_ids=r.token_ids,
-                    behaviour_logprobs=r.behaviour_logprobs,
-                    token_versions=r.token_versions,
-                    reward=float(task.reward(problem, tokenizer.decode(text_ids.tolist()))),
-                    finished=r.finished,
-                )
+        # The reward sees text, not EOS.
+        texts = [
+            tokenizer.decode((r.token_ids[:-1] if r.finished else r.token_ids).tolist())
+            for r in completions
+        ]
+        outcomes = scorer.score(problem, texts)
+        scored = [
+            Completion(
+                token_ids=r.token_ids,
+                behaviour_logprobs=r.behaviour_logprobs,
+                token_versions=r.token_versions,
+                reward=outcome.reward,
+                finished=r.finished,
             )
+            for r, outcome in zip(completions, outcomes, strict=True)
+        ]
         # A group counts as its oldest token's version: that is what its staleness is about.
         versions = [int(c.token_versions.min()) for c in scored if len(c.token_ids)]
         groups.append(
@@ -71,6 +78,7 @@ def make_groups(
                 prompt_ids=np.asarray(prompt, dtype=np.int32),
                 version=min(versions) if versions else 0,
                 completions=scored,
+                stats=outcome_stats(outcomes),
             )
         )
     return groups
@@ -114,11 +122,19 @@ class GroupSubmitter:
             return  # a stop came while waiting out backpressure: send nothing more
         phases = self.phases
         [group] = make_groups(
-            [self.problems[index]], [self.prompts[index]], [rollouts], phases.task, phases.tokenizer
+            [self.problems[index]],
+            [self.prompts[index]],
+            [rollouts],
+            phases.scorer,
+            phases.tokenizer,
         )
+        if group.stats.get(mn.REWARD_FAILED) and phases.cfg.task.reward_on_failure == "drop_group":
+            phases.stats.groups_dropped += 1  # task.reward_on_failure=drop_group: never sent
+            return
         # Per-group copies of the rollout figures so far (not reset): the learner averages them
         # per step, which gives acceptance against policy version.
-        group.stats = {k: v for k, v in phases.engine.stats(reset=False).items() if group_stat(k)}
+        engine_stats = phases.engine.stats(reset=False).items()
+        group.stats = {**group.stats, **{k: v for k, v in engine_stats if group_stat(k)}}
         if not submit_until_stopped(self.sender, group, phases.stop):
             self.stopped = True
             return
@@ -166,8 +182,12 @@ class ActorPhases:
     stop: StopFlag
     reader: WeightReader | None = None
     """The run's weight reader, for its host-cache figures (``actor/host_cache_refused``)."""
+    scorer: Scorer | None = None
+    """What scores completions: the reward pool of ``task.reward``, else (None) the task's own."""
 
     def __post_init__(self) -> None:
+        if self.scorer is None:
+            self.scorer = TaskScorer(self.task)
         # The engine takes in each version on this thread, the decode loop's: its load and the
         # delayed verification of the rows in flight block decoding, so the stall meter counts
         # them beside take() (common/weights/fetch/feed.py).
@@ -253,6 +273,8 @@ class ActorPhases:
             **(self.reader.stats() if self.reader is not None else {}),
             mn.ACTOR_WAIT_S: stats.wait_s,
             mn.ACTOR_REWARD_MEAN: stats.reward_sum / max(stats.completions, 1),
+            mn.ACTOR_REWARD_FAILURES: self.scorer.failures(),
+            mn.ACTOR_REWARD_GROUPS_DROPPED: stats.groups_dropped,
         }
         sender.set_status(self.engine.version, status)
         self.exporter.update(
@@ -269,9 +291,19 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         os.nice(cfg.actor.nice)  # on a machine shared with the learner, its steps come first
     stop = StopFlag("actor")
     stats = ActorStats()
-    parts = wire(cfg, stop)
+    # The reward pool first: a task.reward that cannot start stops the actor before it connects.
+    pool_scorer = PoolScorer.from_config(cfg.task) if cfg.task.reward else None
+    try:
+        parts = wire(cfg, stop)
+    except BaseException:
+        if pool_scorer is not None:
+            pool_scorer.close()
+        raise
     if parts is None:
+        if pool_scorer is not None:
+            pool_scorer.close()
         return stats
+    scorer = pool_scorer or TaskScorer(parts.task)
     phases = ActorPhases(
         cfg=cfg,
         engine=parts.engine,
@@ -287,6 +319,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         actor_id=parts.actor_id,
         stop=stop,
         reader=parts.store,
+        scorer=scorer,
     )
     try:
         with group_sender(
@@ -298,6 +331,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             parts.close_ledger(unacked)
     finally:
         parts.feed.close()  # joins its thread
+        scorer.close()
     parts.close(delete_spool=not unacked)
     log.info(
         "actor %s: stopped after %d batches, %d groups",

@@ -104,6 +104,7 @@ class DatasetTask:
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         format: str = "auto",
+        numeric_answers: bool = True,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -114,8 +115,11 @@ class DatasetTask:
         self.format = dataset_format(self.path, format)
         if not self.path.is_file():
             raise FileNotFoundError(f"data set file {self.path} does not exist")
+        self.numeric_answers = numeric_answers
         load = _load_parquet_problems if self.format == "parquet" else _load_jsonl_problems
-        self.problems: list[Problem] = load(self.path, prompt_key, answer_key, self.name)
+        self.problems: list[Problem] = load(
+            self.path, prompt_key, answer_key, self.name, numeric_answers
+        )
         if not self.problems:
             raise ValueError(f"data set file {self.path} holds no problems")
 
@@ -161,7 +165,7 @@ def dataset_format(path: Path, format: str) -> str:
 
 
 def _load_jsonl_problems(
-    path: Path, prompt_key: str, answer_key: str, id_prefix: str
+    path: Path, prompt_key: str, answer_key: str, id_prefix: str, numeric_answers: bool
 ) -> list[Problem]:
     problems: list[Problem] = []
     with path.open(encoding="utf-8") as lines:
@@ -175,12 +179,16 @@ def _load_jsonl_problems(
                 raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            problems.append(_problem_from_record(record, where, prompt_key, answer_key, id_prefix))
+            problems.append(
+                _problem_from_record(
+                    record, where, prompt_key, answer_key, id_prefix, numeric_answers
+                )
+            )
     return problems
 
 
 def _load_parquet_problems(
-    path: Path, prompt_key: str, answer_key: str, id_prefix: str
+    path: Path, prompt_key: str, answer_key: str, id_prefix: str, numeric_answers: bool
 ) -> list[Problem]:
     # Imported here: only Parquet data sets need it.
     import pyarrow.parquet as pq
@@ -189,7 +197,6 @@ def _load_parquet_problems(
         schema = pq.read_schema(path)
     except Exception as err:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
         raise ValueError(f"{path}: not a readable Parquet file ({err})") from err
-    columns = []
     for key in (prompt_key, answer_key):
         column = key.split(".", 1)[0]
         if column not in schema.names:
@@ -197,11 +204,11 @@ def _load_parquet_problems(
                 f"{path}: no column {column!r} (for {key!r}); the file's columns are "
                 f"{', '.join(map(repr, schema.names))}"
             )
-        if column not in columns:
-            columns.append(column)
-    rows = pq.read_table(path, columns=columns).to_pylist()
+    rows = pq.read_table(path).to_pylist()  # every column: a reward function gets the row
     return [
-        _problem_from_record(row, f"{path}: row {index}", prompt_key, answer_key, id_prefix)
+        _problem_from_record(
+            row, f"{path}: row {index}", prompt_key, answer_key, id_prefix, numeric_answers
+        )
         for index, row in enumerate(rows)
     ]
 
@@ -242,7 +249,12 @@ def reference_answer(raw: str) -> str | None:
 
 
 def _problem_from_record(
-    record: dict[str, Any], where: str, prompt_key: str, answer_key: str, id_prefix: str
+    record: dict[str, Any],
+    where: str,
+    prompt_key: str,
+    answer_key: str,
+    id_prefix: str,
+    numeric_answers: bool = True,
 ) -> Problem:
     prompt = _lookup(record, prompt_key)
     if prompt is _MISSING:
@@ -260,8 +272,9 @@ def _problem_from_record(
         )
     if isinstance(raw_answer, float) and not math.isfinite(raw_answer):
         raise ValueError(f"{where}: {answer_key!r} must be finite, got {raw_answer}")
-    # The reward is numeric, so an answer that is not a number could never be matched.
-    answer = reference_answer(str(raw_answer))
+    # The built-in reward is numeric, so an answer that is not a number could never be matched;
+    # a user's reward (task.reward) takes the answer as it is.
+    answer = reference_answer(str(raw_answer)) if numeric_answers else str(raw_answer)
     if answer is None:
         shown = raw_answer if len(str(raw_answer)) <= 80 else f"{str(raw_answer)[:77]}..."
         raise ValueError(
@@ -269,4 +282,4 @@ def _problem_from_record(
             "ending in '#### N' or '\\boxed{N}')"
         )
     digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
-    return Problem(prompt_id=f"{id_prefix}:{digest}", prompt=prompt, answer=answer)
+    return Problem(prompt_id=f"{id_prefix}:{digest}", prompt=prompt, answer=answer, row=record)

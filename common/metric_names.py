@@ -11,7 +11,11 @@ from __future__ import annotations
 # The two groups of per-batch rollout figures an engine reports; both sides pass them through.
 SPEC_GROUP = "spec/"
 VERIFY_GROUP = "verify/"
-ROLLOUT_GROUPS = (SPEC_GROUP, VERIFY_GROUP)
+# A user reward's figures per group (actors/rewards/scoring.py): its components' means
+# (``reward/<name>``) and the calls that gave no reward (``reward/failed``, ``..._<kind>``).
+REWARD_PREFIX = "reward/"
+REWARD_FAILED = "reward/failed"
+ROLLOUT_GROUPS = (SPEC_GROUP, VERIFY_GROUP, REWARD_PREFIX)
 
 # Actor loop: one record per generated batch.
 ACTOR_BATCHES = "actor/batches"
@@ -21,6 +25,8 @@ ACTOR_GEN_TIME_S = "actor/gen_time_s"
 ACTOR_GROUPS_SENT = "actor/groups_sent"
 ACTOR_LIVE = "actor/live"
 ACTOR_REWARD_MEAN = "actor/reward_mean"
+ACTOR_REWARD_FAILURES = "actor/reward_failures"
+ACTOR_REWARD_GROUPS_DROPPED = "actor/reward_groups_dropped"
 ACTOR_TOKENS = "actor/tokens"
 ACTOR_TOKENS_PER_S = "actor/tokens_per_s"
 ACTOR_WAIT_S = "actor/wait_s"

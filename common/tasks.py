@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from common.config.run import TaskConfig
@@ -28,6 +29,9 @@ class Problem:
     """Text fed to the model, e.g. ``"123+45="``."""
     answer: str
     """Reference answer, e.g. ``"168"``."""
+    row: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
+    """A data set's whole row (every column), which a user's reward function receives; None for
+    generated problems."""
 
 
 @runtime_checkable
@@ -302,6 +306,7 @@ def task_from_config(cfg: TaskConfig) -> Task:
             prompt_key=cfg.prompt_key,
             answer_key=cfg.answer_key,
             format=cfg.format,
+            numeric_answers=not cfg.reward,
             **({"max_new_tokens": cfg.max_new_tokens} if cfg.max_new_tokens else {}),
         )
     if cfg.name == "word_problems":

@@ -27,6 +27,7 @@ __all__ = [
     "PublishDtype",
     "PublishUpload",
     "RatioLevel",
+    "RewardFailureMode",
     "SpecMethod",
     "TaskName",
     "TorchDtype",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
         PublishDtype,
         PublishUpload,
         RatioLevel,
+        RewardFailureMode,
         SpecMethod,
         TaskName,
         TorchDtype,
@@ -56,4 +58,4 @@ else:
     ChatTemplateMode = DatasetFormat = EngineName = InflightMode = LearnerProfile = str
     ModelImpl = NgramSource = Precision = PublishDtype = PublishUpload = str
     SpecMethod = TaskName = TorchDtype = str
-    LossAggregation = LrSchedule = OverlongMode = RatioLevel = str
+    LossAggregation = LrSchedule = OverlongMode = RatioLevel = RewardFailureMode = str

@@ -28,6 +28,9 @@ DATASET_SUFFIXES: dict[str, DatasetFormat] = {
     ".parquet": "parquet",
 }
 """File suffixes ``task.format=auto`` recognises, and the format each names."""
+RewardFailureMode = Literal["zero", "drop_group"]
+"""``task.reward_on_failure``: a failed reward call gives 0, or its whole group is not sent."""
+REWARD_FAILURE_MODES: tuple[RewardFailureMode, ...] = get_args(RewardFailureMode)
 ChatTemplateMode = Literal["auto", "true", "false"]
 """``task.chat_template``."""
 CHAT_TEMPLATE_MODES: tuple[ChatTemplateMode, ...] = get_args(ChatTemplateMode)

@@ -11,12 +11,18 @@ from typing import cast
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from common.config.checks import require, require_at_least, require_choice, require_ordered
-from common.config.field_types import ChatTemplateMode, DatasetFormat, TaskName
+from common.config.field_types import (
+    ChatTemplateMode,
+    DatasetFormat,
+    RewardFailureMode,
+    TaskName,
+)
 from common.config.modes import (
     CHAT_TEMPLATE_MODES,
     DATASET_FORMATS,
     DATASET_SUFFIXES,
     DATASET_TASKS,
+    REWARD_FAILURE_MODES,
     TASK_NAMES,
 )
 
@@ -259,6 +265,27 @@ class TaskConfig:
     """``word_problems``: fewest arithmetic steps in a problem."""
     max_steps: int = 3
     """``word_problems``: most arithmetic steps in a problem."""
+    reward: str = ""
+    """Your reward function instead of the task's: ``<module>:<function>`` or
+    ``<file.py>:<function>``, called as ``fn(prompt=, completion=, row=)`` (``row``: the data
+    set's row, or the problem's prompt, answer and prompt_id) and returning a number or a dict
+    of named numbers; empty: the task's own reward. Runs in worker processes."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Weights of the named components a reward function returns (a component not named: 1)."""
+    reward_workers: int = 2
+    """Worker processes that run ``task.reward`` (calls in parallel)."""
+    reward_timeout_s: float = 10.0
+    """A reward call still running after this long is stopped and counted (``timeout``)."""
+    reward_on_failure: RewardFailureMode = "zero"
+    """A call that raises, hangs, returns NaN or kills its worker: ``zero`` (the completion gets
+    0, counted) or ``drop_group`` (its group is not sent, counted)."""
+    reward_sandbox: bool = False
+    """Run ``task.reward`` confined, for rewards that execute model-written code: a fresh process
+    per call with no network (a new network namespace), ``task.reward_memory_mb`` of address
+    space, an empty working directory and no inherited environment. Refused at start where the
+    host gives no unprivileged user namespaces."""
+    reward_memory_mb: int = 1024
+    """``task.reward_sandbox``: the address-space limit of each call's process."""
 
     def __post_init__(self) -> None:
         require_choice("task.name", self.name, TASK_NAMES)
@@ -291,6 +318,24 @@ class TaskConfig:
         )
         require_at_least("task", self, max_new_tokens=0, pool_size=0)
         require_ordered("task", self, "min_steps", "max_steps")
+        if self.reward:
+            # Only the form here: the file or module is loaded by the actor's reward pool.
+            target, sep, function = self.reward.rpartition(":")
+            require(
+                bool(sep and target and function.isidentifier()),
+                f"task.reward={self.reward!r}: expected <module or file.py>:<function>, "
+                "e.g. my_rewards:score or rewards/math.py:score",
+            )
+        require_at_least("task", self, reward_workers=1, reward_memory_mb=64)
+        require(
+            self.reward_timeout_s > 0,
+            f"task.reward_timeout_s must be > 0, got {self.reward_timeout_s}",
+        )
+        require_choice("task.reward_on_failure", self.reward_on_failure, REWARD_FAILURE_MODES)
+        require(
+            all(isinstance(w, int | float) for w in self.reward_weights.values()),
+            f"task.reward_weights must map names to numbers, got {dict(self.reward_weights)!r}",
+        )
 
     @property
     def is_dataset(self) -> bool:
