@@ -88,11 +88,19 @@ def numeric_reward(answer: str, completion: str) -> float:
 
 
 class DatasetTask:
-    """Prompts with numeric answers from a JSONL (one JSON object per line) or Parquet file, read
-    from configurable columns; the answer column is read by :func:`reference_answer`.
+    """Prompts with answers from a data set, read from configurable columns: a JSONL file (one
+    JSON object per line), a Parquet file, an Arrow file or a directory ``datasets`` saved with
+    ``save_to_disk`` (a ``DatasetDict``: its ``split``), the last two through ``datasets``. The
+    built-in reward is numeric (the answer column is read by :func:`reference_answer`); with
+    ``numeric_answers=False`` (a user's reward, ``task.reward``) answers are kept as they are.
 
     Every record is validated on load (blank JSONL lines are skipped, other keys and columns
-    ignored); an error names the file and the line (JSONL, 1-based) or row (Parquet, 0-based).
+    kept in the row a user's reward receives); an error names the file and the line (JSONL,
+    1-based) or row (others, 0-based). Training draws every problem once per epoch, in an order
+    shuffled anew each epoch. The held-out problems (:attr:`eval_problems`, for evaluation
+    during training) are never drawn: a file of their own (``eval_path``), a split of a saved
+    ``DatasetDict`` (``eval_split``), or the share ``eval_fraction`` of the prompts, chosen by a
+    hash of the prompt text (the same on every actor and every run).
     """
 
     name: ClassVar[str] = "dataset"
@@ -105,26 +113,62 @@ class DatasetTask:
         answer_key: str = "answer",
         format: str = "auto",
         numeric_answers: bool = True,
+        split: str = "train",
+        eval_path: str | Path = "",
+        eval_split: str = "",
+        eval_fraction: float = 0.0,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not 0.0 <= eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         self.path = Path(path)
         self.max_new_tokens = max_new_tokens
         self.prompt_key = prompt_key
         self.answer_key = answer_key
-        self.format = dataset_format(self.path, format)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"data set file {self.path} does not exist")
         self.numeric_answers = numeric_answers
-        load = _load_parquet_problems if self.format == "parquet" else _load_jsonl_problems
-        self.problems: list[Problem] = load(
-            self.path, prompt_key, answer_key, self.name, numeric_answers
-        )
+        self.format = dataset_format(self.path, format)
+        problems = self._load(self.path, self.format, split)
+        held_out: list[Problem] = []
+        if eval_path:
+            held_format = dataset_format(Path(eval_path), "auto")
+            held_out = self._load(Path(eval_path), held_format, eval_split or "test")
+        elif eval_split:
+            held_out = self._load(self.path, self.format, eval_split)
+        elif eval_fraction:
+            held_out = [p for p in problems if _hash_share(p.prompt) < eval_fraction]
+        held_prompts = {p.prompt for p in held_out}
+        self.problems: list[Problem] = [p for p in problems if p.prompt not in held_prompts]
+        self.eval_problems: list[Problem] = held_out
         if not self.problems:
-            raise ValueError(f"data set file {self.path} holds no problems")
+            raise ValueError(f"data set {self.path} holds no problems to train on")
+        self.epoch = 0
+        self._order: list[int] = []
+        self._cursor = 0
+
+    def _load(self, path: Path, format: str, split: str) -> list[Problem]:
+        if format == "disk":
+            if not path.is_dir():
+                raise FileNotFoundError(f"data set directory {path} does not exist")
+        elif not path.is_file():
+            raise FileNotFoundError(f"data set file {path} does not exist")
+        load = _LOADERS[format]
+        return load(path, split, self.prompt_key, self.answer_key, self.name, self.numeric_answers)
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
-        return [self.problems[rng.randrange(len(self.problems))] for _ in range(n)]
+        """The next ``n`` problems of the epoch (each training problem once per epoch, in an
+        order ``rng`` shuffles when the epoch starts); a draw can span two epochs."""
+        drawn: list[Problem] = []
+        while len(drawn) < n:
+            if self._cursor == len(self._order):
+                self._order = list(range(len(self.problems)))
+                rng.shuffle(self._order)
+                self._cursor = 0
+                self.epoch += 1
+            take = min(n - len(drawn), len(self._order) - self._cursor)
+            drawn += [self.problems[i] for i in self._order[self._cursor : self._cursor + take]]
+            self._cursor += take
+        return drawn
 
     def reward(self, problem: Problem, completion: str) -> float:
         return numeric_reward(problem.answer, completion)
@@ -139,8 +183,13 @@ class DatasetTask:
         return (
             f"{type(self).__name__}(path={str(self.path)!r}, format={self.format!r}, "
             f"prompt_key={self.prompt_key!r}, answer_key={self.answer_key!r}, "
-            f"problems={len(self.problems)})"
+            f"problems={len(self.problems)}, held_out={len(self.eval_problems)})"
         )
+
+
+def _hash_share(text: str) -> float:
+    """A number in [0, 1) fixed by ``text`` (its SHA-256): which prompts a fraction holds out."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
 
 
 class JsonlTask(DatasetTask):
@@ -151,10 +200,12 @@ class JsonlTask(DatasetTask):
 
 def dataset_format(path: Path, format: str) -> str:
     """``jsonl`` or ``parquet``: ``format``, or for ``auto`` the one ``path``'s suffix names."""
-    if format in ("jsonl", "parquet"):
+    if format in _LOADERS:
         return format
     if format != "auto":
-        raise ValueError(f"data set format must be auto, jsonl or parquet; got {format!r}")
+        raise ValueError(f"data set format must be auto, {', '.join(_LOADERS)}; got {format!r}")
+    if path.is_dir():
+        return "disk"
     found = DATASET_SUFFIXES.get(path.suffix.lower())
     if found is None:
         raise ValueError(
@@ -165,7 +216,12 @@ def dataset_format(path: Path, format: str) -> str:
 
 
 def _load_jsonl_problems(
-    path: Path, prompt_key: str, answer_key: str, id_prefix: str, numeric_answers: bool
+    path: Path,
+    split: str,
+    prompt_key: str,
+    answer_key: str,
+    id_prefix: str,
+    numeric_answers: bool,
 ) -> list[Problem]:
     problems: list[Problem] = []
     with path.open(encoding="utf-8") as lines:
@@ -188,7 +244,12 @@ def _load_jsonl_problems(
 
 
 def _load_parquet_problems(
-    path: Path, prompt_key: str, answer_key: str, id_prefix: str, numeric_answers: bool
+    path: Path,
+    split: str,
+    prompt_key: str,
+    answer_key: str,
+    id_prefix: str,
+    numeric_answers: bool,
 ) -> list[Problem]:
     # Imported here: only Parquet data sets need it.
     import pyarrow.parquet as pq
@@ -212,6 +273,54 @@ def _load_parquet_problems(
         for index, row in enumerate(rows)
     ]
 
+
+def _load_datasets_problems(
+    path: Path,
+    split: str,
+    prompt_key: str,
+    answer_key: str,
+    id_prefix: str,
+    numeric_answers: bool,
+) -> list[Problem]:
+    """An Arrow file (``datasets``' own format) or a ``save_to_disk`` directory, through
+    ``datasets``; a ``DatasetDict`` directory gives its ``split``."""
+    import datasets  # only these formats need it
+
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            loaded = datasets.Dataset.from_file(str(path))
+    except Exception as err:  # datasets raises FileNotFoundError/ValueError/ArrowInvalid
+        raise ValueError(f"{path}: not a data set datasets can read ({err})") from err
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(
+                f"{path}: no split {split!r} (task.split / task.eval_split); it holds "
+                f"{', '.join(map(repr, loaded))}"
+            )
+        loaded = loaded[split]
+    for key in (prompt_key, answer_key):
+        column = key.split(".", 1)[0]
+        if column not in loaded.column_names:
+            raise ValueError(
+                f"{path}: no column {column!r} (for {key!r}); the data set's columns are "
+                f"{', '.join(map(repr, loaded.column_names))}"
+            )
+    return [
+        _problem_from_record(
+            dict(row), f"{path}: row {index}", prompt_key, answer_key, id_prefix, numeric_answers
+        )
+        for index, row in enumerate(loaded)
+    ]
+
+
+_LOADERS = {
+    "jsonl": _load_jsonl_problems,
+    "parquet": _load_parquet_problems,
+    "arrow": _load_datasets_problems,
+    "disk": _load_datasets_problems,
+}
 
 _MISSING = object()
 

@@ -44,7 +44,8 @@ class Task(Protocol):
     """Generation budget for one completion of this task (room for the answer and EOS)."""
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
-        """``n`` problems drawn with ``rng`` only (deterministic given its state)."""
+        """``n`` problems drawn with ``rng`` (deterministic given its state and the task's: a
+        data set goes through its problems by epochs)."""
         ...
 
     def reward(self, problem: Problem, completion: str) -> float:
@@ -307,6 +308,10 @@ def task_from_config(cfg: TaskConfig) -> Task:
             answer_key=cfg.answer_key,
             format=cfg.format,
             numeric_answers=not cfg.reward,
+            split=cfg.split,
+            eval_path=cfg.eval_path,
+            eval_split=cfg.eval_split,
+            eval_fraction=cfg.eval_fraction,
             **({"max_new_tokens": cfg.max_new_tokens} if cfg.max_new_tokens else {}),
         )
     if cfg.name == "word_problems":

@@ -188,13 +188,13 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
             check_options(cfg.actor.inflight, cfg.engine, cfg.spec, model_dir)
         except (ValueError, KeyError, json.JSONDecodeError) as e:
             raise PreflightError(f"engine=vllm: {e}") from e
-    if cfg.task.path and not Path(cfg.task.path).is_file():
-        raise PreflightError(f"task.path={cfg.task.path!r}: no such file")
+    if cfg.task.path and not Path(cfg.task.path).exists():
+        raise PreflightError(f"task.path={cfg.task.path!r}: no such file or directory")
     if cfg.task.is_dataset:
         # Every record is read and checked, so a malformed one is named (file and line or row).
         try:
             task_from_config(cfg.task)
-        except ValueError as e:
+        except (ValueError, FileNotFoundError) as e:
             raise PreflightError(f"task.path={cfg.task.path!r}: {e}") from e
     # As prompt_encoder decides in the actors, from the tokenizer's files (no transformers here).
     mode = cfg.task.chat_template

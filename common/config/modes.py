@@ -19,13 +19,15 @@ TaskName = Literal["reverse", "addition", "scratchpad", "word_problems", "datase
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 DATASET_TASKS: tuple[TaskName, ...] = ("dataset", "jsonl")
 """``task.name`` values whose prompts come from a file (``jsonl`` is an alias of ``dataset``)."""
-DatasetFormat = Literal["auto", "jsonl", "parquet"]
-"""``task.format``: a file format, or ``auto`` (from the file's suffix)."""
+DatasetFormat = Literal["auto", "jsonl", "parquet", "arrow", "disk"]
+"""``task.format``: a file format, ``disk`` (a directory ``datasets`` saved), or ``auto`` (a
+directory is ``disk``; a file's format is its suffix's)."""
 DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
 DATASET_SUFFIXES: dict[str, DatasetFormat] = {
     ".jsonl": "jsonl",
     ".json": "jsonl",
     ".parquet": "parquet",
+    ".arrow": "arrow",
 }
 """File suffixes ``task.format=auto`` recognises, and the format each names."""
 RewardFailureMode = Literal["zero", "drop_group"]

@@ -235,9 +235,20 @@ class TaskConfig:
     ``word_problems`` (arithmetic word problems in English, for a real model), ``dataset`` (a
     JSONL or Parquet file of prompts with numeric answers; ``jsonl`` is the same task)."""
     path: str = ""
-    """``dataset``/``jsonl`` only: the data set file (``.jsonl``/``.json`` lines, or ``.parquet``)."""
+    """``dataset``/``jsonl`` only: the data set: a file (``.jsonl``/``.json`` lines,
+    ``.parquet``, ``.arrow``) or a directory saved by ``datasets``' ``save_to_disk``."""
     format: DatasetFormat = "auto"
-    """``dataset``/``jsonl`` only: ``jsonl``, ``parquet``, or ``auto`` (from the file's suffix)."""
+    """``dataset``/``jsonl`` only: ``jsonl``, ``parquet``, ``arrow``, ``disk`` (a ``save_to_disk``
+    directory), or ``auto`` (a directory is ``disk``; a file's suffix names its format)."""
+    split: str = "train"
+    """``dataset``/``jsonl``: the split of a saved ``DatasetDict`` to train on."""
+    eval_path: str = ""
+    """``dataset``/``jsonl``: held-out problems from a data set of their own (evaluation)."""
+    eval_split: str = ""
+    """``dataset``/``jsonl``: held-out problems from this split of a saved ``DatasetDict``."""
+    eval_fraction: float = 0.0
+    """``dataset``/``jsonl``: hold out this share of the prompts (chosen by a hash of the prompt
+    text, the same everywhere); held-out prompts are never trained on."""
     prompt_key: str = "prompt"
     """``dataset``/``jsonl`` only: column (JSON key) of the prompt text; ``a.b`` reads a nested key."""
     answer_key: str = "answer"
@@ -294,7 +305,7 @@ class TaskConfig:
             f"task.name={self.name} needs task.path=FILE (.jsonl or .parquet)",
         )
         require_choice("task.format", self.format, DATASET_FORMATS)
-        if self.is_dataset and self.format == "auto":
+        if self.is_dataset and self.format == "auto" and not Path(self.path).is_dir():
             suffix = Path(self.path).suffix.lower()
             require(
                 suffix in DATASET_SUFFIXES,
@@ -327,6 +338,15 @@ class TaskConfig:
                 "e.g. my_rewards:score or rewards/math.py:score",
             )
         require_at_least("task", self, reward_workers=1, reward_memory_mb=64)
+        require(
+            0.0 <= self.eval_fraction < 1.0,
+            f"task.eval_fraction must be in [0, 1), got {self.eval_fraction}",
+        )
+        require(
+            sum(map(bool, (self.eval_path, self.eval_split, self.eval_fraction))) <= 1,
+            "task.eval_path, task.eval_split and task.eval_fraction each choose the held-out "
+            "problems: set one",
+        )
         require(
             self.reward_timeout_s > 0,
             f"task.reward_timeout_s must be > 0, got {self.reward_timeout_s}",

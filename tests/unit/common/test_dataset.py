@@ -61,7 +61,8 @@ def test_parquet_with_custom_columns(tmp_path: Path) -> None:
     first = task.problems[0]
     assert task.reward(first, "3 and 4 make \\boxed{7}") == 1.0
     assert task.reward(first, "#### 8") == 0.0
-    assert task.sample(random.Random(1), 5) == task.sample(random.Random(1), 5)
+    again = DatasetTask(path, prompt_key="question", answer_key="solution")
+    assert task.sample(random.Random(1), 5) == again.sample(random.Random(1), 5)
 
 
 def test_jsonl_with_custom_and_nested_keys(tmp_path: Path) -> None:
@@ -244,3 +245,65 @@ def test_preflight_checks_the_chat_template_options(tmp_path: Path) -> None:
             ),
             [],
         )
+
+
+def _saved_dataset_dict(tmp_path: Path) -> Path:
+    import datasets
+
+    rows = [
+        {"question": r["question"], "solution": str(r["solution"]), "level": i}
+        for i, r in enumerate(ROWS)
+    ]
+    saved = tmp_path / "saved"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows[:3]),
+            "test": datasets.Dataset.from_list(rows[3:]),
+        }
+    ).save_to_disk(str(saved))
+    return saved
+
+
+def test_a_save_to_disk_directory_and_its_splits_through_datasets(tmp_path: Path) -> None:
+    saved = _saved_dataset_dict(tmp_path)
+    task = DatasetTask(saved, prompt_key="question", answer_key="solution", eval_split="test")
+    assert task.format == "disk"
+    assert [p.prompt for p in task.problems] == [r["question"] for r in ROWS[:3]]
+    assert [p.prompt for p in task.eval_problems] == [ROWS[3]["question"]]
+    assert task.problems[1].row == {**task.problems[1].row, "level": 1}  # the whole row
+    with pytest.raises(ValueError, match="no split 'validation'"):
+        DatasetTask(saved, prompt_key="question", answer_key="solution", split="validation")
+    # One split's Arrow file, read as a file of datasets' own format.
+    (arrow,) = (saved / "train").glob("*.arrow")
+    from_file = DatasetTask(arrow, prompt_key="question", answer_key="solution")
+    assert from_file.format == "arrow"
+    assert [p.answer for p in from_file.problems] == [p.answer for p in task.problems]
+
+
+def test_a_held_out_fraction_is_never_trained_on_and_the_same_every_time(tmp_path: Path) -> None:
+    lines = [
+        json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(200)
+    ]
+    path = _jsonl(tmp_path / "many.jsonl", lines)
+    task = DatasetTask(path, eval_fraction=0.25)
+    assert 30 <= len(task.eval_problems) <= 70, len(task.eval_problems)
+    assert len(task.problems) + len(task.eval_problems) == 200
+    held = {p.prompt for p in task.eval_problems}
+    drawn = task.sample(random.Random(0), 600)  # four epochs
+    assert not held & {p.prompt for p in drawn}
+    assert held == {p.prompt for p in DatasetTask(path, eval_fraction=0.25).eval_problems}
+    # A held-out file of its own: its prompts leave the training set too.
+    eval_path = _jsonl(tmp_path / "eval.jsonl", lines[:10])
+    with_file = DatasetTask(path, eval_path=eval_path)
+    assert len(with_file.eval_problems) == 10 and len(with_file.problems) == 190
+
+
+def test_config_takes_one_way_of_holding_out():
+    from common.config import load_config
+
+    with pytest.raises(ValueError, match="set one"):
+        load_config(
+            ["task=dataset", "task.path=x.jsonl", "task.eval_fraction=0.1", "task.eval_split=test"]
+        )
+    with pytest.raises(ValueError, match="eval_fraction"):
+        load_config(["task=dataset", "task.path=x.jsonl", "task.eval_fraction=1.0"])

@@ -384,11 +384,16 @@ def test_jsonl_reward_numeric_forms(jsonl_path: Path, index: int, completion: st
     assert task.reward(task.problems[index], completion) == 1.0
 
 
-def test_jsonl_sampling_is_deterministic(jsonl_path: Path) -> None:
+def test_jsonl_sampling_is_deterministic_and_goes_by_epochs(jsonl_path: Path) -> None:
     task = JsonlTask(jsonl_path)
     first = task.sample(random.Random(5), 30)
-    assert first == task.sample(random.Random(5), 30)
-    assert {p.prompt_id for p in first} == {p.prompt_id for p in task.problems}
+    assert first == JsonlTask(jsonl_path).sample(random.Random(5), 30)
+    n = len(task.problems)
+    # Without replacement: each epoch of n draws holds every problem once.
+    for epoch in range(30 // n):
+        ids = [p.prompt_id for p in first[epoch * n : (epoch + 1) * n]]
+        assert sorted(ids) == sorted(p.prompt_id for p in task.problems), epoch
+    assert task.epoch == -(-30 // n)
 
 
 def test_jsonl_has_no_demonstration(jsonl_path: Path) -> None:
