@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from actors.engines.rollout_engine import Rollout, RolloutEngine
+from actors.evaluation import Evaluator
 from actors.exporter import ActorExporter
 from actors.rewards.scoring import PoolScorer, Scorer, TaskScorer, outcome_stats
 from actors.wiring import Recovery, group_sender, wire
@@ -22,7 +23,7 @@ from common.entrypoint import StopFlag
 from common.link.protocol import Completion, TrajectoryGroup
 from common.link.send.sender import GroupSender
 from common.metrics import MetricsWriter
-from common.tasks import Problem, Task
+from common.tasks import Problem, Task, held_out_problems
 from common.tokenizer import Tokenizer
 from common.weights.fetch.feed import StallMeter, WeightFeed, meter_loads, take
 from common.weights.fetch.reader import WeightReader
@@ -184,6 +185,8 @@ class ActorPhases:
     """The run's weight reader, for its host-cache figures (``actor/host_cache_refused``)."""
     scorer: Scorer | None = None
     """What scores completions: the reward pool of ``task.reward``, else (None) the task's own."""
+    evaluator: Evaluator | None = None
+    """The held-out evaluation this actor runs (``eval.every``, ``eval.actor``), if any."""
 
     def __post_init__(self) -> None:
         if self.scorer is None:
@@ -253,12 +256,21 @@ class ActorPhases:
                 recovery.poll()
             if self.cfg.actor.max_batches and self.stats.batches >= self.cfg.actor.max_batches:
                 break
+            self.evaluate()
             with self.stall.running(self.feed):  # the decode loop, as the stall meter sees it
                 self.sync_weights()  # Phase 1
                 batch_version = self.generate_and_send(sender)  # Phases 2 and 3
             engine_stats = self.engine.stats()
             self.wait_for_learner(batch_version)  # synchronous mode only
             self.report(sender, engine_stats)  # Phase 4
+
+    def evaluate(self) -> None:
+        """The held-out evaluation, when the version held reaches a new multiple of
+        ``eval.every`` (and at the first batch); its counters are left out of the rollouts'."""
+        if self.evaluator is None or not self.evaluator.due(self.engine.version):
+            return
+        self.evaluator.run(self.engine)
+        self.engine.stats()  # drop the evaluation's tokens and acceptance from the batch's
 
     def report(self, sender: GroupSender, engine_stats: dict[str, float]) -> None:
         """Phase 4: the batch's figures to the learner (heartbeat status) and to Prometheus."""
@@ -275,6 +287,7 @@ class ActorPhases:
             mn.ACTOR_REWARD_MEAN: stats.reward_sum / max(stats.completions, 1),
             mn.ACTOR_REWARD_FAILURES: self.scorer.failures(),
             mn.ACTOR_REWARD_GROUPS_DROPPED: stats.groups_dropped,
+            **(self.evaluator.latest if self.evaluator is not None else {}),
         }
         sender.set_status(self.engine.version, status)
         self.exporter.update(
@@ -304,6 +317,16 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             pool_scorer.close()
         return stats
     scorer = pool_scorer or TaskScorer(parts.task)
+    evaluator = None
+    if cfg.eval.every and cfg.actor.index == cfg.eval.actor:
+        evaluator = Evaluator(
+            cfg.eval,
+            held_out_problems(parts.task, cfg.eval.prompts, cfg.eval.seed),
+            parts.encode,
+            scorer,
+            parts.tokenizer,
+            parts.task.max_new_tokens,
+        )
     phases = ActorPhases(
         cfg=cfg,
         engine=parts.engine,
@@ -320,6 +343,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         stop=stop,
         reader=parts.store,
         scorer=scorer,
+        evaluator=evaluator,
     )
     try:
         with group_sender(

@@ -17,6 +17,18 @@ REWARD_PREFIX = "reward/"
 REWARD_FAILED = "reward/failed"
 ROLLOUT_GROUPS = (SPEC_GROUP, VERIFY_GROUP, REWARD_PREFIX)
 
+# Evaluation on held-out problems during training (actors/evaluation.py): an actor's figures of
+# the version it evaluated, passed on by the learner in the step record after they arrive.
+EVAL_PREFIX = "eval/"
+EVAL_VERSION = "eval/version"
+EVAL_AVG_REWARD = "eval/avg_reward"
+EVAL_PASS_AT_1 = "eval/pass_at_1"
+EVAL_PASS_AT_K = "eval/pass_at_k"
+EVAL_K = "eval/k"
+EVAL_PROMPTS = "eval/prompts"
+EVAL_S = "eval/s"
+EVAL_REWARD_FAILED = "eval/reward_failed"
+
 # Actor loop: one record per generated batch.
 ACTOR_BATCHES = "actor/batches"
 ACTOR_FORWARD_PASSES = "actor/forward_passes"

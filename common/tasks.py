@@ -326,3 +326,33 @@ def task_from_config(cfg: TaskConfig) -> Task:
     if cfg.max_new_tokens:
         task.max_new_tokens = cfg.max_new_tokens
     return PromptPool(task, cfg.pool_size, cfg.pool_seed) if cfg.pool_size else task
+
+
+def held_out_problems(task: Task, n: int, seed: int) -> list[Problem]:
+    """Problems to evaluate on that training never draws: a data set's held-out ones (the first
+    ``n``; 0: all), else ``n`` problems the task generates with ``seed``, leaving out a fixed
+    training pool's prompts. Raises ValueError if there are none."""
+    held = getattr(task, "eval_problems", None)
+    inner = task.task if isinstance(task, PromptPool) else task
+    if held is None:
+        held = getattr(inner, "eval_problems", None)
+    if held is not None:
+        if not held:
+            raise ValueError(
+                f"{task!r} holds no held-out problems: set task.eval_fraction, task.eval_path or "
+                "task.eval_split"
+            )
+        return list(held[:n] if n else held)
+    training = {p.prompt for p in task.problems} if isinstance(task, PromptPool) else set()
+    rng, problems, seen = random.Random(seed), [], set()
+    want = n or 64
+    for _ in range(100):
+        for problem in inner.sample(rng, want):
+            if problem.prompt not in training and problem.prompt not in seen:
+                seen.add(problem.prompt)
+                problems.append(problem)
+        if len(problems) >= want:
+            break
+    if not problems:
+        raise ValueError(f"{task!r}: no problem outside the training pool to evaluate on")
+    return problems[:want]

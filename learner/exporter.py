@@ -193,6 +193,8 @@ class LearnerExporter(MetricsServer):
         for key, value in metrics.items():
             if is_number(value) and key.startswith(mn.ROLLOUT_GROUPS):
                 snap.set("gauge", metric_suffix(key), f"Actors' {key}, mean over the step.", value)
+            elif is_number(value) and key.startswith(mn.EVAL_PREFIX):
+                snap.set("gauge", metric_suffix(key), f"Held-out evaluation: {key}.", value)
 
         self._groups_trained += float(metrics.get(mn.LEARNER_GROUPS) or 0)
         snap.set("counter", "groups_trained", "Groups trained on.", self._groups_trained)

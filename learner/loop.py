@@ -170,6 +170,7 @@ class Learner:
         self.skipped_steps = 0
         self.trainer = TrainerState(step=state.step, version=state.version)
         self.last: dict[str, float] = {}
+        self.evaluated_version = -1  # the latest actor evaluation written (eval.every)
         self.receiver.load_dedupe_state(state.dedupe)
         self.receiver.mark_seen(replayed)
         self.receiver.start()
@@ -269,6 +270,16 @@ class Learner:
             self.view.refresh()
             self.publisher.publish(self.state.version)  # the weights group's too (on_snapshot)
 
+    def _new_evaluation(self, receiver: GroupReceiver) -> dict[str, float]:
+        """An actor's latest held-out evaluation (``eval/*``), once: in the first step record
+        after its status brought it."""
+        for info in receiver.live_actors().values():
+            version = info.stats.get(mn.EVAL_VERSION)
+            if version is not None and version > self.evaluated_version:
+                self.evaluated_version = int(version)
+                return {k: v for k, v in info.stats.items() if k.startswith(mn.EVAL_PREFIX)}
+        return {}
+
     def log(
         self,
         batch: TrainBatch,
@@ -284,6 +295,7 @@ class Learner:
             **step_metrics,
             **_batch_metrics(batch, groups),
             **_actor_metrics(receiver),
+            **self._new_evaluation(receiver),
             **receiver.stats(),
             mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
             mn.LEARNER_REPUBLISHED: self.republisher.republished,
@@ -332,6 +344,7 @@ class Learner:
     def close(self, unfinished: list[TrajectoryGroup]) -> None:
         """Stop receiving, let the last version reach Redis, and checkpoint what is left."""
         state, receiver = self.state, self.receiver
+        evaluation = self._new_evaluation(receiver)  # one that came after the last step's record
         receiver.close()
         self.exporter.close()
         self.publisher.close()  # the last version reaches Redis before the final checkpoint
@@ -352,8 +365,11 @@ class Learner:
                 mn.LEARNER_STEP: state.step,
                 mn.LEARNER_VERSION: state.version,
                 **receiver.stats(),
+                **evaluation,
             }
         )
+        if evaluation:
+            self.trackers.log({mn.LEARNER_STEP: state.step, **evaluation})
         self.metrics.close()
         self.trackers.close()
         if self.ledger is not None:

@@ -313,6 +313,26 @@ def _draft_length_figures(steps: list[dict]) -> list[tuple[str, str]]:
     return figures
 
 
+def _evaluation_figures(rows: list[dict]) -> list[tuple[str, str]]:
+    """The first and the last held-out evaluation (``eval.every``), when the run had any."""
+    evals = [r for r in rows if mn.EVAL_VERSION in r]
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    k = _fmt(last.get(mn.EVAL_K), ".0f")
+
+    def both(key: str) -> str:
+        return f"{_fmt(first.get(key), '.3f')} → {_fmt(last.get(key), '.3f')}"
+
+    return [
+        (
+            f"held-out avg@{k} / pass@{k}, version {_fmt(first[mn.EVAL_VERSION], '.0f')} → "
+            f"{_fmt(last[mn.EVAL_VERSION], '.0f')} ({_fmt(last.get(mn.EVAL_PROMPTS), '.0f')} prompts)",
+            f"{both(mn.EVAL_AVG_REWARD)} / {both(mn.EVAL_PASS_AT_K)}",
+        )
+    ]
+
+
 def render_markdown(rows: list[dict], summary: dict, name: str) -> str:
     """Key figures of a run as a markdown table, linking the PNG page."""
     steps = step_rows(rows)
@@ -355,6 +375,7 @@ def render_markdown(rows: list[dict], summary: dict, name: str) -> str:
         ),
         ("mean accepted length (tokens)", _fmt(summary.get("spec_mean_accepted_len"), ".2f")),
         *_draft_length_figures(steps),
+        *_evaluation_figures(rows),
         ("in-flight tokens kept by verification", _fmt(summary.get("verify_salvaged_frac"), ".0%")),
         ("actor tokens/s (sum over actors)", _fmt(summary.get("actor_tokens_per_s"), ",.0f")),
         ("trained tokens/s (learner)", _fmt(summary.get("trained_tokens_per_s"), ",.0f")),

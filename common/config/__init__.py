@@ -21,6 +21,7 @@ from common.config.checks import require
 from common.config.learner import LearnerConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
 from common.config.run import (
+    EvalConfig,
     ModelConfig,
     RedisConfig,
     RunConfig,
@@ -44,6 +45,7 @@ class SpecRLConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         self.spec = self.spec.for_engine(self.engine.name)  # spec.method=auto, per engine
@@ -76,6 +78,17 @@ class SpecRLConfig:
             from common.model_presets import preset_dir
 
             self.model.path = str(preset_dir(self.model.preset))
+        require(
+            not self.eval.every or self.eval.actor < self.actor.num_actors,
+            f"eval.actor={self.eval.actor} must be below actor.num_actors={self.actor.num_actors}",
+        )
+        require(
+            not self.eval.every
+            or not self.task.is_dataset
+            or bool(self.task.eval_path or self.task.eval_split or self.task.eval_fraction),
+            "eval.every on a data set needs held-out problems: task.eval_fraction, "
+            "task.eval_path or task.eval_split",
+        )
         require(
             not self.task.natural_language or bool(self.model.path),
             f"task={self.task.name} needs model.path=HF_DIR or a real-model preset "

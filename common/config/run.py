@@ -419,6 +419,28 @@ class RedisConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on held-out problems during training, on one actor, without stopping the
+    learner: avg@k and pass@k of the version it holds, at the run's sampling settings."""
+
+    every: int = 0
+    """Evaluate every this many versions (at the first batch too); 0: never."""
+    samples: int = 4
+    """k: completions per held-out prompt."""
+    prompts: int = 64
+    """Held-out prompts evaluated each time (the first this many); 0: all."""
+    pass_reward: float = 1.0
+    """A completion passes when its reward is at least this (pass@1, pass@k)."""
+    actor: int = 0
+    """The actor (``actor.index``) that evaluates."""
+    seed: int = 1
+    """Built-in tasks: seed that draws the held-out problems (outside the training pool)."""
+
+    def __post_init__(self) -> None:
+        require_at_least("eval", self, every=0, samples=1, prompts=0, actor=0)
+
+
+@dataclass
 class SamplingConfig:
     temperature: float = 1.0
     """Sampling temperature; behaviour log-probs and the learner's log-probs both use it."""

@@ -91,6 +91,8 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
         "actor.num_actors=2",
         f"redis.host_cache_dir={cache}",
         "run.report_to=[tensorboard]",
+        "eval.every=4",
+        "eval.prompts=8",
     ]
     proc = launch(tmp_path, model_dir, extra)
     children = wait_for_processes(proc, 4, 60)  # redis + learner + 2 actors
@@ -121,6 +123,13 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     assert logged and {e.step: e.value for e in events.Scalars("learner/loss")} == pytest.approx(
         logged
     )
+    # eval.every: actor 0's held-out evaluations reached metrics.jsonl, TensorBoard and the report.
+    evals = [r for r in rows if "eval/version" in r]
+    assert evals and evals[0]["eval/version"] == 0 and evals[0]["eval/prompts"] == 8, rows[-1]
+    assert [e.value for e in events.Scalars("eval/avg_reward")] == pytest.approx(
+        [r["eval/avg_reward"] for r in evals]
+    )
+    assert "held-out avg@4 / pass@4, version 0" in (tmp_path / "report.md").read_text()
 
 
 def test_sigterm_stops_everything(tmp_path, model_dir):

@@ -11,7 +11,9 @@ from common import metric_names as mn
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("actors", "learner", "common", "ops", "benchmarks", "testing")
 # A whole key or a key family's start, as a string constant in code.
-KEY = re.compile(r"^(actor|spec|verify|reward|sender|learner|receiver)/[a-z0-9_]*(/[a-z0-9_]*)?$")
+KEY = re.compile(
+    r"^(actor|spec|verify|reward|eval|sender|learner|receiver)/[a-z0-9_]*(/[a-z0-9_]*)?$"
+)
 
 
 def key_literals(path: Path) -> list[tuple[int, str]]:
