@@ -1,19 +1,22 @@
 """Evaluation during training: one actor generates ``eval.samples`` completions for each
 held-out problem with the version it holds (no weight swap mid-evaluation), scores them as
 rollouts are scored, and reports avg@k and pass@k with its status, which the learner writes into
-the next step's record (metrics.jsonl, Prometheus, trackers). Training goes on meanwhile: the
-learner trains on the other actors' groups and on those already queued."""
+the next step's record (metrics.jsonl, Prometheus, trackers). Every evaluation's completions and
+rewards, per problem, go to ``<run dir>/eval/<actor id>.jsonl`` on the actor's machine. Training
+goes on meanwhile: the learner trains on the other actors' groups and on those already queued."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from actors.engines.rollout_engine import RolloutEngine
 from actors.rewards.scoring import Scorer
 from common import metric_names as mn
 from common.config.run import EvalConfig
+from common.metrics import MetricsWriter
 from common.tasks import Problem
 from common.tokenizer import Tokenizer
 
@@ -31,8 +34,10 @@ class Evaluator:
         scorer: Scorer,
         tokenizer: Tokenizer,
         max_new_tokens: int,
+        samples_path: Path | None = None,
     ) -> None:
         self.cfg, self.problems, self.scorer = cfg, problems, scorer
+        self.samples = MetricsWriter(samples_path) if samples_path is not None else None
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
         self.prompts = [encode(p.prompt) for p in problems]
         self._last_bucket = -1
@@ -49,7 +54,7 @@ class Evaluator:
         started = time.perf_counter()
         k = self.cfg.samples
         rollouts = engine.generate(self.prompts, k, self.max_new_tokens)
-        rewards, failed = [], 0
+        rewards, failed, per_problem = [], 0, []
         for problem, completions in zip(self.problems, rollouts, strict=True):
             texts = [
                 self.tokenizer.decode((r.token_ids[:-1] if r.finished else r.token_ids).tolist())
@@ -58,6 +63,15 @@ class Evaluator:
             outcomes = self.scorer.score(problem, texts)
             failed += sum(o.failure is not None for o in outcomes)
             rewards.append([o.reward for o in outcomes])
+            per_problem.append(
+                {
+                    "prompt_id": problem.prompt_id,
+                    "answer": problem.answer,
+                    "completions": texts,
+                    "rewards": rewards[-1],
+                    "failures": [o.failure for o in outcomes],
+                }
+            )
         self.latest = evaluation_figures(rewards, self.cfg.pass_reward)
         self.latest.update(
             {
@@ -66,6 +80,8 @@ class Evaluator:
                 mn.EVAL_REWARD_FAILED: failed,
             }
         )
+        if self.samples is not None:
+            self.samples.write({mn.EVAL_VERSION: version, "problems": per_problem})  # type: ignore[dict-item]
         log.info(
             "eval of version %d: avg@%d %.3f, pass@1 %.3f, pass@%d %.3f on %d prompts (%.1f s)",
             version,
@@ -78,6 +94,10 @@ class Evaluator:
             self.latest[mn.EVAL_S],
         )
         return self.latest
+
+    def close(self) -> None:
+        if self.samples is not None:
+            self.samples.close()
 
 
 def evaluation_figures(rewards: list[list[float]], pass_reward: float) -> dict[str, float]:

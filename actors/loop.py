@@ -326,6 +326,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             scorer,
             parts.tokenizer,
             parts.task.max_new_tokens,
+            cfg.run.resolved_dir() / "eval" / f"{parts.actor_id}.jsonl",
         )
     phases = ActorPhases(
         cfg=cfg,
@@ -356,6 +357,8 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     finally:
         parts.feed.close()  # joins its thread
         scorer.close()
+        if evaluator is not None:
+            evaluator.close()
     parts.close(delete_spool=not unacked)
     log.info(
         "actor %s: stopped after %d batches, %d groups",
