@@ -278,3 +278,35 @@ def test_the_sandbox_worker_sees_no_inherited_environment(rewards_file, monkeypa
     with pool(rewards_file, "environment", sandbox=True) as p:
         assert p.score([call()])[0].reward == 0.0
     assert os.environ["SPECRL_ACTOR_TOKEN"] == "secret"
+
+
+def test_the_example_user_reward_scores_as_the_builtin_does():
+    """examples/word_problems_reward.py (docs/recipes.md): its `correct` component equals the
+    built-in numeric reward on completions in every format the rule covers."""
+    from common.dataset_task import numeric_reward
+
+    task = make_task("word_problems")
+    import random
+
+    problems = task.sample(random.Random(1), 6)
+    forms = [
+        "So {a} in all. The answer is \\boxed{{{a}}}.",
+        "#### {a}",
+        "It is {a}, or maybe {a}1",
+        "\\boxed{{\\frac{{1}}{{2}}}} then {a}",
+        "10-3 = 7, so -{a}",
+        "{a}.0",
+        "no number at all",
+        "\\boxed{{{a}",  # unclosed: the last number counts
+    ]
+    root = Path(__file__).resolve().parents[3]
+    spec = f"{root / 'examples' / 'word_problems_reward.py'}:score"
+    with RewardPool(spec, weights={"marked": 0.0}) as p:
+        scorer = PoolScorer(p)
+        for problem in problems:
+            texts = [f.format(a=problem.answer) for f in forms]
+            outcomes = scorer.score(problem, texts)
+            assert [o.reward for o in outcomes] == [
+                numeric_reward(problem.answer, t) for t in texts
+            ], problem
+            assert all(set(o.components) == {"correct", "marked"} for o in outcomes)
