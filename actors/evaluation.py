@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from actors.engines.rollout_engine import RolloutEngine
-from actors.rewards.scoring import Scorer
+from actors.rewards.scoring import Scorer, completion_text
 from common import metric_names as mn
 from common.config.run import EvalConfig
 from common.metrics import MetricsWriter
@@ -56,10 +56,7 @@ class Evaluator:
         rollouts = engine.generate(self.prompts, k, self.max_new_tokens)
         rewards, failed, per_problem = [], 0, []
         for problem, completions in zip(self.problems, rollouts, strict=True):
-            texts = [
-                self.tokenizer.decode((r.token_ids[:-1] if r.finished else r.token_ids).tolist())
-                for r in completions
-            ]
+            texts = [completion_text(self.tokenizer, r) for r in completions]
             outcomes = self.scorer.score(problem, texts)
             failed += sum(o.failure is not None for o in outcomes)
             rewards.append([o.reward for o in outcomes])

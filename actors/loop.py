@@ -15,7 +15,13 @@ import torch
 from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.evaluation import Evaluator
 from actors.exporter import ActorExporter
-from actors.rewards.scoring import PoolScorer, Scorer, TaskScorer, outcome_stats
+from actors.rewards.scoring import (
+    PoolScorer,
+    Scorer,
+    TaskScorer,
+    completion_text,
+    outcome_stats,
+)
 from actors.wiring import Recovery, group_sender, wire
 from common import metric_names as mn
 from common.config import SpecRLConfig
@@ -53,11 +59,7 @@ def make_groups(
     group's ``stats`` hold its reward figures (:func:`~actors.rewards.scoring.outcome_stats`)."""
     groups = []
     for problem, prompt, completions in zip(problems, prompts, rollouts, strict=True):
-        # The reward sees text, not EOS.
-        texts = [
-            tokenizer.decode((r.token_ids[:-1] if r.finished else r.token_ids).tolist())
-            for r in completions
-        ]
+        texts = [completion_text(tokenizer, r) for r in completions]
         outcomes = scorer.score(problem, texts)
         scored = [
             Completion(

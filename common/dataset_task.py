@@ -258,13 +258,7 @@ def _load_parquet_problems(
         schema = pq.read_schema(path)
     except Exception as err:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
         raise ValueError(f"{path}: not a readable Parquet file ({err})") from err
-    for key in (prompt_key, answer_key):
-        column = key.split(".", 1)[0]
-        if column not in schema.names:
-            raise ValueError(
-                f"{path}: no column {column!r} (for {key!r}); the file's columns are "
-                f"{', '.join(map(repr, schema.names))}"
-            )
+    _require_columns(path, schema.names, prompt_key, answer_key)
     rows = pq.read_table(path).to_pylist()  # every column: a reward function gets the row
     return [
         _problem_from_record(
@@ -300,19 +294,24 @@ def _load_datasets_problems(
                 f"{', '.join(map(repr, loaded))}"
             )
         loaded = loaded[split]
-    for key in (prompt_key, answer_key):
-        column = key.split(".", 1)[0]
-        if column not in loaded.column_names:
-            raise ValueError(
-                f"{path}: no column {column!r} (for {key!r}); the data set's columns are "
-                f"{', '.join(map(repr, loaded.column_names))}"
-            )
+    _require_columns(path, loaded.column_names, prompt_key, answer_key)
     return [
         _problem_from_record(
             dict(row), f"{path}: row {index}", prompt_key, answer_key, id_prefix, numeric_answers
         )
         for index, row in enumerate(loaded)
     ]
+
+
+def _require_columns(path: Path, columns: list[str], *keys: str) -> None:
+    """Every key's top-level column is among ``columns``, or a ValueError naming them."""
+    for key in keys:
+        column = key.split(".", 1)[0]
+        if column not in columns:
+            raise ValueError(
+                f"{path}: no column {column!r} (for {key!r}); the data set's columns are "
+                f"{', '.join(map(repr, columns))}"
+            )
 
 
 _LOADERS = {

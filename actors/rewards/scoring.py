@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from actors.engines.rollout_engine import Rollout
 from actors.rewards.pool import RewardCall, RewardPool
 from actors.rewards.spec import FAILURE_KINDS, RewardOutcome
 from common import metric_names as mn
 from common.config.run import TaskConfig
 from common.tasks import Problem, Task
+from common.tokenizer import Tokenizer
 
 
 class Scorer(Protocol):
@@ -71,6 +73,12 @@ class PoolScorer:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def completion_text(tokenizer: Tokenizer, rollout: Rollout) -> str:
+    """What a reward sees of ``rollout``: its text, without the EOS that finished it."""
+    ids = rollout.token_ids[:-1] if rollout.finished else rollout.token_ids
+    return tokenizer.decode(ids.tolist())
 
 
 def problem_row(problem: Problem) -> dict[str, Any]:
