@@ -1,6 +1,7 @@
 """What a learner or actor does with its config on a GPU before it runs: the GPU profile
 (``common/config/gpu_profile.py``) applied and logged, TF32 switched on when ``run.tf32``, and
-one warning when a GPU node runs the built-in tiny model.
+one warning when a GPU node runs the built-in tiny model; on a CPU without fast bf16, the move
+of bf16 compute to fp32 (``common/cpu_precision.py``).
 
 :func:`prepare` is called by :func:`common.entrypoint.run_main` for the learner
 (``role="learner"``: its device is CUDA when the process sees a GPU) and for each actor
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from common import cpu_precision
 from common.config import SpecRLConfig
 from common.config.gpu_profile import (
     Devices,
@@ -54,6 +56,7 @@ def prepare(cfg: SpecRLConfig, overrides: Sequence[str], role: Role) -> GpuProfi
     applies. Raises :class:`~common.config.gpu_profile.UnusualLearningRate` for a learning rate
     far above the model's range."""
     devices = describe_devices(cfg, role)
+    cpu_precision.prepare(cfg, overrides, role, devices.cuda)
     profile = None
     if devices.cuda and not cfg.model.path:
         if role == "learner":

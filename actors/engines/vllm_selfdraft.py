@@ -43,6 +43,7 @@ from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
 from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.vllm_compat import request_key
 from actors.paged_cache import PagedKVCache
+from common.cpu_precision import bf16_is_fast
 from common.layers import DecoderLayer
 from common.model import (
     CONFIG_FILE,
@@ -501,16 +502,7 @@ def draft_dtype(name: str, device: torch.device) -> torch.dtype:
     """``engine.vllm_draft_dtype`` on ``device`` (``auto``: see the option)."""
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if not torch.backends.mkldnn.is_available():
-        return torch.float32
-    try:  # a private torch op (torch==2.13.0 is pinned): float32 where it is missing or fails
-        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError) as e:
-        log.info("the self-draft runs in float32: no bf16 check in this torch build (%r)", e)
-        return torch.float32
-    return torch.bfloat16 if fast else torch.float32
+    return torch.bfloat16 if bf16_is_fast(device) else torch.float32
 
 
 def _cpu_gemm():

@@ -245,8 +245,9 @@ class EngineConfig:
     torch_dtype: TorchDtype = "auto"
     """torch engine: dtype of the rollout model (``float32``, ``bfloat16``, ``float16``);
     ``auto``: the published weights' dtype, so bf16 publishing (the real-model preset) decodes in
-    bf16 (half the memory, faster on CPUs with bf16 instructions). Sampling and log-probs are
-    computed in float32 whatever the model's dtype."""
+    bf16 (half the memory, faster on CPUs with bf16 instructions); on a CPU without them (no
+    AVX512-BF16 or AMX) ``auto`` decodes bf16 versions in float32, with a warning. Sampling and
+    log-probs are computed in float32 whatever the model's dtype."""
     vllm_max_model_len: int = 512
     """vLLM: longest prompt + completion (sizes the KV cache)."""
     vllm_dtype: str = "auto"

@@ -203,7 +203,9 @@ class LearnerConfig:
     precision: Precision = "fp32"
     """``fp32``; ``bf16-mixed``: bf16 autocast compute, fp32 master weights, gradients and AdamW
     state (16 bytes/parameter); ``bf16``: bf16 weights, gradients and AdamW state (8
-    bytes/parameter, lossy updates: small steps round away)."""
+    bytes/parameter, lossy updates: small steps round away). On a CPU without bf16 matrix
+    instructions (no AVX512-BF16 or AMX) ``bf16-mixed`` and ``bf16`` become ``fp32`` with a
+    warning unless named on the command line (``common/cpu_precision.py``)."""
     max_tokens_per_microbatch: int = 0
     """Token budget of one forward/backward (rows x their longest row); the step accumulates
     gradients over as many micro-batches as the batch needs, with the one-batch update. 0: the
