@@ -1,6 +1,7 @@
 """Evaluation during training: one actor generates ``eval.samples`` completions for each
-held-out problem with the version it holds (no weight swap mid-evaluation), scores them as
-rollouts are scored, and reports avg@k and pass@k with its status, which the learner writes into
+held-out problem with the version it holds (no weight swap mid-evaluation) at the run's
+sampling settings, and with ``eval.greedy`` one greedy completion more, scores them as rollouts
+are scored, and reports avg@k, pass@k and the greedy figures with its status, which the learner writes into
 the next step's record (metrics.jsonl, Prometheus, trackers). Every evaluation's completions and
 rewards, per problem, go to ``<run dir>/eval/<actor id>.jsonl`` on the actor's machine. Training
 goes on meanwhile: the learner trains on the other actors' groups and on those already queued."""
@@ -11,8 +12,9 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from actors.engines.rollout_engine import RolloutEngine
+from actors.engines.rollout_engine import Rollout, RolloutEngine
 from actors.rewards.scoring import Scorer, completion_text
 from common import metric_names as mn
 from common.config.run import EvalConfig
@@ -53,23 +55,21 @@ class Evaluator:
         self._last_bucket = version // self.cfg.every
         started = time.perf_counter()
         k = self.cfg.samples
-        rollouts = engine.generate(self.prompts, k, self.max_new_tokens)
-        rewards, failed, per_problem = [], 0, []
-        for problem, completions in zip(self.problems, rollouts, strict=True):
-            texts = [completion_text(self.tokenizer, r) for r in completions]
-            outcomes = self.scorer.score(problem, texts)
-            failed += sum(o.failure is not None for o in outcomes)
-            rewards.append([o.reward for o in outcomes])
-            per_problem.append(
-                {
-                    "prompt_id": problem.prompt_id,
-                    "answer": problem.answer,
-                    "completions": texts,
-                    "rewards": rewards[-1],
-                    "failures": [o.failure for o in outcomes],
-                }
-            )
+        sampled = self._scored(engine.generate(self.prompts, k, self.max_new_tokens))
+        per_problem = [
+            {"prompt_id": p.prompt_id, "answer": p.answer, **scored}
+            for p, scored in zip(self.problems, sampled, strict=True)
+        ]
+        rewards = [p["rewards"] for p in sampled]
+        failed = sum(f is not None for p in sampled for f in p["failures"])
         self.latest = evaluation_figures(rewards, self.cfg.pass_reward)
+        if self.cfg.greedy:
+            with engine.greedy():
+                greedy = self._scored(engine.generate(self.prompts, 1, self.max_new_tokens))
+            for row, scored in zip(per_problem, greedy, strict=True):
+                row["greedy"] = {name[:-1]: values[0] for name, values in scored.items()}
+            failed += sum(p["failures"][0] is not None for p in greedy)
+            self.latest.update(greedy_figures([p["rewards"][0] for p in greedy], self.cfg))
         self.latest.update(
             {
                 mn.EVAL_VERSION: version,
@@ -90,11 +90,44 @@ class Evaluator:
             len(self.problems),
             self.latest[mn.EVAL_S],
         )
+        if self.cfg.greedy:
+            log.info(
+                "eval of version %d, greedy: mean reward %.3f, pass %.3f",
+                version,
+                self.latest[mn.EVAL_GREEDY_AVG_REWARD],
+                self.latest[mn.EVAL_GREEDY_PASS],
+            )
         return self.latest
+
+    def _scored(self, rollouts: list[list[Rollout]]) -> list[dict[str, Any]]:
+        """Per problem: its ``completions`` (texts), ``rewards`` and ``failures`` (failure kinds,
+        None where scored)."""
+        scored = []
+        for problem, completions in zip(self.problems, rollouts, strict=True):
+            texts = [completion_text(self.tokenizer, r) for r in completions]
+            outcomes = self.scorer.score(problem, texts)
+            scored.append(
+                {
+                    "completions": texts,
+                    "rewards": [o.reward for o in outcomes],
+                    "failures": [o.failure for o in outcomes],
+                }
+            )
+        return scored
 
     def close(self) -> None:
         if self.samples is not None:
             self.samples.close()
+
+
+def greedy_figures(rewards: list[float], cfg: EvalConfig) -> dict[str, float]:
+    """The greedy completions' mean reward and the share of prompts they pass."""
+    if not rewards:
+        raise ValueError("no completions to evaluate")
+    return {
+        mn.EVAL_GREEDY_AVG_REWARD: sum(rewards) / len(rewards),
+        mn.EVAL_GREEDY_PASS: sum(r >= cfg.pass_reward for r in rewards) / len(rewards),
+    }
 
 
 def evaluation_figures(rewards: list[list[float]], pass_reward: float) -> dict[str, float]:

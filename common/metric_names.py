@@ -28,6 +28,8 @@ EVAL_K = "eval/k"
 EVAL_PROMPTS = "eval/prompts"
 EVAL_S = "eval/s"
 EVAL_REWARD_FAILED = "eval/reward_failed"
+EVAL_GREEDY_AVG_REWARD = "eval/greedy_avg_reward"
+EVAL_GREEDY_PASS = "eval/greedy_pass"
 
 # Actor loop: one record per generated batch.
 ACTOR_BATCHES = "actor/batches"

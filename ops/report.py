@@ -329,7 +329,17 @@ def _evaluation_figures(rows: list[dict]) -> list[tuple[str, str]]:
             f"held-out avg@{k} / pass@{k}, version {_fmt(first[mn.EVAL_VERSION], '.0f')} → "
             f"{_fmt(last[mn.EVAL_VERSION], '.0f')} ({_fmt(last.get(mn.EVAL_PROMPTS), '.0f')} prompts)",
             f"{both(mn.EVAL_AVG_REWARD)} / {both(mn.EVAL_PASS_AT_K)}",
-        )
+        ),
+        *(
+            [
+                (
+                    "held-out greedy mean reward / pass",
+                    f"{both(mn.EVAL_GREEDY_AVG_REWARD)} / {both(mn.EVAL_GREEDY_PASS)}",
+                )
+            ]
+            if mn.EVAL_GREEDY_PASS in last
+            else []
+        ),
     ]
 
 

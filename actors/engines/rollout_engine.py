@@ -4,7 +4,8 @@ the base both engines build on (:class:`EngineBase`)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -82,6 +83,11 @@ class RolloutEngine(Protocol):
         unless ``reset`` is False (a mid-call read, e.g. from ``on_group``)."""
         ...
 
+    def greedy(self) -> AbstractContextManager[None]:
+        """Inside the block ``generate`` decodes greedily (temperature 0: the argmax, through
+        the same sampling and speculative paths); the run's sampling settings after it."""
+        ...
+
 
 class EngineBase(ABC):
     """What the engines share: :meth:`generate` hands its arguments (those of
@@ -95,3 +101,18 @@ class EngineBase(ABC):
     @abstractmethod
     def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
         """The engine's own :meth:`generate`."""
+
+    @contextmanager
+    def greedy(self) -> Iterator[None]:
+        """See :meth:`RolloutEngine.greedy`."""
+        owner = self._sampling_owner()
+        saved = owner.temperature
+        owner.temperature = 0.0
+        try:
+            yield
+        finally:
+            owner.temperature = saved
+
+    def _sampling_owner(self) -> Any:
+        """The object whose ``temperature`` every draw of this engine reads."""
+        return self

@@ -142,6 +142,9 @@ class TorchEngine(EngineBase):
     top_p = property(attrgetter("sampling.top_p"))
     inflight = property(attrgetter("swapper.inflight"))
 
+    def _sampling_owner(self) -> Sampling:
+        return self.sampling
+
     # ------------------------------------------------------------------ the interface
 
     def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -421,7 +421,8 @@ class RedisConfig:
 @dataclass
 class EvalConfig:
     """Evaluation on held-out problems during training, on one actor, without stopping the
-    learner: avg@k and pass@k of the version it holds, at the run's sampling settings."""
+    learner: avg@k and pass@k of the version it holds, at the run's sampling settings, and
+    greedy."""
 
     every: int = 0
     """Evaluate every this many versions (at the first batch too); 0: never."""
@@ -431,6 +432,9 @@ class EvalConfig:
     """Held-out prompts evaluated each time (the first this many); 0: all."""
     pass_reward: float = 1.0
     """A completion passes when its reward is at least this (pass@1, pass@k)."""
+    greedy: bool = True
+    """Also one greedy completion (temperature 0) per held-out prompt: its mean reward and the
+    share of prompts it passes."""
     actor: int = 0
     """The actor (``actor.index``) that evaluates."""
     seed: int = 1

@@ -65,6 +65,18 @@ def test_behaviour_logprobs_agree_with_torch(engine):
     assert engine.stats()["actor/tokens"] == sum(len(r.token_ids) for g in out for r in g)
 
 
+def test_the_greedy_block_decodes_the_argmax_then_samples_again(engine):
+    # What the held-out evaluation's greedy completions run on (eval.greedy): the same engine,
+    # sampling at temperature 1, decodes as a temperature-0 engine inside the block.
+    engine.load_weights(2, weights(2).state_dict())
+    engine.temperature = 1.0
+    with engine.greedy():
+        assert tokens(engine.generate(PROMPTS, 1, 8)) == greedy_torch(weights(2))
+    assert engine.temperature == 1.0
+    sampled = tokens(engine.generate(PROMPTS, 4, 8))
+    assert len({tuple(t) for t in sampled}) > len(PROMPTS)  # not one completion per prompt
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_weights_arriving_mid_rollout(engine, mode):
     engine.temperature = 1.0

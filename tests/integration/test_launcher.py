@@ -129,7 +129,9 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     assert [e.value for e in events.Scalars("eval/avg_reward")] == pytest.approx(
         [r["eval/avg_reward"] for r in evals]
     )
-    assert "held-out avg@4 / pass@4, version 0" in (tmp_path / "report.md").read_text()
+    assert all(0.0 <= r["eval/greedy_pass"] <= r["eval/greedy_avg_reward"] <= 1.0 for r in evals)
+    report = (tmp_path / "report.md").read_text()
+    assert "held-out avg@4 / pass@4, version 0" in report and "held-out greedy" in report
 
 
 def test_sigterm_stops_everything(tmp_path, model_dir):
