@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common import heap
 from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.config.learner import weights_group_refusal
@@ -108,6 +109,7 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
             view.refresh()
         if due.checkpoint:
             gather_checkpoint(state, dist)
+        heap.trim()  # the step's freed activations and gathered state back to the OS
 
 
 @dataclass
@@ -397,6 +399,7 @@ def _run(cfg: SpecRLConfig, dist: DistContext | None) -> dict[str, float]:
             learner.log(batch, groups, step_metrics, times)
             if due.checkpoint:
                 learner.checkpoint([])
+            heap.trim()  # the step's freed activations and gathered state back to the OS
     finally:
         learner.close(unfinished)
     return learner.last

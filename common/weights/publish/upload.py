@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing
 
 import common.weights.format as weights_module
+from common import heap
 from common.weights.connection import retry_redis
 from common.weights.format import WeightsError, WeightsNonFinite
 from common.weights.publish.writer import WeightWriter
@@ -305,6 +306,7 @@ def upload_main(conn, recipe, slots, layout, meta, stop) -> None:
         except Exception as e:  # noqa: BLE001 - reported to the learner, raised there
             reply = (version, slot, "error", (type(e).__name__, str(e)), 0)
         conn.send(reply)
+        heap.trim()  # the serialised copy of the version back to the OS until the next one
 
 
 def rebuilt_error(detail: tuple[str, str]) -> Exception:
