@@ -140,8 +140,8 @@ def main() -> int:
     p.add_argument(
         "--fp32",
         action="store_true",
-        help="compute in fp32 (engine.torch_dtype=float32 learner.precision=fp32): on a CPU "
-        "without native bf16 (AVX2 only) a bf16 matmul is about 24x slower than fp32",
+        help="compute in fp32 (engine.torch_dtype=float32 learner.precision=fp32) even where "
+        "the CPU has bf16 instructions (without them the run moves to fp32 by itself)",
     )
     args = p.parse_args()
     if not 0 < args.minutes <= 20:
