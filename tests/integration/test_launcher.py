@@ -123,15 +123,23 @@ def test_run_writes_summary_plot_and_metrics(tmp_path, model_dir):
     assert logged and {e.step: e.value for e in events.Scalars("learner/loss")} == pytest.approx(
         logged
     )
-    # eval.every: actor 0's held-out evaluations reached metrics.jsonl, TensorBoard and the report.
+    # eval.every: actor 0 evaluated at the start and at every 4th version (its file holds them
+    # all); metrics.jsonl, TensorBoard and the report hold those that reached a step record (an
+    # evaluation superseded before the next step record is in the file only).
+    (eval_file,) = (tmp_path / "eval").glob("*.jsonl")
+    evaluated = [json.loads(x)["eval/version"] for x in eval_file.read_text().splitlines()]
+    assert evaluated[0] == 0 and evaluated == sorted(set(evaluated)), evaluated
     evals = [r for r in rows if "eval/version" in r]
-    assert evals and evals[0]["eval/version"] == 0 and evals[0]["eval/prompts"] == 8, rows[-1]
+    assert evals and all(r["eval/prompts"] == 8 for r in evals), rows[-1]
+    versions = [r["eval/version"] for r in evals]
+    assert versions == sorted(set(versions)) and set(versions) <= set(evaluated), versions
     assert [e.value for e in events.Scalars("eval/avg_reward")] == pytest.approx(
         [r["eval/avg_reward"] for r in evals]
     )
     assert all(0.0 <= r["eval/greedy_pass"] <= r["eval/greedy_avg_reward"] <= 1.0 for r in evals)
     report = (tmp_path / "report.md").read_text()
-    assert "held-out avg@4 / pass@4, version 0" in report and "held-out greedy" in report
+    assert f"held-out avg@4 / pass@4, version {versions[0]:.0f}" in report, report
+    assert "held-out greedy" in report
 
 
 def test_sigterm_stops_everything(tmp_path, model_dir):
