@@ -17,6 +17,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from common.config.gpu_profile import named_keys, set_keys
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,15 +43,10 @@ def bf16_is_fast(device: torch.device) -> bool:
         return False
 
 
-def named_on_command_line(overrides: Sequence[str]) -> frozenset[str]:
-    """The keys ``overrides`` set (``key=value``, ``+key=value``, ``++key=value``)."""
-    return frozenset(o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o)
-
-
 def fp32_changes(cfg: SpecRLConfig, overrides: Sequence[str], role: str) -> dict[str, str]:
     """The settings :func:`prepare` changes for ``role`` on a CPU without fast bf16: key -> new
     value (empty when bf16 is not in use or the user named it)."""
-    named = named_on_command_line(overrides)
+    named = named_keys(overrides)
     changes: dict[str, str] = {}
     if role == "learner" and cfg.learner.precision != "fp32":
         changes["learner.precision"] = "fp32"
@@ -70,9 +67,7 @@ def prepare(cfg: SpecRLConfig, overrides: Sequence[str], role: str, cuda: bool) 
     changes = fp32_changes(cfg, overrides, role)
     if not changes or bf16_is_fast(torch.device("cpu")):
         return {}
-    for key, value in changes.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+    set_keys(cfg, changes)
     log.warning(
         "this CPU has no bf16 matrix instructions (no AVX512-BF16 or AMX): bf16 arithmetic is "
         "emulated, about 24x slower than fp32, so %s computes in fp32 (%s); name the setting "

@@ -28,6 +28,7 @@ from common.config.gpu_profile import (
     TaskFacts,
     explicit_keys,
     gpu_profile,
+    set_keys,
 )
 
 log = logging.getLogger(__name__)
@@ -168,9 +169,7 @@ def apply(cfg: SpecRLConfig, profile: GpuProfile, role: Role) -> None:
     """Set the profile's settings of ``role``'s sections on ``cfg`` and log them (rank 0 only
     under torchrun), with the profile's warnings."""
     sections = ROLE_SECTIONS[role]
-    for key, value in profile.changes(sections).items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+    set_keys(cfg, profile.changes(sections))
     if os.environ.get("RANK", "0") == "0":
         log.info("%s", profile.table(sections))
         for warning in profile.warnings_for(sections):

@@ -289,12 +289,25 @@ def check_lr(lr: float, parameters: int, allow_unusual: bool) -> str | None:
     return f"learner.lr={lr:g} is {side} the usual range for {size}: {usual}"
 
 
+def named_keys(overrides: Sequence[str]) -> frozenset[str]:
+    """The keys ``overrides`` set on the command line (``key=value``, ``+key=value``,
+    ``++key=value``)."""
+    return frozenset(o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o)
+
+
+def set_keys(cfg: SpecRLConfig, changes: dict[str, Any]) -> None:
+    """Set each ``section.name`` of ``changes`` on ``cfg`` (in place)."""
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+
+
 def explicit_keys(overrides: Sequence[str], cfg: SpecRLConfig) -> frozenset[str]:
     """The profile's keys (:data:`PROFILE_KEYS`, plus ``learner.allow_unusual_lr``) the user set:
     named in ``overrides`` (``key=value``, ``+key=value``, ``++key=value``), or composed to a
     value other than the dataclass default (a YAML group option such as a model preset sets
     values chosen for its model; so does code)."""
-    named = {o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o}
+    named = named_keys(overrides)
     keys = (*PROFILE_KEYS, "learner.allow_unusual_lr")
     return frozenset(k for k in keys if k in named or _differs_from_default(cfg, k))
 
