@@ -1,10 +1,11 @@
 """Evaluation during training: one actor generates ``eval.samples`` completions for each
 held-out problem with the version it holds (no weight swap mid-evaluation) at the run's
 sampling settings, and with ``eval.greedy`` one greedy completion more, scores them as rollouts
-are scored, and reports avg@k, pass@k and the greedy figures with its status, which the learner writes into
-the next step's record (metrics.jsonl, Prometheus, trackers). Every evaluation's completions and
-rewards, per problem, go to ``<run dir>/eval/<actor id>.jsonl`` on the actor's machine. Training
-goes on meanwhile: the learner trains on the other actors' groups and on those already queued."""
+are scored, and reports avg@k, pass@k and the greedy figures with its status, which the learner
+writes into the next step's record (metrics.jsonl, Prometheus, trackers). Every evaluation's
+completions and rewards, per problem, go to ``<run dir>/eval/<actor id>.jsonl`` on the actor's
+machine. Training goes on meanwhile: the learner trains on the other actors' groups and on
+those already queued."""
 
 from __future__ import annotations
 
@@ -67,9 +68,14 @@ class Evaluator:
             with engine.greedy():
                 greedy = self._scored(engine.generate(self.prompts, 1, self.max_new_tokens))
             for row, scored in zip(per_problem, greedy, strict=True):
-                row["greedy"] = {name[:-1]: values[0] for name, values in scored.items()}
+                row["greedy"] = {
+                    "completion": scored["completions"][0],
+                    "reward": scored["rewards"][0],
+                    "failure": scored["failures"][0],
+                }
             failed += sum(p["failures"][0] is not None for p in greedy)
-            self.latest.update(greedy_figures([p["rewards"][0] for p in greedy], self.cfg))
+            greedy_rewards = [p["rewards"][0] for p in greedy]
+            self.latest.update(greedy_figures(greedy_rewards, self.cfg.pass_reward))
         self.latest.update(
             {
                 mn.EVAL_VERSION: version,
@@ -120,13 +126,13 @@ class Evaluator:
             self.samples.close()
 
 
-def greedy_figures(rewards: list[float], cfg: EvalConfig) -> dict[str, float]:
-    """The greedy completions' mean reward and the share of prompts they pass."""
-    if not rewards:
-        raise ValueError("no completions to evaluate")
+def greedy_figures(rewards: list[float], pass_reward: float) -> dict[str, float]:
+    """The greedy completions' (one per prompt) mean reward and the share of prompts they pass:
+    avg@1 and pass@1 of :func:`evaluation_figures`."""
+    one = evaluation_figures([[r] for r in rewards], pass_reward)
     return {
-        mn.EVAL_GREEDY_AVG_REWARD: sum(rewards) / len(rewards),
-        mn.EVAL_GREEDY_PASS: sum(r >= cfg.pass_reward for r in rewards) / len(rewards),
+        mn.EVAL_GREEDY_AVG_REWARD: one[mn.EVAL_AVG_REWARD],
+        mn.EVAL_GREEDY_PASS: one[mn.EVAL_PASS_AT_1],
     }
 
 

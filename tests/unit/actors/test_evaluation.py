@@ -91,10 +91,10 @@ def test_the_evaluator_runs_at_each_new_multiple_of_every_on_a_real_engine():
 
 
 def test_greedy_figures_of_a_hand_computed_batch():
-    figures = greedy_figures([1.0, 0.0, 0.5, 1.0], EvalConfig(pass_reward=1.0))
+    figures = greedy_figures([1.0, 0.0, 0.5, 1.0], pass_reward=1.0)
     assert figures[mn.EVAL_GREEDY_AVG_REWARD] == pytest.approx(2.5 / 4)
     assert figures[mn.EVAL_GREEDY_PASS] == pytest.approx(2 / 4)
-    assert greedy_figures([0.5], EvalConfig(pass_reward=0.5))[mn.EVAL_GREEDY_PASS] == 1.0
+    assert greedy_figures([0.5], pass_reward=0.5)[mn.EVAL_GREEDY_PASS] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -105,9 +105,8 @@ def test_greedy_figures_of_a_hand_computed_batch():
 def test_the_greedy_evaluation_is_the_argmax_decode_and_leaves_sampling_as_it_was(spec, tmp_path):
     # The greedy completion of each prompt is what an engine built at temperature 0 decodes
     # (with or without drafts), whatever the sampling engine's seed; sampling resumes after.
-    task = make_task("reverse", min_digits=3, max_digits=3)
-    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
-    problems = task.sample(random.Random(5), 4)
+    tokenizer = TOKENIZER
+    problems = REVERSE.sample(random.Random(5), 4)
     prompts = [tokenizer.encode(p.prompt) for p in problems]
     model = random_model(tokenizer.vocab_size, seed=2)
     reference = TorchEngine(model, tokenizer.eos_id, tokenizer.pad_id, temperature=0.0)
