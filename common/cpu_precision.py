@@ -70,7 +70,7 @@ def prepare(cfg: SpecRLConfig, overrides: Sequence[str], role: str, cuda: bool) 
     set_keys(cfg, changes)
     log.warning(
         "this CPU has no bf16 matrix instructions (no AVX512-BF16 or AMX): bf16 arithmetic is "
-        "emulated, about 24x slower than fp32, so %s computes in fp32 (%s); name the setting "
+        "emulated, far slower than fp32, so %s computes in fp32 (%s); name the setting "
         "on the command line to keep bf16",
         role,
         ", ".join(f"{k}={v}" for k, v in changes.items()),
