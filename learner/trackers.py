@@ -93,7 +93,13 @@ class WandbTracker:
         self.run.log(dict(values), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() only tells wandb-core the run is over; its files are flushed and closed when
+        # the service stops. Stop it here, so that they are complete when close returns (the
+        # atexit hook that would do it does not run in every kind of child process).
+        wandb.teardown()
 
 
 def _missing(library: str, error: ImportError) -> str:

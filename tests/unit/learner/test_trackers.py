@@ -70,7 +70,7 @@ def wandb_records(path: Path) -> list[bytes]:
 
 
 def test_wandb_offline_run_holds_every_numeric_metric_at_its_step_and_the_config(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ):
     pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2
@@ -79,7 +79,8 @@ def test_wandb_offline_run_holds_every_numeric_metric_at_its_step_and_the_config
     cfg = load_config(
         ["run.report_to=[wandb]", "run.wandb_mode=offline", "run.name=wb-run", "learner.lr=1e-5"]
     )
-    feed(Trackers.open(cfg, tmp_path))
+    feed(Trackers.open(cfg, tmp_path))  # close() returns once W&B's files are complete
+    assert "tracker wandb failed" not in caplog.text
     (log_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     history, config, names = {}, {}, []
     for raw in wandb_records(log_file):
