@@ -27,7 +27,7 @@ from common.link.send.sender import GroupSender, unique_actor_id
 from common.link.send.spool import Spool, orphans
 from common.metrics import MetricsWriter
 from common.model import CONFIG_FILE, Transformer, write_weights
-from common.model_args import Layout, ModelArgs
+from common.model_args import Layout, ModelArgs, with_tied_head
 from common.policy_meta import (
     check_rollout_support,
     hf_config_from_meta,
@@ -99,6 +99,7 @@ def policy_from_state(
         name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
         for name, t in state.items()
     }
+    tensors = with_tied_head(tensors, args)  # a version leaves a tied LM head out
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(tensors, strict=True, assign=True)

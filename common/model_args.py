@@ -5,10 +5,12 @@ and qwen3 layouts; static RoPE scaling types only), or :class:`HFLayout`, any ot
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
+from torch import Tensor
 
 # Init std for Linear/Embedding weights; the HF default `initializer_range`.
 INIT_STD = 0.02
@@ -404,3 +406,29 @@ def layout_from_hf_config(cfg: dict[str, Any]) -> Layout:
         return ModelArgs.from_hf_config(cfg)
     except (ValueError, KeyError, TypeError) as e:
         return HFLayout(dict(cfg), reason=str(e))
+
+
+TIED_HEAD = "lm_head.weight"
+"""The LM head's tensor, left out of a published version where it is the embedding."""
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def head_is_tied(args: Layout) -> bool:
+    """Whether the built-in model's LM head is its embedding (``tie_word_embeddings``)."""
+    return isinstance(args, ModelArgs) and args.tie_word_embeddings
+
+
+def without_tied_head(state: Mapping[str, Tensor], args: Layout) -> dict[str, Tensor]:
+    """``state`` as published: a tied LM head is left out, as HF checkpoints leave it, so every
+    copy of a version (snapshot slots, Redis, the actors' buffers) holds the matrix once."""
+    tied = head_is_tied(args)
+    return {name: t for name, t in state.items() if not (tied and name == TIED_HEAD)}
+
+
+def with_tied_head(state: Mapping[str, Tensor], args: Layout) -> dict[str, Tensor]:
+    """A published ``state`` as the model loads it: a tied LM head is the embedding tensor
+    itself (the same storage, not a copy)."""
+    out = dict(state)
+    if head_is_tied(args) and EMBEDDING in out:
+        out[TIED_HEAD] = out[EMBEDDING]
+    return out

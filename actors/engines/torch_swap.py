@@ -18,6 +18,7 @@ from actors.engines.torch_rows import Batch, Call, Policy, Row, Sampling
 from actors.inflight import Verification, verify_rows
 from common.eagle import EAGLE_PREFIX
 from common.model import Transformer
+from common.model_args import with_tied_head
 
 VERIFY_SCORE_BYTES = 64 * 2**20
 """Bytes of one [rows, tokens + 1, V] float32 score tensor that delayed verification builds at a
@@ -65,7 +66,7 @@ class WeightSwapper:
             self._use(self._adopt(state_dict), version)
             self.spare = None
             return
-        self.policy.model.load_state_dict(dict(state_dict), strict=True)
+        self.policy.model.load_state_dict(self._loadable(state_dict), strict=True)
         self._use(self.policy.model, version)
 
     def check_head(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -90,9 +91,14 @@ class WeightSwapper:
     def _adopt(self, state_dict: Mapping[str, torch.Tensor]) -> Transformer:
         with torch.inference_mode(False), torch.device("meta"):
             model = Transformer(self.policy.model.args)
-        model.load_state_dict(dict(state_dict), strict=True, assign=True)
+        model.load_state_dict(self._loadable(state_dict), strict=True, assign=True)
+        model.tie_weights()  # assign=True gives each name its own Parameter
         self.adopted = True
         return model.eval()
+
+    def _loadable(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A published version as the model loads it (a tied LM head is the embedding)."""
+        return with_tied_head(state_dict, self.policy.model.args)
 
     def _keep_spare(self, old: Transformer) -> None:
         """Keep a retired model to load the next version into (double buffering), unless models
@@ -109,7 +115,7 @@ class WeightSwapper:
             args = self.policy.model.args
             model = self.spare or Transformer(args).to(self.device, self.dtype)
             self.spare = None
-            model.load_state_dict(dict(state_dict), strict=True)
+            model.load_state_dict(self._loadable(state_dict), strict=True)
         return model.eval()
 
     def _use(self, model: Transformer, version: int) -> None:

@@ -71,6 +71,7 @@ from actors.engines.vllm_verify import (
 from common import metric_names as mn
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
 from common.model import DRAFT_PREFIX
+from common.model_args import EMBEDDING, TIED_HEAD
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,9 @@ class VllmEngine(EngineBase):
         if self.score_processed:
             self.llm.collective_rpc(install_processed_prompt_logprobs)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        hf_config = self.llm.llm_engine.model_config.hf_text_config
+        self.tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
+        """Versions of the built-in model leave a tied LM head out; the reload gets it back."""
         if self.verify_topk > self.vocab_size:  # vLLM refuses more log-probs than tokens
             self.verify_topk = self.vocab_size
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
@@ -290,6 +294,8 @@ class VllmEngine(EngineBase):
         # too (without it, vLLM 0.32's in-place reload leaves Gemma 3's head on the old weights).
         # The draft adapter (``draft.*``) drafts in the torch engine only; the EAGLE-3 head
         # (``eagle.*``) is vLLM's draft model.
+        if self.tied_head and TIED_HEAD not in state_dict and EMBEDDING in state_dict:
+            state_dict = {**state_dict, TIED_HEAD: state_dict[EMBEDDING]}
         target = [
             (k, v.detach().cpu())
             for k, v in state_dict.items()

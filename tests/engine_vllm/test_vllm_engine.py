@@ -134,3 +134,38 @@ def test_every_stop_id_ends_a_completion(tmp_path):
         assert row.token_ids.tolist() == ref[:cut]
         assert row.finished == (ref[cut - 1] in stops)
     assert out[0].finished and len(out[0].token_ids) <= 3
+
+
+def test_a_tied_model_takes_versions_published_without_its_head(tmp_path, redis_client):
+    """A tied LM head is left out of a published version; vLLM's in-place reload still moves the
+    head with the embedding: the behaviour log-probs are the new weights', not the old ones'."""
+    from common.tokenizer import CharTokenizer
+    from common.weights.publish.publisher import Publisher
+    from testing.models import random_model
+
+    def tied(seed: int) -> Transformer:
+        return random_model(
+            64, seed, bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=True
+        )
+
+    save_pretrained(tied(0), tmp_path)
+    engine = greedy_vllm(tmp_path)
+    assert engine.tied_head
+    store = WeightWriter(redis_client, "vllm-tied", chunk_bytes=4096)
+    Publisher(store, tied(1), CharTokenizer("abc"), max_inflight=0).publish(1)
+    version, state = WeightReader.from_recipe(store.recipe()).fetch(1)
+    assert "lm_head.weight" not in state
+    engine.load_weights(version, state)
+    engine.temperature = 1.0
+    out = engine.generate(PROMPTS, 2, 8)
+    new, old = tied(1), tied(0)
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        for r in group:
+            seq = torch.tensor([prompt + r.token_ids.tolist()])
+            with torch.no_grad():
+                lp = {
+                    m: token_logprobs(m(seq)[:, :-1], seq[:, 1:], 1.0)[0, len(prompt) - 1 :]
+                    for m in (new, old)
+                }
+            np.testing.assert_allclose(r.behaviour_logprobs, lp[new].numpy(), atol=1e-4)
+            assert not np.allclose(r.behaviour_logprobs, lp[old].numpy(), atol=1e-2)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.multiprocessing
 
-from common.model_args import Layout
+from common.model_args import Layout, without_tied_head
 from common.policy_meta import policy_meta
 from common.tokenizer import Tokenizer
 from common.weights.connection import retry_redis
@@ -128,7 +128,7 @@ class Publisher:
             assert optimizer is not None
             optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self._room = threading.Semaphore(max(1, max_inflight))
-        self._layout, self._slot_bytes = slot_layout(model.state_dict(), self.dtype)
+        self._layout, self._slot_bytes = slot_layout(self._state(), self.dtype)
         self._child = self._upload_process(store, max_inflight, on_snapshot is not None)
         self._thread: threading.Thread | None = None
         if max_inflight > 0:
@@ -175,6 +175,10 @@ class Publisher:
         """The upload process's pid (``upload="process"``), else None."""
         return self._child.pid if self._child is not None else None
 
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The policy's tensors as a version publishes them (a tied LM head left out)."""
+        return without_tied_head(self.model.state_dict(), self.model.args)
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A private CPU copy of the weights in the publish dtype (floating tensors only are
         cast), so the next optimizer step cannot change what is being uploaded."""
@@ -185,7 +189,7 @@ class Publisher:
         payload = new_slot(self._layout, self._slot_bytes)
         tensors = slot_views(payload, self._layout)
         with torch.no_grad():
-            for name, t in self.model.state_dict().items():
+            for name, t in self._state().items():
                 tensors[name].copy_(t.detach())
         return Snapshot(-1, payload, tensors)
 
@@ -194,7 +198,7 @@ class Publisher:
         upload process (``slot``, or a free one), else a private :class:`Snapshot`."""
         if self._child is None:
             return self._private()
-        return self._child.fill(self.model.state_dict(), slot)
+        return self._child.fill(self._state(), slot)
 
     def _lend(self, version: int, payload: Any) -> None:
         """Hand the snapshot just taken (``_take``'s answer) to ``on_snapshot``. Its failure is

@@ -219,3 +219,46 @@ def test_too_little_shared_memory_falls_back_to_a_thread(
     _, pub, _ = make_publisher(max_inflight=1, upload="process")
     assert pub.upload == "process" and pub.upload_pid is not None
     pub.close()
+
+
+def test_a_tied_lm_head_is_published_once_and_the_engine_ties_it_again(
+    redis_client: redis.Redis, upload: str
+) -> None:
+    from actors.engines.torch_engine import TorchEngine
+    from actors.wiring import build_engine
+    from common.config import load_config
+    from testing.models import random_model
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    m = random_model(64, tie_word_embeddings=True, **shape)
+    untied = random_model(64, **shape)
+    store = WeightWriter(redis_client, RUN, chunk_bytes=1024, keyframe_every=3)
+    pub = Publisher(store, m, CharTokenizer("abc"), max_inflight=1, upload=upload)
+    pub.publish(1)
+    pub.close()
+    reader = WeightReader(redis_client, RUN)
+    manifest = reader.manifest(1)
+    assert manifest is not None
+    assert set(manifest["tensors"]) == set(m.state_dict()) - {"lm_head.weight"}
+    head_bytes = m.lm_head.weight.numel() * 4
+    # The same layout untied publishes the head too: the tied version is that much smaller.
+    other = WeightWriter(redis_client, RUN + "-untied")
+    Publisher(other, untied, CharTokenizer("abc"), max_inflight=0).publish(1)
+    untied_manifest = WeightReader(redis_client, RUN + "-untied").manifest(1)
+    assert untied_manifest is not None
+    assert manifest["total_bytes"] <= untied_manifest["total_bytes"] - head_bytes
+
+    # An actor built from the version alone (its first one) and one that loads it.
+    built, _, _ = build_engine(reader, 1, load_config([]), seed=4)
+    assert built.policy.model.lm_head.weight is built.policy.model.model.embed_tokens.weight
+    _, state = reader.fetch(1)
+    prompts = [[1, 2, 3], [4, 5]]
+    engine = TorchEngine(random_model(64, seed=1, tie_word_embeddings=True, **shape), 0, 0, seed=4)
+    engine.load_weights(1, state)
+    loaded = engine.policy.model
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # one matrix, tied again
+    expected = TorchEngine(m, 0, 0, seed=4).generate(prompts, 2, 6)
+    got = engine.generate(prompts, 2, 6)
+    assert [[r.token_ids.tolist() for r in g] for g in got] == [
+        [r.token_ids.tolist() for r in g] for g in expected
+    ]
