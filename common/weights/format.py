@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import safetensors.torch
@@ -217,6 +217,44 @@ def serialize_state_dict(
     if not writable(tensors):
         return safetensors.torch.save(tensors)
     return safetensors_bytes(tensors, threads=threads)
+
+
+def safetensors_chunks(
+    state_dict: Mapping[str, torch.Tensor], size: int
+) -> tuple[int, Iterator[bytearray]]:
+    """The bytes :func:`serialize_state_dict` gives, as ``size``-byte pieces made one at a time
+    (the last may be shorter), and their total: the file never exists whole, so a version
+    uploads holding one piece beside its tensors instead of a second copy of them."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+    if not writable(tensors):
+        data = serialize_state_dict(tensors)
+        view = memoryview(data)
+        return len(data), (bytearray(view[i : i + size]) for i in range(0, len(data), size))
+    order, head, body = safetensors_layout(tensors, None)
+    total = len(head) + body
+
+    def pieces() -> Iterator[bytearray]:
+        sources = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+        sources += [raw_bytes(tensors[name]) for name in order]
+        left = total
+        out = bytearray(min(size, left))
+        filled = 0
+        for source in sources:
+            taken, n = 0, source.numel()
+            while taken < n:
+                step = min(len(out) - filled, n - taken)
+                torch.frombuffer(out, dtype=torch.uint8)[filled : filled + step].copy_(
+                    source[taken : taken + step]
+                )
+                filled, taken = filled + step, taken + step
+                if filled == len(out):
+                    yield out
+                    left -= filled
+                    if left == 0:
+                        return
+                    out, filled = bytearray(min(size, left)), 0
+
+    return total, pieces()
 
 
 # ------------------------------------------------------------------------------------- read

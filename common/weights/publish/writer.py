@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +26,7 @@ from common.weights.format import (
     check_finite,
     dtype_name,
     publish_threads,
-    serialize_state_dict,
+    safetensors_chunks,
     weights_digest,
 )
 from common.weights.keys import (
@@ -63,30 +63,42 @@ return {1, ARGV[1]}
 """
 
 
+FLUSH_BYTES = 64 * 2**20
+"""Chunks written to Redis in one pipeline round trip at most (then released)."""
+
+
 def write_chunks(
     client: redis.Redis,
     run_id: str,
     version: int,
-    data: bytes | bytearray,
+    data: bytes | bytearray | Iterable[bytes | bytearray],
     size: int,
     ttl_s: int,
     threads: int = 1,
 ) -> tuple[list[str], list[str]]:
-    """Write ``data`` as the ``size``-byte chunks of ``version``, each expiring after ``ttl_s``
-    unless a commit makes it permanent (a writer that dies here leaves no garbage); their keys
-    and sha256s."""
-    view = memoryview(data)
-    chunks = [view[i : i + size] for i in range(0, len(data), size)]
-    keys = [weights_chunk_key(run_id, version, i) for i in range(len(chunks))]
+    """Write ``data`` as the ``size``-byte chunks of ``version`` (or ``data`` already cut into
+    those chunks, made as they are taken: see ``safetensors_chunks``), each expiring after
+    ``ttl_s`` unless a commit makes it permanent (a writer that dies here leaves no garbage);
+    their keys and sha256s. At most ``FLUSH_BYTES`` of chunks wait for Redis at a time."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        view = memoryview(data)
+        data = [view[i : i + size] for i in range(0, len(view), size)]
+    keys: list[str] = []
     # Hash on ``threads`` helper threads (hashlib releases the GIL) while the chunks go out; the
     # digests are only needed by the manifest, which is written last.
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights-sha256") as hasher:
-        digests = hasher.map(sha256_of, chunks)
-        pipe = client.pipeline(transaction=False)
-        for key, chunk in zip(keys, chunks, strict=True):
-            pipe.set(key, chunk, ex=ttl_s)
+        digests = []
+        pipe, waiting = client.pipeline(transaction=False), 0
+        for index, chunk in enumerate(data):
+            keys.append(weights_chunk_key(run_id, version, index))
+            digests.append(hasher.submit(sha256_of, chunk))
+            pipe.set(keys[-1], chunk, ex=ttl_s)
+            waiting += len(chunk)
+            if waiting >= FLUSH_BYTES:
+                pipe.execute()
+                pipe, waiting = client.pipeline(transaction=False), 0
         pipe.execute()
-        return keys, [d.hex() for d in digests]
+        return keys, [d.result().hex() for d in digests]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -182,8 +194,9 @@ class WeightWriter(WeightStore):
         self.last_publish_bytes = 0
         """Bytes written for the last published version (a delta's, or the full size)."""
         self.threads = publish_threads()
-        """Threads hashing and serialising a version (the cores here, at most 8); the upload
-        process runs at a lower priority than the learner's threads."""
+        """Threads hashing a version (the cores here, at most 8); the upload process runs at a
+        lower priority than the learner's threads. A full version is serialised chunk by chunk
+        on the writing thread, as its chunks go out (``safetensors_chunks``)."""
 
     def publish(
         self,
@@ -214,10 +227,13 @@ class WeightWriter(WeightStore):
         delta = delta_bytes(base.state, state) if base is not None else None
         if delta is None:
             base = None  # written in full
-        data, encoding = (
-            delta if delta is not None else (serialize_state_dict(state, self.threads), {})
-        )
         settings = self.settings
+        if delta is not None:
+            data, encoding = delta
+            total = len(data)
+        else:  # in full, serialised chunk by chunk as the chunks go out
+            total, data = safetensors_chunks(state, settings.chunk_bytes)
+            encoding = {}
         chunk_keys, chunk_sha256 = write_chunks(
             self.client,
             self.run_id,
@@ -229,13 +245,13 @@ class WeightWriter(WeightStore):
         )
         keyframe = base.keyframe if base is not None else version
         manifest = new_manifest(
-            self.run_id, version, state, digest, keyframe, chunk_sha256, len(data), meta
+            self.run_id, version, state, digest, keyframe, chunk_sha256, total, meta
         )
         if base is not None:
             manifest["kind"] = "delta"
             manifest |= {"base": base.version, "base_sha256": base.digest, "encoding": encoding}
         self._commit(version, json.dumps(manifest), chunk_keys)
-        self.last_publish_bytes = len(data)
+        self.last_publish_bytes = total
         self._published = None
         if self.settings.keyframe_every > 1:
             kept = {name: t.clone() for name, t in state.items()} if snapshot else state

@@ -54,3 +54,28 @@ def test_a_version_published_on_several_threads_fetches_verified(
     _, fetched = WeightReader(redis_client, "threads").fetch(0)
     assert weights_digest(fetched) == weights_digest(state, threads=1)
     assert all(torch.equal(fetched[n], t) for n, t in state.items())
+
+
+def test_a_full_version_goes_out_without_a_whole_copy_of_its_bytes(
+    redis_client: redis.Redis, monkeypatch
+) -> None:
+    """Python-side allocations while a 20 MB version is written stay far under its size: it is
+    serialised chunk by chunk, and at most ``FLUSH_BYTES`` of chunks wait for Redis."""
+    import tracemalloc
+
+    import common.weights.publish.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "FLUSH_BYTES", 4 * 2**20)
+    torch.manual_seed(1)
+    state = {"big": torch.randn(5_000_000), "small": torch.randn(33)}  # tensors: not traced
+    writer = WeightWriter(redis_client, "streamed", chunk_bytes=2**20, keyframe_every=1)
+    tracemalloc.start()
+    try:
+        writer.publish(0, state)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert writer.last_publish_bytes > 20_000_000
+    assert peak < 10_000_000, peak
+    _, fetched = WeightReader(redis_client, "streamed").fetch(0)
+    assert all(torch.equal(fetched[n], t) for n, t in state.items())

@@ -9,7 +9,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from common.weights.format import safetensors_bytes, writable
+from common.weights.format import (
+    safetensors_bytes,
+    safetensors_chunks,
+    serialize_state_dict,
+    writable,
+)
 from learner.checkpoint import save_file
 
 
@@ -64,3 +69,14 @@ def test_empty_and_single_states(n: int, tmp_path: Path) -> None:
     tensors = {f"t{i}": torch.ones(3) for i in range(n)}
     save_file(tensors, tmp_path / "x.safetensors")
     check(safetensors.torch.load_file(str(tmp_path / "x.safetensors")), tensors)
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 333, 10**6])
+def test_chunks_are_the_serialised_bytes_cut_at_the_chunk_size(size: int) -> None:
+    tied = state() | {"head.weight": state()["embed.weight"]}  # shared storage, as tied heads
+    for tensors in (tied, {"c": torch.ones(3, dtype=torch.complex64), "x": torch.zeros(2)}):
+        whole = bytes(serialize_state_dict(tensors))
+        total, pieces = safetensors_chunks(tensors, size)
+        chunks = [bytes(p) for p in pieces]
+        assert total == len(whole) and b"".join(chunks) == whole
+        assert all(len(c) == size for c in chunks[:-1]) and 0 < len(chunks[-1]) <= size
