@@ -101,6 +101,8 @@ class SelfDraft:
             num_hidden_layers=exit_layer + 1,
             draft_exit_layer=exit_layer if adapter else 0,
             draft_vocab_size=args.draft_vocab_size if adapter else 0,
+            eagle_aux_layers=(),  # an EAGLE-3 head reads deeper layers; this draft has none
+            eagle_vocab_size=0,
         )
         with torch.device("meta"):
             model = Transformer(self.args)

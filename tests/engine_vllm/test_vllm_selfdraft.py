@@ -319,3 +319,32 @@ def test_self_draft_refuses_a_model_without_adapter_and_a_multiprocess_engine(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(ValueError, match="engine core in this process"):
         VllmEngine(tmp_path, EOS, spec=SELFDRAFT)
+
+
+def test_the_self_draft_of_a_model_that_also_has_an_eagle_head():
+    # A model directory warm-started for both drafts (`specrl warm-draft`, then with spec=eagle3)
+    # carries an EAGLE-3 head reading layers deeper than the self-draft's exit: the self-draft
+    # leaves the head out and drafts as it does without one.
+    from actors.engines.vllm_selfdraft import SelfDraft
+    from testing.eagle import with_head
+
+    cpu = torch.device("cpu")
+    plain = random_model(64, 0, num_hidden_layers=8, bos_token_id=1, eos_token_id=EOS)
+    attach_draft(plain, 2)
+    headed = with_head(random_model(64, 0, num_hidden_layers=8, bos_token_id=1, eos_token_id=EOS))
+    attach_draft(headed, 2)
+    headed.load_state_dict(plain.state_dict(), strict=False)  # the same policy and adapter
+    assert max(headed.args.eagle_aux_layers) > 3
+    drafts = [SelfDraft(m.args, m.state_dict(), True, 0, 0, cpu) for m in (plain, headed)]
+    assert not drafts[1].args.has_eagle
+    from actors.paged_cache import PagedKVCache
+
+    def logq(draft: SelfDraft) -> torch.Tensor:
+        cache = PagedKVCache(draft.args, 16, cpu, torch.float32)
+        cache.reserve(0, 8)
+        bound = cache.bind([0])
+        tokens, positions = torch.tensor([[1, 5, 6, 7]]), torch.arange(4)[None]
+        h = draft.layers(tokens, positions, bound)
+        return draft.logprobs(h, positions, torch.tensor([3]), bound, 1.0, 1.0)
+
+    assert torch.equal(logq(drafts[0]), logq(drafts[1]))
