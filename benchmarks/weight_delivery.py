@@ -18,6 +18,7 @@ from benchmarks._procs import Children
 from benchmarks.weight_scaling import shm_root
 from common import metric_names as mn
 from common.model import Transformer
+from common.model_args import with_tied_head
 from common.policy_meta import model_args_from_meta
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from common.weights.fetch.feed import RedisWeightFeed, StallMeter, meter_loads, take
@@ -72,7 +73,9 @@ def delivery_actor(
     args = model_args_from_meta(store.manifest(version)["meta"])
     with torch.device("meta"):
         model = Transformer(args)
-    model.load_state_dict(state, strict=True, assign=True)  # the fetched tensors themselves
+    # The fetched tensors themselves (a version leaves a tied LM head out: it is the embedding).
+    model.load_state_dict(with_tied_head(state, args), strict=True, assign=True)
+    model.tie_weights()
     engine = TorchEngine(model.eval(), eos_id=args.vocab_size, pad_id=0, version=version)
     holds[index] = version
     feed = RedisWeightFeed(store, watcher, version)

@@ -174,13 +174,12 @@ class VllmEngine(EngineBase):
             self.proposer = self.llm.collective_rpc(attach_proposer)[0]
         if self.score_processed:
             self.llm.collective_rpc(install_processed_prompt_logprobs)
-        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        hf_config = self.llm.llm_engine.model_config.hf_text_config
-        self.tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
-        """Versions of the built-in model leave a tied LM head out; the reload gets it back."""
+        model_config = self.llm.llm_engine.model_config
+        self.vocab_size = model_config.get_vocab_size()
+        self.tied_head = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
         if self.verify_topk > self.vocab_size:  # vLLM refuses more log-probs than tokens
             self.verify_topk = self.vocab_size
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.max_model_len = model_config.max_model_len
         self.max_prompt_len = self.max_model_len - 1
         """The longest prompt served: vLLM refuses a prompt that leaves no room for one new token
         within ``max_model_len``. Longer ones are refused by :meth:`_generate` (counted in
@@ -290,10 +289,9 @@ class VllmEngine(EngineBase):
         """vLLM's weights and, with the self-draft, the draft's (the same tensors), in one call."""
         if self.selfdraft is not None:
             self.selfdraft.check(state_dict)  # before vLLM changes: a version without the draft
-        # By HF parameter name, through the model's own load_weights; a tied LM head's tensor
-        # too (without it, vLLM 0.32's in-place reload leaves Gemma 3's head on the old weights).
-        # The draft adapter (``draft.*``) drafts in the torch engine only; the EAGLE-3 head
-        # (``eagle.*``) is vLLM's draft model.
+        # By HF parameter name, through the model's own load_weights; a tied LM head's tensor too,
+        # put back where a version left it out (without it, vLLM 0.32's in-place reload keeps the
+        # old head). ``draft.*`` drafts in the torch engine only; ``eagle.*`` is vLLM's draft.
         if self.tied_head and TIED_HEAD not in state_dict and EMBEDDING in state_dict:
             state_dict = {**state_dict, TIED_HEAD: state_dict[EMBEDDING]}
         target = [

@@ -19,6 +19,7 @@ from benchmarks.gpu_check.plan import (
     sync,
 )
 from common.model import Transformer
+from common.model_args import with_tied_head, without_tied_head
 from common.weights.format import (
     check_finite,
     dtype_name,
@@ -54,7 +55,7 @@ def publish(
     with torch.no_grad():
         state = {
             name: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype, copy=True)
-            for name, t in model.state_dict().items()
+            for name, t in without_tied_head(model.state_dict(), model.args).items()
         }
     t1 = time.perf_counter()
     check_finite(version, state)
@@ -121,7 +122,7 @@ def fetch(
     state = check_against_manifest(version, state, manifest["tensors"])
     check_finite(version, state)
     t1 = time.perf_counter()
-    target.load_state_dict(state, strict=True)
+    target.load_state_dict(with_tied_head(state, target.args), strict=True)
     sync(device)
     t2 = time.perf_counter()
     return {"read_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0}, state
@@ -157,7 +158,7 @@ def weight_sync(
         )
         # Outside the timing: what the device holds now is bit for bit the source in bf16.
         reference = {n: t.detach().to(dtype) for n, t in source.state_dict().items()}
-        exact &= all(torch.equal(state[n].to(device), reference[n]) for n in reference)
+        exact &= all(torch.equal(t.to(device), reference[n]) for n, t in state.items())
         exact &= all(torch.equal(t, reference[n]) for n, t in target.state_dict().items())
         del store, state, reference
     size = pubs[0]["bytes"]
