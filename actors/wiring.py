@@ -27,7 +27,7 @@ from common.link.send.sender import GroupSender, unique_actor_id
 from common.link.send.spool import Spool, orphans
 from common.metrics import MetricsWriter
 from common.model import CONFIG_FILE, Transformer, write_weights
-from common.model_args import Layout, ModelArgs, with_tied_head
+from common.model_args import TIED_HEAD, Layout, ModelArgs, config_ties_head, with_tied_head
 from common.policy_meta import (
     check_rollout_support,
     hf_config_from_meta,
@@ -124,11 +124,11 @@ def write_published(meta: dict, state: dict[str, torch.Tensor], path: Path) -> N
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     dtype = floats.pop() if len(floats) == 1 else torch.float32
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-    tied = bool(config.get("tie_word_embeddings"))
+    tied = config_ties_head(config)
     tensors = {
         name: t.to(dtype if t.is_floating_point() else t.dtype).contiguous()
         for name, t in state.items()
-        if not (tied and name == "lm_head.weight")
+        if not (tied and name == TIED_HEAD)
     }
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

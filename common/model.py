@@ -33,7 +33,7 @@ from common.layers import (
     RMSNorm,
     rope_cos_sin,
 )
-from common.model_args import INIT_STD, ModelArgs
+from common.model_args import INIT_STD, ModelArgs, with_tied_head, without_tied_head
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -290,8 +290,7 @@ def save_pretrained(model: Transformer, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     state = {
         name: t.detach().contiguous().cpu()
-        for name, t in model.state_dict().items()
-        if not (model.args.tie_word_embeddings and name == "lm_head.weight")
+        for name, t in without_tied_head(model.state_dict(), model.args).items()
     }
     dtype = model.lm_head.weight.dtype
     (path / CONFIG_FILE).write_text(json.dumps(model.args.to_hf_config(dtype), indent=2) + "\n")
@@ -368,15 +367,13 @@ def load_pretrained(
         state.update(load_file(str(path / DRAFT_FILE)))
     if args.has_eagle:
         state.update(load_file(str(path / EAGLE_FILE)))
-    if args.tie_word_embeddings:
-        # Some tied checkpoints still store the head; the embedding is the one source of truth.
-        state.pop("lm_head.weight", None)
+    # Some tied checkpoints still store the head; the embedding is the one source of truth.
+    state = without_tied_head(state, args)
     state = {
         k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
         for k, v in state.items()
     }
-    if args.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = with_tied_head(state, args)
 
     # Build on the meta device so no memory or time goes into weights about to be replaced.
     with torch.device("meta"):

@@ -418,6 +418,13 @@ def head_is_tied(args: Layout) -> bool:
     return isinstance(args, ModelArgs) and args.tie_word_embeddings
 
 
+def config_ties_head(config: Mapping[str, Any]) -> bool:
+    """Whether a ``config.json`` dict ties the LM head to the embedding: its
+    ``tie_word_embeddings``, False when absent, as :meth:`ModelArgs.from_hf_config` reads it (so
+    for the built-in model it agrees with :func:`head_is_tied`)."""
+    return bool(config.get("tie_word_embeddings", False))
+
+
 def without_tied_head(state: Mapping[str, Tensor], args: Layout) -> dict[str, Tensor]:
     """``state`` as published: a tied LM head is left out, as HF checkpoints leave it, so every
     copy of a version (snapshot slots, Redis, the actors' buffers) holds the matrix once."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from common.link.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.model import CONFIG_FILE, DRAFT_FILE, DRAFT_PREFIX, write_weights
+from common.model_args import TIED_HEAD, config_ties_head
 from common.tokenizer import Tokenizer
 from common.weights.format import raw_bytes, safetensors_layout
 from learner.policy import hf_config, load_policy, unwrap
@@ -106,11 +107,11 @@ def write_model(config: dict[str, Any], state: dict[str, torch.Tensor], path: Pa
     """``config.json`` + ``model.safetensors`` that ``transformers`` and vLLM open; a tied LM
     head is omitted, as HF does (safetensors refuses shared storage)."""
     path.mkdir(parents=True, exist_ok=True)
-    skip_head = bool(config.get("tie_word_embeddings"))
+    skip_head = config_ties_head(config)
     tensors = {
         name: t.detach().contiguous().cpu()
         for name, t in state.items()
-        if not (skip_head and name == "lm_head.weight")
+        if not (skip_head and name == TIED_HEAD)
     }
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     write_weights(tensors, path)  # a draft adapter's tensors in their own file

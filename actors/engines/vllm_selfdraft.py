@@ -54,7 +54,7 @@ from common.model import (
     DraftAdapter,
     Transformer,
 )
-from common.model_args import ModelArgs
+from common.model_args import ModelArgs, with_tied_head
 from common.sampling import processed_logprobs, sample_tokens
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,7 @@ class SelfDraft:
             k: t.to(device, dtype if t.is_floating_point() else t.dtype)
             for k, t in self._select(tensors).items()
         }
-        if self.args.tie_word_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state = with_tied_head(state, self.args)
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()
         self.model = model.eval()
