@@ -238,21 +238,22 @@ def safetensors_chunks(
         sources += [raw_bytes(tensors[name]) for name in order]
         left = total
         out = bytearray(min(size, left))
+        target = torch.frombuffer(out, dtype=torch.uint8)  # one view per piece
         filled = 0
         for source in sources:
             taken, n = 0, source.numel()
             while taken < n:
                 step = min(len(out) - filled, n - taken)
-                torch.frombuffer(out, dtype=torch.uint8)[filled : filled + step].copy_(
-                    source[taken : taken + step]
-                )
+                target[filled : filled + step].copy_(source[taken : taken + step])
                 filled, taken = filled + step, taken + step
                 if filled == len(out):
+                    del target  # no view left on the piece handed out (it stays resizable)
                     yield out
                     left -= filled
                     if left == 0:
                         return
                     out, filled = bytearray(min(size, left)), 0
+                    target = torch.frombuffer(out, dtype=torch.uint8)
 
     return total, pieces()
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -64,7 +65,8 @@ return {1, ARGV[1]}
 
 
 FLUSH_BYTES = 64 * 2**20
-"""Chunks written to Redis in one pipeline round trip at most (then released)."""
+"""Bytes of chunks at which the writer sends those waiting for Redis (one pipeline round trip,
+then released), and waits for the oldest of those waiting to be hashed."""
 
 
 def write_chunks(
@@ -79,7 +81,9 @@ def write_chunks(
     """Write ``data`` as the ``size``-byte chunks of ``version`` (or ``data`` already cut into
     those chunks, made as they are taken: see ``safetensors_chunks``), each expiring after
     ``ttl_s`` unless a commit makes it permanent (a writer that dies here leaves no garbage);
-    their keys and sha256s. At most ``FLUSH_BYTES`` of chunks wait for Redis at a time."""
+    their keys and sha256s. The chunks waiting for Redis and those waiting to be hashed each
+    stay under ``FLUSH_BYTES`` plus one chunk: once either reaches ``FLUSH_BYTES``, the writer
+    sends the pipeline, or waits for the oldest digests."""
     if isinstance(data, bytes | bytearray | memoryview):
         view = memoryview(data)
         data = [view[i : i + size] for i in range(0, len(view), size)]
@@ -87,11 +91,18 @@ def write_chunks(
     # Hash on ``threads`` helper threads (hashlib releases the GIL) while the chunks go out; the
     # digests are only needed by the manifest, which is written last.
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights-sha256") as hasher:
-        digests = []
-        pipe, waiting = client.pipeline(transaction=False), 0
+        digests: list[Future[bytes]] = []
+        hashing: deque[tuple[Future[bytes], int]] = deque()  # submitted, not waited for
+        pipe, waiting, queued = client.pipeline(transaction=False), 0, 0
         for index, chunk in enumerate(data):
             keys.append(weights_chunk_key(run_id, version, index))
             digests.append(hasher.submit(sha256_of, chunk))
+            hashing.append((digests[-1], len(chunk)))
+            queued += len(chunk)
+            while queued >= FLUSH_BYTES:  # hashing fell behind: take no chunk until it catches up
+                oldest, n = hashing.popleft()
+                oldest.result()
+                queued -= n
             pipe.set(keys[-1], chunk, ex=ttl_s)
             waiting += len(chunk)
             if waiting >= FLUSH_BYTES:

@@ -79,3 +79,44 @@ def test_a_full_version_goes_out_without_a_whole_copy_of_its_bytes(
     assert peak < 10_000_000, peak
     _, fetched = WeightReader(redis_client, "streamed").fetch(0)
     assert all(torch.equal(fetched[n], t) for n, t in state.items())
+
+
+def test_chunks_held_for_hashing_stay_under_the_bound(
+    redis_client: redis.Redis, monkeypatch
+) -> None:
+    """Hashing slower than the chunks come holds under ``FLUSH_BYTES`` plus one chunk for the
+    hashing threads: the writer waits for the oldest digests instead of taking more chunks."""
+    import threading
+    import time
+
+    import common.weights.publish.writer as writer_module
+    from common.weights.manifest import sha256_of
+
+    size, bound, count = 1000, 4000, 40
+    monkeypatch.setattr(writer_module, "FLUSH_BYTES", bound)
+    lock = threading.Lock()
+    hashed = 0  # bytes whose hash is done
+
+    def slow_sha256(chunk) -> bytes:
+        nonlocal hashed
+        time.sleep(0.005)
+        digest = sha256_of(chunk)
+        with lock:
+            hashed += len(chunk)
+        return digest
+
+    monkeypatch.setattr(writer_module, "sha256_of", slow_sha256)
+    taken, held = 0, []  # bytes taken by the writer; bytes not yet hashed as each chunk is taken
+
+    def chunks():
+        nonlocal taken
+        for i in range(count):
+            taken += size
+            with lock:
+                held.append(taken - hashed)
+            yield bytearray(bytes([i]) * size)
+
+    keys, digests = write_chunks(redis_client, "t", 1, chunks(), size, 60, threads=2)
+    assert max(held) < bound + size, held
+    assert digests == [hashlib.sha256(bytes([i]) * size).hexdigest() for i in range(count)]
+    assert [redis_client.get(k) for k in keys] == [bytes([i]) * size for i in range(count)]
