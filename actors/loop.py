@@ -23,6 +23,7 @@ from actors.rewards.scoring import (
     outcome_stats,
 )
 from actors.wiring import Recovery, group_sender, wire
+from common import heap
 from common import metric_names as mn
 from common.config import SpecRLConfig
 from common.entrypoint import StopFlag
@@ -302,6 +303,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     """The actor: wire its parts (:func:`actors.wiring.wire`), then decode batches and send
     their groups until a stop; what it did is returned."""
     torch.set_num_threads(cfg.run.torch_threads)
+    heap.apply_mmap_threshold(cfg.run.mmap_threshold_bytes, "actor")
     if cfg.actor.nice:
         os.nice(cfg.actor.nice)  # on a machine shared with the learner, its steps come first
     stop = StopFlag("actor")

@@ -1,4 +1,5 @@
-"""Freed heap memory handed back to the OS between steps (glibc's ``malloc_trim``).
+"""Freed heap memory handed back to the OS: between steps (glibc's ``malloc_trim``), and as it
+is freed (a fixed mmap threshold, ``run.mmap_threshold_bytes``).
 
 A training step allocates and frees gigabytes of CPU tensors (activations, gradients, the
 gathered state of a version); glibc keeps the freed pages of its arenas mapped, so a process's
@@ -6,6 +7,13 @@ resident memory stays near its peak between steps. ``malloc_trim(0)`` returns th
 of every arena: in a probe on the real-model preset (SmolLM2-135M, bf16-mixed, 16 completions a
 step) the learner's resident memory between steps went from 3.2-3.45 GB to 2.0-2.1 GB. Where
 the C library has no ``malloc_trim`` (musl, macOS) :func:`trim` does nothing.
+
+Trimming between steps does not lower a step's peak. glibc's mmap threshold is dynamic: once a
+mapped block is freed, blocks up to its size (at most 32 MiB) come from the heap, so a step's
+freed activations and gradients of a few MiB stay in the heap beside the live ones, and the
+peak holds both. :func:`set_mmap_threshold` fixes the threshold: blocks of at least that size
+get their own mapping and leave resident memory when freed. The price is a page fault per page
+of every such block.
 """
 
 from __future__ import annotations
@@ -13,19 +21,47 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter number for the mmap threshold (``malloc.h``)."""
+
+MMAP_THRESHOLD_MAX = 32 * 2**20
+"""glibc's largest mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``)."""
+
+
+@functools.cache
+def _libc():
+    """The C library, or None where it cannot be found."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
 
 
 @functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    fn = getattr(_libc(), "malloc_trim", None)
+    if fn is None:
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _mallopt():
+    """glibc's ``mallopt``, or None where the C library has none."""
+    fn = getattr(_libc(), "mallopt", None)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return fn
 
 
@@ -33,3 +69,30 @@ def trim() -> bool:
     """Return the heap's free pages to the OS; True when some memory was released."""
     fn = _malloc_trim()
     return bool(fn(0)) if fn is not None else False
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix the C library's mmap threshold at ``nbytes`` (``run.mmap_threshold_bytes``, at most
+    glibc's ceiling of 32 MiB on 64-bit, which the config checks: glibc ignores a larger value
+    without saying so; 0: leave the dynamic threshold); True when it was set. False where there
+    is no ``mallopt`` (musl, macOS) or the library refused the value."""
+    if nbytes <= 0:
+        return False
+    fn = _mallopt()
+    return bool(fn(M_MMAP_THRESHOLD, nbytes)) if fn is not None else False
+
+
+def apply_mmap_threshold(nbytes: int, role: str) -> None:
+    """:func:`set_mmap_threshold` for ``role``'s process at its start, logged; where it cannot
+    be set, warned about (the threshold stays dynamic)."""
+    if nbytes <= 0:
+        return
+    if set_mmap_threshold(nbytes):
+        log.info("%s: mmap threshold fixed at %d bytes (run.mmap_threshold_bytes)", role, nbytes)
+    else:
+        log.warning(
+            "%s: run.mmap_threshold_bytes=%d not applied: this C library has no mallopt "
+            "(glibc's); the threshold stays dynamic",
+            role,
+            nbytes,
+        )

@@ -137,6 +137,12 @@ class RunConfig:
     """``torch.set_num_threads`` per process. 0: 1 on a machine without a GPU (the learner and
     actors share its cores), else this process's cores over the GPUs it sees, at most 16 (CPU
     passes over a real model's weights); :func:`default_torch_threads`."""
+    mmap_threshold_bytes: int = 0
+    """glibc's mmap threshold in the learner and the actors (``common/heap.py``): blocks of at
+    least this size get their own mapping and leave resident memory as soon as they are freed,
+    which lowers a training step's peak (the real-model preset sets 4 MiB); every such block
+    costs page faults. 0: glibc's dynamic threshold; at most 32 MiB (glibc's ceiling). Ignored
+    without glibc."""
     log_level: str = "INFO"
     """Python logging level of every process."""
     gpu_profile: bool = True
@@ -161,7 +167,14 @@ class RunConfig:
     or ``disabled``; empty: W&B's own choice (``WANDB_MODE``, else online)."""
 
     def __post_init__(self) -> None:
-        require_at_least("run", self, steps=1, torch_threads=0, max_wall_s=0)
+        require_at_least(
+            "run", self, steps=1, torch_threads=0, max_wall_s=0, mmap_threshold_bytes=0
+        )
+        require(
+            self.mmap_threshold_bytes <= 32 * 2**20,
+            "run.mmap_threshold_bytes must be at most 33554432 (glibc's ceiling, 32 MiB; 0: its "
+            f"dynamic threshold), got {self.mmap_threshold_bytes}",
+        )
         for tracker in self.report_to:
             require_choice("run.report_to", tracker, TRACKERS)
         require_choice("run.wandb_mode", self.wandb_mode, WANDB_MODES)
