@@ -266,6 +266,7 @@ class ActorPhases:
             engine_stats = self.engine.stats()
             self.wait_for_learner(batch_version)  # synchronous mode only
             self.report(sender, engine_stats)  # Phase 4
+            heap.trim()  # the batch's freed logits and retired weights back to the OS
 
     def evaluate(self) -> None:
         """The held-out evaluation, when the version held reaches a new multiple of

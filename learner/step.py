@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from common import heap
 from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.config.learner import LearnerConfig
@@ -186,6 +187,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
     for mb in micro:
+        # Freed pages of the last micro-batch back to the OS first (a few ms): what glibc keeps
+        # of them would otherwise sit under this one's peak, and grow over a run.
+        heap.trim()
         ref_lp = None
         if ref_model is not None and cfg.kl_coef > 0:
             with torch.no_grad(), autocast:
