@@ -310,6 +310,9 @@ class Publisher:
             except Exception as e:  # noqa: BLE001 - handed to the learner's thread, raised there
                 self._error = e
             finally:
+                # Free the snapshot before the version counts as done, not when the next one
+                # arrives: held across the next training step, it sat under that step's peak.
+                item = payload = None
                 if not handed_over:
                     self._done()
         self._queue.task_done()

@@ -262,3 +262,38 @@ def test_a_tied_lm_head_is_published_once_and_the_engine_ties_it_again(
     assert [[r.token_ids.tolist() for r in g] for g in got] == [
         [r.token_ids.tolist() for r in g] for g in expected
     ]
+
+
+@pytest.mark.parametrize("latest_wins", [False, True])
+def test_an_uploaded_snapshot_is_freed_before_the_next_version(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, latest_wins: bool
+) -> None:
+    """Once a version is uploaded on the thread its snapshot is gone: held until the next
+    version arrives, the copy of the weights would sit under the whole next training step."""
+    import gc
+    import weakref
+
+    from tests.unit.learner.conftest import _tiny_policy
+
+    snapshots: list[weakref.ref] = []
+    private = Publisher._private
+
+    def recorded(self: Publisher):
+        snapshot = private(self)
+        snapshots.append(weakref.ref(snapshot.payload))
+        return snapshot
+
+    monkeypatch.setattr(Publisher, "_private", recorded)
+    store = WeightWriter(redis_client, RUN, chunk_bytes=1024, keyframe_every=1)  # no delta base
+    m = _tiny_policy()
+    pub = Publisher(
+        store, m, CharTokenizer("abc"), max_inflight=1, upload="thread", latest_wins=latest_wins
+    )
+    try:
+        pub.publish(1)
+        pub.flush()
+        gc.collect()
+        assert pub.published_version == 1 and len(snapshots) == 1
+        assert snapshots[0]() is None, "the uploaded snapshot is still referenced"
+    finally:
+        pub.close()
