@@ -305,6 +305,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
     their groups until a stop; what it did is returned."""
     torch.set_num_threads(cfg.run.torch_threads)
     heap.apply_mmap_threshold(cfg.run.mmap_threshold_bytes, "actor")
+    heap.cap_onednn_cache(cfg.run.onednn_cache_capacity, "actor")
     if cfg.actor.nice:
         os.nice(cfg.actor.nice)  # on a machine shared with the learner, its steps come first
     stop = StopFlag("actor")

@@ -51,6 +51,7 @@ def run(cfg: SpecRLConfig) -> dict[str, float]:
             raise SystemExit(f"specrl-learner: refusing to start: learner.weights_group: {refusal}")
     torch.set_num_threads(cfg.run.torch_threads)
     heap.apply_mmap_threshold(cfg.run.mmap_threshold_bytes, "learner")
+    heap.cap_onednn_cache(cfg.run.onednn_cache_capacity, "learner")
     torch.manual_seed(cfg.run.seed)
     # Under torchrun (WORLD_SIZE > 1): data-parallel FSDP2 ranks; rank 0 runs everything below,
     # the others follow its broadcasts (learner/distributed.py).

@@ -143,6 +143,11 @@ class RunConfig:
     which lowers a training step's peak (the real-model preset sets 4 MiB); every such block
     costs page faults. 0: glibc's dynamic threshold; at most 32 MiB (glibc's ceiling). Ignored
     without glibc."""
+    onednn_cache_capacity: int = 0
+    """oneDNN's primitive cache, in entries, in the learner and the actors (``common/heap.py``):
+    CPU bf16 matmuls cache one entry per shape, and a run meets new shapes every step, so the
+    default (1024) grows resident memory for hundreds of steps (the real-model preset sets
+    128). 0: oneDNN's default; ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` in the environment wins."""
     log_level: str = "INFO"
     """Python logging level of every process."""
     gpu_profile: bool = True
@@ -168,7 +173,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require_at_least(
-            "run", self, steps=1, torch_threads=0, max_wall_s=0, mmap_threshold_bytes=0
+            "run",
+            self,
+            steps=1,
+            torch_threads=0,
+            max_wall_s=0,
+            mmap_threshold_bytes=0,
+            onednn_cache_capacity=0,
         )
         require(
             self.mmap_threshold_bytes <= 32 * 2**20,

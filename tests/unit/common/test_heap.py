@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -97,3 +98,17 @@ def test_no_threshold_is_set_without_mallopt(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         heap.apply_mmap_threshold(4 * 2**20, "actor")
     assert "actor: run.mmap_threshold_bytes=4194304 not applied" in caplog.text
+
+
+def test_the_onednn_cache_is_bounded_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.setenv(heap.ONEDNN_CACHE_ENV, "0")  # recorded: torn down to what it was before
+    monkeypatch.delenv(heap.ONEDNN_CACHE_ENV)
+    heap.cap_onednn_cache(0, "learner")
+    assert heap.ONEDNN_CACHE_ENV not in os.environ  # 0: oneDNN's own default
+    heap.cap_onednn_cache(128, "learner")
+    assert os.environ[heap.ONEDNN_CACHE_ENV] == "128"
+    monkeypatch.setenv(heap.ONEDNN_CACHE_ENV, "7")
+    heap.cap_onednn_cache(128, "actor")
+    assert os.environ[heap.ONEDNN_CACHE_ENV] == "7"  # the user's value wins
+    with pytest.raises(ValueError, match="run.onednn_cache_capacity must be >= 0"):
+        RunConfig(onednn_cache_capacity=-1)
