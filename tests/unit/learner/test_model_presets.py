@@ -23,7 +23,11 @@ def test_preset_sets_the_model_directory_and_its_defaults() -> None:
     assert cfg.learner.publish_dtype == "bfloat16"
     assert cfg.learner.precision == "bf16-mixed"
     assert cfg.learner.max_tokens_per_microbatch > 0
-    assert cfg.redis.retention_bytes > 0
+    # The memory settings that keep the preset small: one version in Redis, uploads on a
+    # thread of the learner, freed tensors and oneDNN's cache bounded.
+    assert cfg.redis.retention == 1
+    assert cfg.learner.publish_upload == "thread" and not cfg.learner.publish_latest_wins
+    assert cfg.run.mmap_threshold_bytes == 4 * 2**20 and cfg.run.onednn_cache_capacity == 128
     assert cfg.task.max_new_tokens == 96
 
 
