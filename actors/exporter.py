@@ -33,6 +33,10 @@ _ACTOR_METRICS = {
     mn.SENDER_RESENT_TOTAL: ("groups_resent", "Groups sent again after a timeout or reconnect."),
     mn.SENDER_RECONNECTS: ("reconnects", "Reconnections to the learner."),
     mn.SENDER_BAD_REPLIES: ("bad_replies", "Undecodable replies from the learner."),
+    mn.SENDER_SUBMIT_BLOCKED_S: (
+        "submit_blocked_seconds",
+        "Time finished groups waited for outbox space (backpressure from the learner).",
+    ),
     mn.ACTOR_WAIT_S: ("wait_seconds", "Idle time waiting for a new version (synchronous mode)."),
     mn.ACTOR_TOKENS_PER_S: ("tokens_per_s", "Generated tokens/s of the last batch."),
     mn.ACTOR_REWARD_MEAN: ("reward_mean", "Mean reward of every completion generated so far."),

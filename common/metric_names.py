@@ -115,6 +115,7 @@ SENDER_RECONNECTS = "sender/reconnects"
 SENDER_REFUSED_PREFIX = "sender/refused/"
 SENDER_REFUSED_TOTAL = "sender/refused_total"
 SENDER_RESENT_TOTAL = "sender/resent_total"
+SENDER_SUBMIT_BLOCKED_S = "sender/submit_blocked_s"
 SENDER_UNACKED = "sender/unacked"
 SENDER_UNSENT = "sender/unsent"
 

@@ -14,6 +14,9 @@ real-model preset) the learner and each actor on a GPU start instead from:
 - ``actor.prompts_per_batch`` for about :data:`GPU_ROWS` rows per generate call, fewer when
   their KV cache would not fit the GPU, and ``learner.groups_per_step`` for :data:`STEP_ROWS`
   completions per optimizer step;
+- ``learner.queue_max`` and ``actor.outbox_max`` of at least a step's and a call's groups
+  (:func:`pipeline_sizes`), so actors do not wait on acks while a step trains, and
+  ``learner.tis_cap`` = :data:`TIS_CAP`;
 - ``engine.vllm_stop_token_ids``: every ``eos_token_id`` of the model's ``generation_config.json``
   (an int or a list: Llama 3 and Qwen chat models end turns on several).
 
@@ -90,6 +93,10 @@ STEP_ROWS = 512
 """Completions per optimizer step the profile aims at (``learner.groups_per_step`` groups):
 about two GPU actors' calls, within the hundreds to thousands RL recipes update on at 7B."""
 LENGTH_QUANTUM = 128
+TIS_CAP = 2.0
+"""``learner.tis_cap`` the profile turns on: vLLM's sampling and the learner's forward differ
+in bf16 kernels, so the behaviour log-probs the actors record are not the learner's; a cap of 2
+on the per-token weight is verl's default for the same correction."""
 """``engine.vllm_max_model_len`` and ``learner.max_seq_tokens`` are rounded up to this."""
 ACTOR_MEMORY_SHARE = 0.9
 """Share of an actor's GPU its engine may fill, unless ``engine.vllm_kwargs`` sets
@@ -105,6 +112,9 @@ PROFILE_KEYS: tuple[str, ...] = (
     "engine.vllm_stop_token_ids",
     "actor.prompts_per_batch",
     "learner.groups_per_step",
+    "learner.queue_max",
+    "actor.outbox_max",
+    "learner.tis_cap",
 )
 """The settings the profile chooses (``section.field``)."""
 
@@ -383,6 +393,7 @@ def gpu_profile(
     _precision(b, devices)
     _lengths(b, model_config, task)
     _rows(b, model_config, devices, parameters)
+    _pipeline(b)
     _stop_ids(b, model_config, generation_config)
     heading = (
         f"GPU profile for {billions(parameters)} parameters on {devices.describe()} "
@@ -485,6 +496,38 @@ def _rows(b: _Builder, model_config: Mapping[str, Any], devices: Devices, parame
         max(1, STEP_ROWS // group),
         f"{STEP_ROWS} completions per optimizer step ({STEP_ROWS // group} groups of {group}): "
         "a GPU actor's call feeds a step or two, so few groups arrive too stale to train on",
+    )
+
+
+def pipeline_sizes(groups_per_step: int, prompts_per_batch: int) -> tuple[int, int]:
+    """``(learner.queue_max, actor.outbox_max)`` that keep actors from waiting on a learner
+    that keeps up on average: the queue holds the next step's groups while a step trains, and
+    an outbox holds a whole generate call's groups while the learner is busy."""
+    return groups_per_step, prompts_per_batch
+
+
+def _pipeline(b: _Builder) -> None:
+    step, call = int(b.value("learner.groups_per_step")), int(b.value("actor.prompts_per_batch"))
+    queue, outbox = pipeline_sizes(step, call)
+    if queue > b.current("learner.queue_max"):
+        b.choose(
+            "learner.queue_max",
+            queue,
+            f"a step's groups ({step}) wait while the step before trains; fewer make every "
+            "actor wait on the learner during each step",
+        )
+    if outbox > b.current("actor.outbox_max"):
+        b.choose(
+            "actor.outbox_max",
+            outbox,
+            f"a generate call's groups ({call} prompts) go out as they finish without waiting "
+            "for acks",
+        )
+    b.choose(
+        "learner.tis_cap",
+        TIS_CAP,
+        "truncated importance sampling against the engine's log-probs (vLLM's bf16 kernels "
+        "are not the learner's)",
     )
 
 

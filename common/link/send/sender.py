@@ -125,6 +125,7 @@ class GroupSender(SocketThread):
         self._bad_replies = 0
         self._connects = 0
         self._reconnects = 0
+        self._blocked_s = 0.0  # time submit() waited for outbox space (under _cond)
         self._link_lost = False  # a DISCONNECTED event since the last handshake (I/O thread)
         self._status_version = 0
         self._status_stats: dict[str, float] = {}
@@ -215,14 +216,18 @@ class GroupSender(SocketThread):
             raise TimeoutError(full)
         try:
             with self._cond:
-                while True:
-                    self._check_usable()
-                    if len(self._outbox) < self._outbox_max:
-                        break
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError(full)
-                    self._cond.wait(remaining)
+                waited_from = time.monotonic()
+                try:
+                    while True:
+                        self._check_usable()
+                        if len(self._outbox) < self._outbox_max:
+                            break
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            raise TimeoutError(full)
+                        self._cond.wait(remaining)
+                finally:
+                    self._blocked_s += time.monotonic() - waited_from
                 seq = self._next_seq
             # Encode outside _cond so the I/O thread keeps handling acks meanwhile.
             # With limits: the receiver's own validation, in the same pass as the encoding.
@@ -289,6 +294,7 @@ class GroupSender(SocketThread):
                 mn.SENDER_CONNECTS: float(self._connects),
                 mn.SENDER_RECONNECTS: float(self._reconnects),
                 mn.SENDER_BAD_REPLIES: float(self._bad_replies),
+                mn.SENDER_SUBMIT_BLOCKED_S: self._blocked_s,
             }
 
     # ------------------------------------------------------------------ caller-side helpers

@@ -90,6 +90,9 @@ def test_qwen25_7b_profile_on_an_h100():
         "learner.max_seq_tokens": 1408,
         "actor.prompts_per_batch": 32,  # 256 rows of group_size 8
         "learner.groups_per_step": 64,  # 512 completions per optimizer step
+        "learner.queue_max": 64,  # the next step's groups wait while a step trains
+        "actor.outbox_max": 32,  # a whole call's groups go out without waiting for acks
+        "learner.tis_cap": 2.0,
         "engine.vllm_stop_token_ids": [151645, 151643],
     }
     assert profile.warnings == ()
@@ -338,3 +341,13 @@ def test_vllm_rollouts_end_on_any_stop_id():
     slot = _Slot(prompt=[1, 2], tokens=[5, 151643], logprobs=[-0.1, -0.2], versions=[0, 0])
     assert slot.rollout([151645, 151643]).finished
     assert not slot.rollout([151645]).finished
+
+
+def test_the_pipeline_is_sized_for_a_step_and_a_call_and_a_larger_user_value_is_kept():
+    cfg = vllm_cfg(queue_max=128)
+    changes = qwen_profile(cfg, explicit={"learner.queue_max"}).changes()
+    assert "learner.queue_max" not in changes  # the user's 128 already holds a step's 64
+    assert changes["actor.outbox_max"] == 32
+    small = qwen_profile(vllm_cfg(queue_max=4), explicit={"learner.queue_max"})
+    assert "learner.queue_max" not in small.changes()  # the user's 4 is kept...
+    assert "= 4 (yours; the profile: 64)" in small.table()  # ...and shown
