@@ -1,5 +1,5 @@
 """``specrl``: subcommands ``run`` (embedded default), ``init-model``, ``warm-draft``, ``learner``,
-``actor``, ``keys``, ``report``, ``plan``, ``export-draft``."""
+``actor``, ``keys``, ``report``, ``plan``, ``slurm``, ``export-draft``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ commands:
   plan MODEL [--gpus N] [--precision P] [--max-tokens T] ...
                estimated memory per GPU of the learner and of an actor for an HF model
                directory (or config.json); `specrl plan -h` lists the settings
+  slurm --run-name NAME --nodes N --gpus-per-node G --shared-dir DIR (--venv DIR | --image I)
+               [--dry-run] write the sbatch script of a run on Slurm (Redis on node 0, the
+               learner under torchrun, one actor per GPU); `specrl slurm -h` lists the options
 
 {OVERRIDES_HELP}
 examples:
@@ -263,6 +266,12 @@ def _plan(rest: list[str]) -> int:
     return plan_main(rest)
 
 
+def _slurm(rest: list[str]) -> int:
+    from ops.slurm import main as slurm_main
+
+    return slurm_main(rest)
+
+
 def _process(module: str) -> Callable[[list[str]], int]:
     def execute(rest: list[str]) -> int:
         # exec, not import: the process is then exactly specrl-learner or specrl-actor (its own
@@ -284,6 +293,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "keys": _keys,
     "report": _report,
     "plan": _plan,
+    "slurm": _slurm,
     "learner": _process("learner.main"),
     "actor": _process("actors.main"),
 }
