@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from actors.engines.rollout_engine import Rollout, RolloutEngine
+from actors.engines.rollout_engine import Rollout, RolloutEngine, WeightSource
 from actors.rewards.scoring import Scorer, completion_text
 from common import metric_names as mn
 from common.config.run import EvalConfig
@@ -50,13 +50,17 @@ class Evaluator:
     def due(self, version: int) -> bool:
         return version // self.cfg.every > self._last_bucket
 
-    def run(self, engine: RolloutEngine) -> dict[str, float]:
-        """Evaluate the version ``engine`` holds; the figures (also kept in :attr:`latest`)."""
+    def run(
+        self, engine: RolloutEngine, stop_source: WeightSource | None = None
+    ) -> dict[str, float]:
+        """Evaluate the version ``engine`` holds; the figures (also kept in :attr:`latest`).
+        ``stop_source`` is polled between decoding steps and raises to abandon the evaluation
+        (a stop must not wait for hundreds of held-out completions); it brings no weights."""
         version = engine.version
         self._last_bucket = version // self.cfg.every
         started = time.perf_counter()
         k = self.cfg.samples
-        sampled = self._scored(engine.generate(self.prompts, k, self.max_new_tokens))
+        sampled = self._scored(engine.generate(self.prompts, k, self.max_new_tokens, stop_source))
         per_problem = [
             {"prompt_id": p.prompt_id, "answer": p.answer, **scored}
             for p, scored in zip(self.problems, sampled, strict=True)
@@ -66,7 +70,9 @@ class Evaluator:
         self.latest = evaluation_figures(rewards, self.cfg.pass_reward)
         if self.cfg.greedy:
             with engine.greedy():
-                greedy = self._scored(engine.generate(self.prompts, 1, self.max_new_tokens))
+                greedy = self._scored(
+                    engine.generate(self.prompts, 1, self.max_new_tokens, stop_source)
+                )
             for row, scored in zip(per_problem, greedy, strict=True):
                 row["greedy"] = {
                     "completion": scored["completions"][0],

@@ -216,6 +216,12 @@ class ActorPhases:
             raise GenerationStopped
         return self.fetch()
 
+    def stop_source(self) -> None:
+        """The weight source of a call that must stay on one version (the evaluation): no
+        weights, but :class:`GenerationStopped` once a stop is requested."""
+        if self.stop():
+            raise GenerationStopped
+
     def sync_weights(self, timeout_s: float = 0.0) -> None:
         """Phase 1: pick up the newest weights (waiting up to ``timeout_s`` for one)."""
         update = self.fetch(timeout_s)
@@ -273,7 +279,10 @@ class ActorPhases:
         ``eval.every`` (and at the first batch); its counters are left out of the rollouts'."""
         if self.evaluator is None or not self.evaluator.due(self.engine.version):
             return
-        self.evaluator.run(self.engine)
+        try:
+            self.evaluator.run(self.engine, stop_source=self.stop_source)
+        except GenerationStopped:
+            log.info("actor %s: stop requested; left the evaluation unfinished", self.actor_id)
         self.engine.stats()  # drop the evaluation's tokens and acceptance from the batch's
 
     def report(self, sender: GroupSender, engine_stats: dict[str, float]) -> None:

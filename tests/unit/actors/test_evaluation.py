@@ -142,3 +142,28 @@ def test_without_greedy_no_greedy_figures():
     problems = REVERSE.sample(random.Random(3), 2)
     evaluator = reverse_evaluator(EvalConfig(every=1, samples=1, greedy=False), problems, 4)
     assert mn.EVAL_GREEDY_PASS not in evaluator.run(engine)
+
+
+def test_a_stop_leaves_the_evaluation_at_the_next_decoding_step():
+    # A held-out evaluation is hundreds of completions on a real model: a stop must not wait
+    # for it (the launcher kills what outlives its grace period).
+    from actors.loop import GenerationStopped
+
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    problems = REVERSE.sample(random.Random(3), 5)
+    engine = TorchEngine(
+        random_model(tokenizer.vocab_size, seed=0), tokenizer.eos_id, tokenizer.pad_id, version=0
+    )
+    evaluator = reverse_evaluator(EvalConfig(every=1, samples=4), problems, max_new_tokens=12)
+    polls = []
+
+    def stop_source() -> None:
+        polls.append(1)
+        if len(polls) == 3:
+            raise GenerationStopped
+
+    with pytest.raises(GenerationStopped):
+        evaluator.run(engine, stop_source=stop_source)
+    assert len(polls) == 3  # polled once per decoding step, left at the first poll after the stop
+    assert evaluator.latest == {}  # nothing half-measured is reported
+    assert evaluator.run(engine)[mn.EVAL_PROMPTS] == 5  # and the engine still serves
