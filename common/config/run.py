@@ -25,6 +25,7 @@ from common.config.modes import (
     REWARD_FAILURE_MODES,
     TASK_NAMES,
 )
+from common.heap import MMAP_THRESHOLD_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +183,9 @@ class RunConfig:
             onednn_cache_capacity=0,
         )
         require(
-            self.mmap_threshold_bytes <= 32 * 2**20,
-            "run.mmap_threshold_bytes must be at most 33554432 (glibc's ceiling, 32 MiB; 0: its "
+            self.mmap_threshold_bytes <= MMAP_THRESHOLD_MAX,
+            f"run.mmap_threshold_bytes must be at most {MMAP_THRESHOLD_MAX} (glibc's ceiling, "
+            "32 MiB; 0: its "
             f"dynamic threshold), got {self.mmap_threshold_bytes}",
         )
         for tracker in self.report_to:
