@@ -149,7 +149,7 @@ def test_secrets_are_placeholders_and_appear_nowhere_else(name: str) -> None:
 
 
 def test_an_overlay_replaces_the_secret_as_docs_deploy_says(tmp_path: Path) -> None:
-    """The user's overlay of docs/deploy.md: the real password and keys go into a fresh Secret that
+    """The user's overlay of docs/clusters.md: the real password and keys go into a fresh Secret that
     every reference follows, and still nowhere else."""
     password = base64.b16encode(os.urandom(16)).decode().lower()
     keys = tmp_path / "keys"

@@ -3,12 +3,12 @@
 # password. The password comes from the Secret in REDIS_PASSWORD and reaches redis-server in a
 # config file only its user can read (umask 077), never on a command line (/proc/*/cmdline).
 # A password still holding the base's placeholder is refused: replace the Secret first
-# (docs/deploy.md "Secrets").
+# (docs/clusters.md "Secrets").
 set -eu
 password=${REDIS_PASSWORD:?REDIS_PASSWORD is not set (the Secret key redis-password)}
 case "$password" in
   CHANGE-ME*)
-    echo "redis: the Secret's redis-password is the base's placeholder; replace the Secret (docs/deploy.md)" >&2
+    echo "redis: the Secret's redis-password is the base's placeholder; replace the Secret (docs/clusters.md)" >&2
     exit 2 ;;
   *[!A-Za-z0-9_.+/=-]*)
     echo "redis: redis-password may hold letters, digits and _.+/=- only" >&2
