@@ -129,7 +129,9 @@ def save_checkpoint(
     """``model``: a single process's model (with its ``optimizer``), or a gathered
     ``FullState`` (``optimizer`` then unused)."""
     full = model if isinstance(model, FullState) else full_state(model, optimizer)
-    root.mkdir(parents=True, exist_ok=True)
+    # This user's alone, whatever the umask: the weights of a private model (``mkdtemp`` makes
+    # each checkpoint's directory 0700 too).
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     write_model(full.config, full.model, tmp)

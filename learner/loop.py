@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from common.config.learner import weights_group_refusal
 from common.entrypoint import StopFlag
 from common.link.protocol import TrajectoryGroup
 from common.link.receive.admission import wire_limits
+from common.link.receive.intake import ActorInfo
 from common.link.receive.receiver import GroupReceiver
 from common.link.receive.wal import trim
 from common.metrics import MetricsWriter
@@ -174,7 +176,7 @@ class Learner:
         self.skipped_steps = 0
         self.trainer = TrainerState(step=state.step, version=state.version)
         self.last: dict[str, float] = {}
-        self.evaluated_version = -1  # the latest actor evaluation written (eval.every)
+        self.evaluations = EvaluationIntake()  # the evaluating actor's figures (eval.every)
         self.receiver.load_dedupe_state(state.dedupe)
         self.receiver.mark_seen(replayed)
         self.receiver.start()
@@ -275,14 +277,9 @@ class Learner:
             self.publisher.publish(self.state.version)  # the weights group's too (on_snapshot)
 
     def _new_evaluation(self, receiver: GroupReceiver) -> dict[str, float]:
-        """An actor's latest held-out evaluation (``eval/*``), once: in the first step record
-        after its status brought it."""
-        for info in receiver.live_actors().values():
-            version = info.stats.get(mn.EVAL_VERSION)
-            if version is not None and version > self.evaluated_version:
-                self.evaluated_version = int(version)
-                return {k: v for k, v in info.stats.items() if k.startswith(mn.EVAL_PREFIX)}
-        return {}
+        """The evaluating actor's latest held-out evaluation (``eval/*``), once: in the first
+        step record after its status brought it (see :class:`EvaluationIntake`)."""
+        return self.evaluations.take(receiver.live_actors(), self.state.version)
 
     def log(
         self,
@@ -428,6 +425,52 @@ def _batch_metrics(batch: TrainBatch, groups: list) -> dict[str, float]:
         mn.LEARNER_COMPLETION_LEN_MEAN: float(lengths.mean()),
         mn.LEARNER_FINISHED_FRAC: sum(finished) / max(len(finished), 1),
     }
+
+
+class EvaluationIntake:
+    """Which ``eval/*`` figures of the actors' heartbeats reach the records.
+
+    One actor evaluates (``eval.actor``), but the wire carries no actor index and an actor
+    chooses its own id, so any connected actor could send ``eval/*``. The learner takes them
+    from one actor only: the first live one to report them, and no other while it stays live
+    (a restarted evaluator, with a fresh id, is taken once the old one is forgotten). A version
+    above the learner's own is refused: no actor holds it, and a forged ``eval/version`` of 1e9
+    would hide every later real evaluation. Each evaluation is taken once."""
+
+    def __init__(self) -> None:
+        self.version = -1  # the latest evaluation taken
+        self.actor_id: str | None = None  # the actor whose figures are taken
+        self.refused = 0  # heartbeats with eval/* refused (another actor, or a version too new)
+        self._refused_seen: set[tuple[str, float]] = set()
+
+    def take(self, live: Mapping[str, ActorInfo], learner_version: int) -> dict[str, float]:
+        """The new evaluation among ``live`` actors' statuses, or {}."""
+        if self.actor_id not in live:
+            self.actor_id = None  # forgotten (silent past actor_timeout_s): the next one reports
+        for actor_id, info in live.items():
+            version = info.stats.get(mn.EVAL_VERSION)
+            if version is None or version <= self.version:
+                continue
+            if self.actor_id not in (None, actor_id) or version > learner_version:
+                self._refuse(actor_id, version, learner_version)
+                continue
+            self.actor_id, self.version = actor_id, int(version)
+            return {k: v for k, v in info.stats.items() if k.startswith(mn.EVAL_PREFIX)}
+        return {}
+
+    def _refuse(self, actor_id: str, version: float, learner_version: int) -> None:
+        if (actor_id, version) in self._refused_seen or len(self._refused_seen) > 1024:
+            return  # counted and logged once per (actor, version); bounded against a flood
+        self._refused_seen.add((actor_id, version))
+        self.refused += 1
+        log.warning(
+            "learner: eval/* of version %s from actor %s refused: %s",
+            version,
+            actor_id,
+            f"above the learner's version {learner_version}"
+            if version > learner_version
+            else f"actor {self.actor_id} evaluates",
+        )
 
 
 def _actor_metrics(receiver: GroupReceiver) -> dict[str, float]:

@@ -266,12 +266,33 @@ def build_preset_model(cfg: SpecRLConfig, console: Console) -> None:
         raise PreflightError(str(e)) from e
 
 
+RUN_UMASK = 0o077
+"""The umask of a run (this process from the run directory on, and every child it starts): the
+run directory and everything in it (checkpoints, held-out evaluations, logs, the trackers' copy
+of the config) are created for this user alone, 0700/0600. Processes of the same user (the
+actors reading the host weight cache, the learner's upload process) are not affected."""
+
+
 def run(cfg: SpecRLConfig, overrides: list[str], console: Console | None = None) -> dict:
     console = console or Console()
     build_preset_model(cfg, console)
     preflight(cfg, overrides)
+    previous = os.umask(RUN_UMASK)
+    try:
+        return _run(cfg, overrides, console)
+    finally:
+        os.umask(previous)
+
+
+def private_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` 0700, or make an existing one (a resumed run's) 0700."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir.chmod(0o700)
+
+
+def _run(cfg: SpecRLConfig, overrides: list[str], console: Console) -> dict:
     run_dir = cfg.run.resolved_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_run_dir(run_dir)
     (run_dir / "config.yaml").write_text(saved_config(cfg))
     console.print(
         f"[bold]specrl run[/bold] {cfg.run.name}: task={cfg.task.name} actors={cfg.actor.num_actors} steps={cfg.run.steps} → {run_dir}"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -292,11 +291,45 @@ def export_draft(source: Path, out: Path, force: bool = False) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
             raise EagleHeadError(f"{out} exists and is not empty: choose another OUT or --force")
-        if out.is_dir():
-            shutil.rmtree(out)
-        else:
-            out.unlink()
+        remove_previous_export(out)
     return write_draft(config, read_head(source), out)
+
+
+def remove_previous_export(out: Path) -> None:
+    """``export-draft --force``: delete ``out`` only if it is exactly a previous export (a real
+    directory holding ``config.json`` in the draft's form and :data:`DRAFT_WEIGHTS`, regular
+    files, nothing else), so a mistyped OUT (a run directory, a home) is never deleted."""
+    why = _not_an_export(out)
+    if why is not None:
+        raise EagleHeadError(
+            f"{out} is not a previous export-draft output ({why}): --force replaces only a "
+            f"directory holding exactly config.json and {DRAFT_WEIGHTS}; remove it yourself "
+            f"or choose another OUT"
+        )
+    for name in ("config.json", DRAFT_WEIGHTS):
+        (out / name).unlink()
+    out.rmdir()  # fails (OSError) if something appeared meanwhile: nothing else is deleted
+
+
+def _not_an_export(out: Path) -> str | None:
+    """None when ``out`` is exactly an export's directory, else why not."""
+    if out.is_symlink() or not out.is_dir():
+        return "a symlink" if out.is_symlink() else "not a directory"
+    names = {p.name for p in out.iterdir()}
+    if names != {"config.json", DRAFT_WEIGHTS}:
+        extra = sorted(names - {"config.json", DRAFT_WEIGHTS})
+        missing = sorted({"config.json", DRAFT_WEIGHTS} - names)
+        return f"it holds {extra[:3]}" if extra else f"it lacks {missing}"
+    for name in names:
+        if (out / name).is_symlink() or not (out / name).is_file():
+            return f"{name} is not a regular file"
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"config.json does not parse: {e}"
+    if not isinstance(config, dict) or config.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        return "config.json is not an EAGLE-3 draft's"
+    return None
 
 
 # ----------------------------------------------------------------------------- the swap

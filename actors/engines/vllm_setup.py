@@ -38,9 +38,23 @@ VLLM_CPU_SPEC_INEXACT = (
 )
 
 
+USAGE_STATS_OFF = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+"""vLLM's GPU worker reports usage statistics (model architecture, GPU, dtype, context length,
+speculative method) to stats.vllm.ai unless one of these is set: off unless the user set them."""
+
+
+def disable_usage_stats() -> None:
+    """Turn vLLM's usage statistics off in this process, before vLLM reads them; a value the
+    user set (``VLLM_NO_USAGE_STATS=0`` to opt in) is kept."""
+    for name, value in USAGE_STATS_OFF.items():
+        os.environ.setdefault(name, value)
+
+
 def import_vllm(on_gpu: bool):
     """``vllm.LLM``, with a clear error when vLLM (or the build for this device) is missing, or
-    is not the version whose internals specrl relies on (:func:`vllm_compat.check_vllm`)."""
+    is not the version whose internals specrl relies on (:func:`vllm_compat.check_vllm`).
+    vLLM's usage statistics are turned off first (:func:`disable_usage_stats`)."""
+    disable_usage_stats()
     try:
         from vllm import LLM
         from vllm.platforms import current_platform

@@ -11,14 +11,16 @@ cannot reach; the supported path is the Redis weight store). The sender hosts a
 ``TCPStore`` at ``host:port`` for the rendezvous and the membership, listening on that host only
 (a loopback host unless ``learner.weights_group_allow_remote``):
 
-- an actor joins by taking a ticket (``joins``, a counter), proving it knows the run's group
-  secret (an HMAC of its ticket under ``proof/{n}``; the sender keeps the secret in Redis under
-  ``weights:{run}:group_secret``, where actors, who hold Redis credentials, read it) and waiting
-  for the sender's answer under ``ticket/{n}``: an epoch, a rank and the group's size, or a
-  refusal for a ticket without a valid proof; every member of an epoch builds the group from the
-  store under ``epoch/{e}/``, and then every rank proves the secret again over the group itself
-  (an HMAC of the epoch and its rank, all-gathered) before any version is sent, so a peer that
-  took a member's place in the rendezvous is found and the epoch dropped;
+- an actor joins by taking a ticket and proving it knows the run's group secret (the sender
+  keeps it in Redis under ``weights:{run}:group_secret``, where actors, who hold Redis
+  credentials, read it): an HMAC of its ticket and a nonce of its own under ``proof/{n}``; the
+  sender answers under ``ticket/{n}`` with an epoch, a rank and the group's size, signed for that
+  nonce, or refuses a wrong proof (``common.weights.group_join``, which says what a local
+  process that reaches the store can still do); every member of an epoch builds the group from
+  the store under ``epoch/{e}/`` (gloo listening beside the store, :func:`gloo_host`), and then
+  every rank proves the secret again over the group itself (an HMAC of the epoch and its rank,
+  all-gathered) before any version is sent, so a peer that took a member's place in the
+  rendezvous is found and the epoch dropped;
 - new joiners make a new epoch: the sender announces it to the current members (a ``REGROUP``
   header), who rebuild with their ranks, and the new ones take the next ranks;
 - a member that fails an operation (a peer gone, a timeout) drops the group, and the sender
@@ -44,7 +46,6 @@ import ipaddress
 import logging
 import math
 import os
-import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -81,12 +82,6 @@ MANIFEST_TTL_S = 600
 _ALIGN = 64
 
 OP_NOOP, OP_VERSION, OP_REGROUP, OP_LEAVE = 0, 1, 2, 3
-JOINS = "joins"
-SECRET_TTL_S = 120
-"""The group secret's time to live in Redis; the sender refreshes it every heartbeat, so it goes
-away soon after the learner does."""
-PROOF_WAIT_S = 10.0
-"""How long the sender waits for a ticket's proof before it refuses the ticket."""
 
 _DTYPES = {dtype_name(d): d for d in DTYPE_NAMES}
 
@@ -125,45 +120,7 @@ def check_device(device: torch.device) -> None:
         raise CollectiveError(refusal)
 
 
-# ---------------------------------------------------------------------------------- secret
-
-
-def group_secret_key(run_id: str) -> str:
-    """Where the sender keeps the run's group secret in Redis (actors read it to join)."""
-    return f"weights:{run_id}:group_secret"
-
-
-def new_secret() -> str:
-    return secrets.token_hex(32)
-
-
-def read_secret(client: redis.Redis, run_id: str) -> str:
-    """The run's group secret from Redis (``CollectiveError`` where there is none: no sender, or
-    it has not written it yet)."""
-    try:
-        raw = client.get(group_secret_key(run_id))
-    except redis.RedisError as e:
-        raise CollectiveError(f"cannot read the weights group's secret from Redis: {e}") from e
-    if not raw:
-        raise CollectiveError("no weights group secret in Redis (no sender for this run)")
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
-def _mac(secret: str, message: str) -> str:
-    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
-
-
-def join_proof(secret: str, run_id: str, ticket: int) -> str:
-    """What a joiner writes under ``proof/{ticket}``: an HMAC of its ticket under the secret."""
-    return _mac(secret, f"specrl-weights-group/join/{run_id}/{ticket}")
-
-
-def proof_matches(secret: str, run_id: str, ticket: int, proof: bytes | str | None) -> bool:
-    """Whether ``proof`` is ``ticket``'s proof under ``secret`` (compared in constant time)."""
-    if proof is None:
-        return False
-    got = proof.decode(errors="replace") if isinstance(proof, bytes) else str(proof)
-    return hmac.compare_digest(got, join_proof(secret, run_id, ticket))
+# ---------------------------------------------------------------------------- epoch proof
 
 
 def epoch_proof(secret: str, run_id: str, epoch: int, rank: int) -> bytes:
@@ -437,6 +394,30 @@ def store_server(address: str, timeout_s: float, allow_remote: bool = False) -> 
         raise CollectiveError(f"cannot host the weights group at {address}: {e}") from e
 
 
+def gloo_host(address: str, sender: bool) -> str | None:
+    """Where a member's gloo pairs listen: beside the store, not on the address this machine's
+    hostname resolves to (which can be a public one while the store is on loopback). The
+    sender: the store's host (gloo's default for a wildcard host, which no peer can dial). A
+    receiver: the store's host when it is loopback, else this machine's address that routes to
+    it (found by a UDP ``connect``, which sends nothing)."""
+    host, port = parse_address(address)
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        ip = None  # a name
+    if sender:
+        return None if ip is not None and ip.is_unspecified else host
+    if is_loopback_host(host):
+        return host
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None  # gloo's default; the store connect reports the real problem
+
+
 def _td(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
 
@@ -453,12 +434,21 @@ class WeightsGroup:
         size: int,
         device: torch.device,
         connect_timeout_s: float,
+        bind_host: str | None = None,
     ) -> None:
+        """``bind_host``: the address gloo listens on (:func:`gloo_host`); None: gloo's
+        default, the address this machine's hostname resolves to."""
         self.epoch, self.rank, self.size, self.device = epoch, rank, size, device
         check_device(device)
         prefixed = dist.PrefixStore(f"epoch/{epoch}/", store)
         try:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, _td(connect_timeout_s))
+            if bind_host is None:
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, size, _td(connect_timeout_s))
+                return
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = _td(connect_timeout_s)
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, options)
             return
         except (RuntimeError, OSError) as e:
             failure = str(e)

@@ -127,8 +127,14 @@ def test_export_draft_refusals(tmp_path, capsys):
     (out / "keep.txt").write_text("x")
     assert cli(["export-draft", str(src), str(out)]) == 2
     assert "not empty" in capsys.readouterr().err and (out / "keep.txt").exists()
+    # --force replaces only a previous export (tests/unit/actors/test_export_draft_force.py).
+    assert cli(["export-draft", str(src), str(out), "--force"]) == 2
+    assert "not a previous export-draft output" in capsys.readouterr().err
+    assert (out / "keep.txt").exists()
+    (out / "keep.txt").unlink()
+    assert cli(["export-draft", str(src), str(out)]) == 0
     assert cli(["export-draft", str(src), str(out), "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists()
     # A model without a head (no eagle_aux_layers), and one whose head file is gone.
     plain = tmp_path / "plain"
     save_with_head(peaky_model(6, 1, 6.0), {}, plain)  # no head: config and tensors

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -263,3 +264,34 @@ def test_no_password_on_any_command_line_nor_in_the_saved_config(tmp_path, model
     assert any(f"redis.url=redis://127.0.0.1:{server.port}/0".encode() in c for c in seen.values())
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert password not in saved and f"url: redis://:***@127.0.0.1:{server.port}/0" in saved
+
+
+def test_the_run_directory_and_everything_in_it_are_this_users_alone(tmp_path, model_dir):
+    """Under a permissive umask (002) and in a run directory made 0755 beforehand: once the run
+    is over, the run directory and everything in it (config, logs, metrics, held-out
+    evaluations, checkpoints, Redis' files, the report) have no group or other bits."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0o755)
+    extra = ["run.steps=4", "actor.num_actors=1", "eval.every=2", "eval.prompts=4"]
+    extra.append(f"redis.host_cache_dir={tmp_path / 'shm'}")
+    previous = os.umask(0o002)
+    try:
+        proc = launch(run_dir, model_dir, extra)
+    finally:
+        os.umask(previous)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    paths = [run_dir, *(p for p in run_dir.rglob("*") if not p.is_symlink())]
+    names = {str(p.relative_to(run_dir)) for p in paths}
+    assert {"config.yaml", "metrics.jsonl", "learner.log", "actor-0.log", "summary.json"} <= names
+    assert any(n.startswith("eval/") for n in names) and any(
+        n.startswith("checkpoints/step") for n in names
+    ), names
+    loose = {
+        str(p.relative_to(run_dir)): oct(mode)
+        for p in paths
+        if (mode := stat.S_IMODE(p.lstat().st_mode)) & 0o077
+    }
+    assert not loose, loose
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 from benchmarks.weights_collective import Actors, wait_members
 from common import metric_names as mn
-from common.weights.collective import JOINS, CollectiveError, join_proof
-from common.weights.fetch.collective_feed import CollectiveFeed
+from common.weights.collective import CollectiveError
+from common.weights.fetch.collective_feed import CollectiveFeed, CollectiveReceiver
 from common.weights.fetch.reader import WeightReader
 from common.weights.format import weights_digest
+from common.weights.group_join import JOINS, join_proof
 from common.weights.publish.collective_sender import CollectiveSender
 from common.weights.publish.writer import WeightWriter
 from learner.exporter import LearnerExporter
@@ -57,8 +58,17 @@ def listeners(port: int) -> set[str]:
     }
 
 
-def sender_at(redis_client, cls=CollectiveSender, **kwargs) -> CollectiveSender:
-    address = f"127.0.0.1:{find_free_port()}"
+def all_listeners() -> set[tuple[str, int]]:
+    """Every (address, port) this process listens on."""
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def sender_at(redis_client, cls=CollectiveSender, host="127.0.0.1", **kwargs) -> CollectiveSender:
+    address = f"{host}:{find_free_port()}"
     options = {"bucket_bytes": 1024, "heartbeat_s": 0.5, "timeout_s": 20.0} | kwargs
     return cls(redis_client, RUN, address, **options)
 
@@ -89,17 +99,18 @@ class FailingSender(CollectiveSender):
 
 
 def test_a_joiner_without_the_secret_is_refused_and_receives_nothing(redis_client, redis_server):
-    with sender_at(redis_client, proof_wait_s=1.0) as sender:
+    with sender_at(redis_client) as sender:
         port = int(sender.address.rpartition(":")[2])
         raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-        silent = raw.add(JOINS, 1)  # a ticket and no proof
+        silent = raw.add(JOINS, 1)  # a ticket and no proof: never looked at, never answered
         wrong = raw.add(JOINS, 1)  # a ticket and a proof under another secret
-        raw.set(f"proof/{wrong}", join_proof("0" * 64, RUN, wrong))
-        for ticket in (silent, wrong):
-            raw.wait([f"ticket/{ticket}"], timedelta(seconds=15))
-            answer = json.loads(raw.get(f"ticket/{ticket}"))
-            assert set(answer) == {"refused"}, answer  # no epoch, no rank: never admitted
-        assert sender.stats()["joins_refused"] == 2 and sender.members == 0
+        nonce = "0" * 32
+        raw.set(f"proof/{wrong}", f"{nonce}.{join_proof('0' * 64, RUN, wrong, nonce)}")
+        raw.wait([f"ticket/{wrong}"], timedelta(seconds=15))
+        answer = json.loads(raw.get(f"ticket/{wrong}"))
+        assert set(answer) == {"refused"}, answer  # no epoch, no rank: never admitted
+        assert not raw.check([f"ticket/{silent}"])
+        assert sender.stats()["joins_refused"] == 1 and sender.members == 0
 
         actors = Actors(1, redis_server.url, RUN, [sender.address], FAST)
         try:
@@ -111,9 +122,51 @@ def test_a_joiner_without_the_secret_is_refused_and_receives_nothing(redis_clien
             assert held[6]["collective"] == 1
             # The group the version went to is the proper actor and the sender: size 2.
             assert sender.members == 1 and sender._group is not None and sender._group.size == 2
-            assert sender.stats()["joins_refused"] == 2
+            assert sender.stats()["joins_refused"] == 1
         finally:
             actors.close()
+
+
+def test_a_flood_of_tickets_and_forged_answers_do_not_keep_a_joiner_out(redis_client):
+    """Another local process can write the store (it has no authentication): it takes 10^6
+    tickets in one call and writes bogus answers for the next tickets before a real actor joins.
+    The sender does not count its way through the tickets, and the actor does not act on the
+    unsigned answers: it joins the sender's epoch."""
+    with sender_at(redis_client) as sender:
+        port = int(sender.address.rpartition(":")[2])
+        raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        flood = raw.add(JOINS, 10**6)
+        bogus = json.dumps({"epoch": 99, "rank": 1, "size": 2})
+        for ticket in range(flood + 1, flood + 4):
+            raw.set(f"ticket/{ticket}", bogus)
+        receiver = CollectiveReceiver(redis_client, RUN, sender.address, join_timeout_s=20.0)
+        try:
+            started = time.monotonic()
+            receiver.join()
+            assert time.monotonic() - started < 15
+            wait_members(sender, 1, 10)
+            assert receiver.group is not None and receiver.group.epoch == sender._epoch != 99
+            assert receiver.group.rank == 1
+            assert sender.stats()["joins_refused"] == 0
+        finally:
+            receiver.close()
+
+
+def test_the_groups_pairs_listen_beside_the_store_not_on_the_hostnames_address(redis_client):
+    """The store on 127.0.0.2 (loopback; this machine's hostname resolves elsewhere, to
+    127.0.0.1 or a public address): every socket the sender and a member open to listen is on
+    127.0.0.2."""
+    before = all_listeners()
+    with sender_at(redis_client, host="127.0.0.2") as sender:
+        receiver = CollectiveReceiver(redis_client, RUN, sender.address, join_timeout_s=20.0)
+        try:
+            receiver.join()
+            wait_members(sender, 1, 10)
+            opened = all_listeners() - before
+            assert len(opened) >= 3, opened  # the store, and gloo on each side
+            assert {ip for ip, _ in opened} == {"127.0.0.2"}, opened
+        finally:
+            receiver.close()
 
 
 def test_a_member_falls_back_to_redis_when_the_sender_fails_a_version(redis_client, tmp_path):

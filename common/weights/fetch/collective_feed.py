@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Self
 
 import redis
@@ -33,7 +32,6 @@ from common.config import SpecRLConfig
 from common.weights.collective import (
     HEARTBEAT_S,
     IDLE_TIMEOUT_S,
-    JOINS,
     OP_LEAVE,
     OP_NOOP,
     OP_REGROUP,
@@ -45,10 +43,9 @@ from common.weights.collective import (
     bucket_sha256,
     check_device,
     check_received,
+    gloo_host,
     hash_threads,
-    join_proof,
     read_manifest,
-    read_secret,
     slots,
     store_client,
     views,
@@ -58,6 +55,7 @@ from common.weights.fetch.feed import ReadySlot, Update
 from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import WeightsCorrupt, WeightsError
+from common.weights.group_join import JOINS, await_answer, new_join_proof, read_secret
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +84,7 @@ class CollectiveReceiver:
         check_device(self.device)
         self.store: dist.TCPStore | None = None
         self._secret = ""
+        self._bind: str | None = None  # where this member's gloo listens (gloo_host)
         self.group: WeightsGroup | None = None
         self.last_version_s = 0.0
         self.last_op = time.monotonic()
@@ -106,19 +105,15 @@ class CollectiveReceiver:
         store = store_client(self.address, self.join_timeout_s)
         try:
             ticket = store.add(JOINS, 1)
-            store.set(f"proof/{ticket}", join_proof(secret, self.run_id, ticket))
-            key = f"ticket/{ticket}"
-            store.wait([key], timedelta(seconds=self.join_timeout_s))
-            answer = json.loads(store.get(key))
-            if "refused" in answer:
-                raise CollectiveError(
-                    f"the weights group at {self.address} refused ticket {ticket}: "
-                    f"{answer['refused']}"
-                )
+            nonce, proof = new_join_proof(secret, self.run_id, ticket)
+            store.set(f"proof/{ticket}", proof)
+            # Signed for this nonce: an answer another local process wrote is not acted on.
+            answer = await_answer(store, secret, self.run_id, ticket, nonce, self.join_timeout_s)
             epoch, rank, size = int(answer["epoch"]), int(answer["rank"]), int(answer["size"])
         except (RuntimeError, OSError, ValueError, KeyError, TypeError) as e:
             raise CollectiveError(f"could not join the weights group at {self.address}: {e}") from e
-        group = WeightsGroup(store, epoch, rank, size, self.device, self.join_timeout_s)
+        self._bind = gloo_host(self.address, sender=False)
+        group = WeightsGroup(store, epoch, rank, size, self.device, self.join_timeout_s, self._bind)
         group.authenticate(secret, self.run_id, self.join_timeout_s)
         self.group, self.store, self._secret = group, store, secret
 
@@ -149,7 +144,9 @@ class CollectiveReceiver:
             raise CollectiveLeft("the learner closed the weights group")
         if op == OP_REGROUP:
             self.group = None
-            regrouped = WeightsGroup(self.store, a, group.rank, b, self.device, self.join_timeout_s)
+            regrouped = WeightsGroup(
+                self.store, a, group.rank, b, self.device, self.join_timeout_s, self._bind
+            )
             regrouped.authenticate(self._secret, self.run_id, self.join_timeout_s)
             self.group = regrouped
             return None

@@ -5,8 +5,9 @@ A file holds the safetensors bytes of the *full* weights, named by run, version 
 manifest's ``weights_sha256`` (so runs or Redis servers that reuse a run name and version
 cannot serve each other's weights). It appears only by ``rename`` of a finished temp file, after
 the fetcher verified the bytes, so a reader sees a whole verified version or no file. Each put
-deletes the run's versions older than the ``keep`` newest (a reader that mapped one keeps its
-mapping). Reads are ``mmap`` copy-on-write: a writer never changes the shared file.
+deletes the run's versions older than the ``keep`` newest (a reader that opened one still reads
+it whole). A read copies the file into the reader's own memory (never a mapping of the file),
+and the reader hashes that copy: a later write to the file cannot change weights in use.
 
 The cache trusts nothing it did not make (``/dev/shm`` is writable by every user): its
 directories (``{root}/specrl-weights-{uid}`` and one per run) are created 0700 and used only
@@ -14,7 +15,7 @@ while they are directories owned by this user that no one else may write; a file
 if it is a regular file owned by this user that no one else may write (never through a symlink:
 every name is opened with ``O_NOFOLLOW`` relative to its checked directory's descriptor).
 Anything else raises :class:`CacheRefused`, and the reader fetches from Redis instead. The
-reader also hashes what it maps against the manifest's ``weights_sha256`` before it uses it
+reader also hashes its copy against the manifest's ``weights_sha256`` before it uses it
 (:meth:`common.weights.fetch.reader.WeightReader.fetch`).
 """
 
@@ -24,7 +25,6 @@ import contextlib
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import re
 import stat
@@ -130,8 +130,9 @@ class HostCache:
                     os.close(fd)
 
     def get(self, run_id: str, version: int, digest: str) -> torch.Tensor | None:
-        """The cached bytes of ``version`` (uint8, copy-on-write mapping), or None. Raises
-        :class:`CacheRefused` for a file or directory that is not this user's alone."""
+        """The cached bytes of ``version`` (uint8, a private copy), or None. Raises
+        :class:`CacheRefused` for a file or directory that is not this user's alone, or one that
+        shrank while it was read."""
         name = self._file_name(version, digest)
         with self._run_dir(run_id, create=False) as run_fd:
             if run_fd is None:
@@ -147,14 +148,9 @@ class HostCache:
         try:
             st = os.fstat(fd)
             _check_owned(st, str(self._dir(run_id) / name), is_dir=False)
-            if st.st_size == 0:
-                return torch.empty(0, dtype=torch.uint8)
-            memory = mmap.mmap(
-                fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
+            return _read_private(fd, st.st_size, name)
         finally:
             os.close(fd)
-        return torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive
 
     def put(self, run_id: str, version: int, digest: str, data: torch.Tensor | bytes) -> bool:
         """Publish verified bytes for the host; False (and a warning) if the disk is full.
@@ -191,7 +187,7 @@ class HostCache:
 
     def remove_run(self, run_id: str) -> int:
         """Delete every cached version of ``run_id`` (a run that has ended); bytes freed.
-        Processes that still map a file keep their mapping. A directory that is not this
+        Processes that still have a file open read it whole. A directory that is not this
         user's alone is left as it is (a warning)."""
         freed = 0
         try:
@@ -227,6 +223,23 @@ class HostCache:
             yield
         finally:
             os.close(fd)  # releases the flock
+
+
+def _read_private(fd: int, size: int, name: str) -> torch.Tensor:
+    """The ``size`` bytes of file ``fd`` copied into this process's own memory (uint8).
+
+    Never a mapping of the file: unwritten pages of even a ``MAP_PRIVATE`` mapping show later
+    writes to the file, so a same-user process could change weights after they were hashed.
+    The caller hashes this copy, which no one else can reach."""
+    out = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    done = 0
+    while done < size:
+        got = os.readv(fd, [view[done:]])
+        if got == 0:
+            raise CacheRefused(f"host weight cache: {name} shrank while it was read")
+        done += got
+    return out  # bytes written past ``size`` meanwhile are not read: the hash decides
 
 
 def hash_name(text: str) -> int:

@@ -62,9 +62,10 @@ class WeightReader(WeightStore):
         socket read); a delta is applied to the version this reader fetched last when it is the
         delta's base, else to the chain from its keyframe, and the result must match the
         manifest's ``weights_sha256``. Non-finite floats are refused (``WeightsNonFinite``).
-        With a host cache, one process per host reads from Redis and the others map its copy.
+        With a host cache, one process per host reads from Redis and the others copy its file
+        into their own memory and hash that copy.
         ``load_state_dict`` copies the tensors into a model as usual; do not modify them in
-        place (they are the base of the next delta, and a shared mapping).
+        place (they are the base of the next delta).
         """
         if version is None:
             version = self.latest_version()
@@ -134,9 +135,10 @@ class WeightReader(WeightStore):
             buf = self.host_cache.get(self.run_id, version, digest)
             if buf is None:
                 return None, False
-            # The end-to-end check a delta gets: the mapped bytes, hashed once as they are
-            # first read, must be the manifest's weights. A copy swapped or changed after the
-            # fetcher wrote it is refused here.
+            # The end-to-end check a delta gets: the bytes copied into this process's memory
+            # (never a mapping of the file, which a later write to it would change) must be
+            # the manifest's weights. A copy swapped or changed after the fetcher wrote it is
+            # refused here; one changed after this copy no longer matters.
             state = tensors_from_safetensors(version, buf)
             state = check_against_manifest(version, state, manifest["tensors"])
             got = weights_digest(state)

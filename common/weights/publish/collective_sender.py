@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -40,14 +41,11 @@ from common.weights.collective import (
     COLLECTIVE_FORMAT,
     DEFAULT_BUCKET_BYTES,
     HEARTBEAT_S,
-    JOINS,
     MANIFEST_TTL_S,
     OP_LEAVE,
     OP_NOOP,
     OP_REGROUP,
     OP_VERSION,
-    PROOF_WAIT_S,
-    SECRET_TTL_S,
     WIRE_DTYPE,
     CollectiveError,
     WeightsGroup,
@@ -55,26 +53,32 @@ from common.weights.collective import (
     bucket_sha256,
     check_device,
     collective_manifest_key,
-    group_secret_key,
+    gloo_host,
     hash_threads,
     new_manifest,
-    new_secret,
     pack,
-    proof_matches,
     slots,
     store_server,
     views,
     wire_layout,
 )
 from common.weights.format import WeightsError, WeightsNonFinite, check_finite
+from common.weights.group_join import (
+    JOINS,
+    MAX_PROOFS,
+    SECRET_TTL_S,
+    group_secret_key,
+    new_secret,
+    proven_nonce,
+    signed_answer,
+)
 
 if TYPE_CHECKING:
     from common.weights.publish.upload import Snapshot
 
 log = logging.getLogger(__name__)
 
-MAX_WAITING = 256
-"""Tickets kept waiting for their proof at most (older ones are refused)."""
+_PROOF_KEY = re.compile(r"proof/([0-9]{1,18})")
 
 
 @dataclass
@@ -106,18 +110,15 @@ class CollectiveSender:
         heartbeat_s: float = HEARTBEAT_S,
         device: str | torch.device = "cpu",
         allow_remote: bool = False,
-        proof_wait_s: float = PROOF_WAIT_S,
     ) -> None:
         """``timeout_s`` bounds one broadcast, ``connect_timeout_s`` the forming of an epoch;
-        ``allow_remote``: the store may listen on a host that is not loopback;
-        ``proof_wait_s``: how long a ticket's proof of the secret may take to come."""
+        ``allow_remote``: the store may listen on a host that is not loopback."""
         if bucket_bytes < 64:
             raise ValueError(f"bucket_bytes must be >= 64, got {bucket_bytes}")
         self.client, self.run_id, self.address = client, run_id, address
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.heartbeat_s = heartbeat_s
-        self.proof_wait_s = proof_wait_s
         self.device = torch.device(device)
         check_device(self.device)
         self.store = store_server(address, max(timeout_s, connect_timeout_s), allow_remote)
@@ -128,8 +129,6 @@ class CollectiveSender:
         self._refresh_secret()
         self._group: WeightsGroup | None = None
         self._epoch = 0
-        self._tickets = 0
-        self._waiting: dict[int, float] = {}  # ticket -> when its proof is given up on
         self._pending: _Version | None = None
         self._last: _Version | None = None  # the newest version sent: sent again to a new epoch
         self._queued_version = -1
@@ -361,34 +360,32 @@ class CollectiveSender:
         else:
             self._header([OP_NOOP, 0, 0, 0])
 
-    def _proven(self) -> list[int]:
-        """The tickets taken since the last call or still waiting whose proof of the secret is
-        in the store and right; tickets with a wrong proof, or none in ``proof_wait_s``, are
-        refused (answered so, never admitted)."""
-        count = self.store.add(JOINS, 0)
-        now = time.monotonic()
-        for ticket in range(self._tickets + 1, count + 1):
-            self._waiting[ticket] = now + self.proof_wait_s
-        self._tickets = max(self._tickets, count)
-        proven, refused = [], []
-        # A flood of tickets without proofs must not make each round slow: the oldest go.
-        for ticket in sorted(self._waiting)[: max(0, len(self._waiting) - MAX_WAITING)]:
-            refused.append((ticket, "too many joins waiting for their proof"))
-            del self._waiting[ticket]
-        for ticket, deadline in sorted(self._waiting.items()):
+    def _proven(self) -> list[tuple[int, str]]:
+        """``(ticket, nonce)`` of the joiners whose proof of the secret came since the last
+        call; a wrong proof is refused (answered so, never admitted). Proofs are found by their
+        keys, never by counting tickets: tickets taken without one (a flood of ``joins``) cost
+        nothing and push no joiner out. At most ``MAX_PROOFS`` are read a round, the lowest
+        tickets first; each key is deleted once read."""
+        tickets = sorted(
+            int(m.group(1)) for k in self.store.list_keys() if (m := _PROOF_KEY.fullmatch(k))
+        )
+        proven = []
+        for ticket in tickets[:MAX_PROOFS]:
             key = f"proof/{ticket}"
-            if self.store.check([key]):
-                ok = proof_matches(self.secret, self.run_id, ticket, self.store.get(key))
-                (proven if ok else refused).append((ticket, "wrong proof of the run's secret"))
-            elif now >= deadline:
-                refused.append((ticket, "no proof of the run's secret"))
-        for ticket, reason in refused:
+            nonce = proven_nonce(self.secret, self.run_id, ticket, self.store.get(key))
+            self.store.delete_key(key)
+            if nonce is not None:
+                proven.append((ticket, nonce))
+                continue
             self.joins_refused += 1
-            log.warning("weights group: ticket %d refused: %s", ticket, reason)
-            self.store.set(f"ticket/{ticket}", json.dumps({"refused": reason}))
-        for ticket, _ in proven + refused:
-            self._waiting.pop(ticket, None)
-        return [ticket for ticket, _ in proven]
+            self.store.set(f"ticket/{ticket}", json.dumps({"refused": "wrong proof"}))
+            if self.joins_refused & (self.joins_refused - 1) == 0:  # 1, 2, 4, ...: bounded logs
+                log.warning(
+                    "weights group: ticket %d refused: wrong proof of the run's secret (%d so far)",
+                    ticket,
+                    self.joins_refused,
+                )
+        return proven
 
     def _admit(self) -> bool:
         """Form a new epoch for actors that took a ticket (and proved the secret) since the last;
@@ -407,13 +404,22 @@ class CollectiveSender:
                 self.group_losses += 1
                 epoch, first = epoch + 1, 1
         size = first + len(tickets)
-        for i, ticket in enumerate(tickets):
+        for i, (ticket, nonce) in enumerate(tickets):
             answer = {"epoch": epoch, "rank": first + i, "size": size}
-            self.store.set(f"ticket/{ticket}", json.dumps(answer))
+            signed = signed_answer(self.secret, self.run_id, ticket, nonce, answer)
+            self.store.set(f"ticket/{ticket}", signed)
         self._group = None  # the old epoch's sockets close; its members moved on or failed
         self._epoch = epoch
         try:
-            group = WeightsGroup(self.store, epoch, 0, size, self.device, self.connect_timeout_s)
+            group = WeightsGroup(
+                self.store,
+                epoch,
+                0,
+                size,
+                self.device,
+                self.connect_timeout_s,
+                gloo_host(self.address, sender=True),
+            )
             group.authenticate(self.secret, self.run_id, self.connect_timeout_s)
         except CollectiveError as e:
             self.group_losses += 1

@@ -291,3 +291,43 @@ def test_a_symlink_or_a_writable_file_in_place_of_a_copy_is_refused(
     reader = cached_reader(redis_server.url, tmp_path)
     assert reader.fetch(1)[1]["w"].sum() == 16 and reader.cache_refused == 1
     assert not path.is_symlink() and stat.S_IMODE(path.lstat().st_mode) == 0o600  # replaced
+
+
+def test_a_write_into_the_cached_file_after_a_hit_leaves_the_weights_as_fetched(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, monkeypatch
+) -> None:
+    digest = published(redis_client)
+    assert cached_reader(redis_server.url, tmp_path).fetch(1)[1]["w"].sum() == 16  # the fetcher
+    reader = cached_reader(redis_server.url, tmp_path)
+
+    def no_redis(*args: object) -> None:
+        raise AssertionError("a host-cache hit reads nothing from Redis")
+
+    monkeypatch.setattr(reader, "_build", no_redis)
+    weights = reader.fetch(1)[1]["w"]  # a hit, hashed and handed out
+    # A process of the same user writes into the same inode (no rename, no new file).
+    path = HostCache(tmp_path).path(TRUST, 1, digest)
+    inode = path.stat().st_ino
+    with open(path, "r+b") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header)
+        f.write(torch.full((4, 4), 1000.0).numpy().tobytes())
+    assert path.stat().st_ino == inode
+    served = tensors_from_safetensors(1, HostCache(tmp_path).get(TRUST, 1, digest))
+    assert served["w"].sum() == 16000  # the file did change
+    assert weights.sum() == 16 and torch.equal(weights, torch.ones(4, 4))  # a private copy
+
+
+def test_a_cached_file_that_changes_size_while_read_is_refused(tmp_path: Path, monkeypatch) -> None:
+    cache = HostCache(tmp_path)
+    digest = "ab" * 32
+    cache.put(RUN, 1, digest, bytes(range(64)))
+    real_readv = os.readv
+
+    def truncating_readv(fd: int, buffers: list) -> int:
+        cache.path(RUN, 1, digest).write_bytes(b"x" * 10)  # truncated in place by another writer
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(os, "readv", truncating_readv)
+    with pytest.raises(CacheRefused, match="shrank while it was read"):
+        cache.get(RUN, 1, digest)

@@ -5,6 +5,7 @@ tests/integration/test_weights_group.py)."""
 from __future__ import annotations
 
 import copy
+import json
 import threading
 
 import psutil
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import common.weights.collective as wc
+import common.weights.group_join as gj
 from common.config.actor import ActorConfig
 from common.config.learner import LearnerConfig
 from common.weights.format import WeightsCorrupt, WeightsError, WeightsNonFinite
@@ -179,14 +181,32 @@ def test_the_nccl_path_is_refused_until_a_gpu_has_run_it():
     ActorConfig(weights_group=False, device="cuda:0")
 
 
-def test_join_proofs_are_bound_to_the_secret_and_the_ticket():
-    secret = wc.new_secret()
-    proof = wc.join_proof(secret, "run", 3)
-    assert wc.proof_matches(secret, "run", 3, proof.encode())
-    assert not wc.proof_matches(secret, "run", 4, proof)  # another ticket
-    assert not wc.proof_matches(secret, "other", 3, proof)  # another run
-    assert not wc.proof_matches(wc.new_secret(), "run", 3, proof)  # another secret
-    assert not wc.proof_matches(secret, "run", 3, None)
+def test_join_proofs_are_bound_to_the_secret_the_ticket_and_the_joiners_nonce():
+    secret = gj.new_secret()
+    nonce, proof = gj.new_join_proof(secret, "run", 3)
+    assert gj.proven_nonce(secret, "run", 3, proof.encode()) == nonce
+    assert gj.new_join_proof(secret, "run", 3)[0] != nonce  # a fresh nonce per joiner
+    assert gj.proven_nonce(secret, "run", 4, proof) is None  # another ticket
+    assert gj.proven_nonce(secret, "other", 3, proof) is None  # another run
+    assert gj.proven_nonce(gj.new_secret(), "run", 3, proof) is None  # another secret
+    other = "0" * 32
+    assert gj.proven_nonce(secret, "run", 3, other + proof[32:]) is None  # another nonce
+    assert gj.proven_nonce(secret, "run", 3, None) is None
+
+
+def test_answers_are_signed_for_the_joiners_ticket_and_nonce():
+    secret = gj.new_secret()
+    nonce, _ = gj.new_join_proof(secret, "run", 3)
+    answer = {"epoch": 2, "rank": 1, "size": 2}
+    signed = gj.signed_answer(secret, "run", 3, nonce, answer)
+    assert gj.verified_answer(secret, "run", 3, nonce, signed.encode()) == answer
+    assert gj.verified_answer(secret, "run", 4, nonce, signed) is None  # another ticket
+    assert gj.verified_answer(secret, "run", 3, "1" * 32, signed) is None  # another joiner
+    assert gj.verified_answer(gj.new_secret(), "run", 3, nonce, signed) is None
+    forged = signed.replace('\\"epoch\\": 2', '\\"epoch\\": 99')
+    assert forged != signed and gj.verified_answer(secret, "run", 3, nonce, forged) is None
+    for unsigned in (json.dumps(answer), json.dumps({"refused": "x"}), "not json", None):
+        assert gj.verified_answer(secret, "run", 3, nonce, unsigned) is None
 
 
 def form_and_authenticate(secrets: list[str]) -> list[BaseException | None]:
@@ -213,9 +233,9 @@ def form_and_authenticate(secrets: list[str]) -> list[BaseException | None]:
 
 
 def test_every_rank_of_an_epoch_proves_the_secret_over_the_group():
-    secret = wc.new_secret()
+    secret = gj.new_secret()
     assert form_and_authenticate([secret, secret, secret]) == [None, None, None]
-    outcome = form_and_authenticate([secret, secret, wc.new_secret()])
+    outcome = form_and_authenticate([secret, secret, gj.new_secret()])
     assert all(isinstance(e, wc.CollectiveError) for e in outcome), outcome
     # The proper ranks find rank 2 out; rank 2 finds that the others do not share its secret.
     assert all("rank(s) [2] do not know the run's secret" in str(e) for e in outcome[:2])
