@@ -208,7 +208,9 @@ def _export_draft(rest: list[str]) -> int:
     )
     parser.add_argument("src", type=Path, help="model or checkpoint directory with the head")
     parser.add_argument("out", type=Path, help="the draft model directory to write")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument(
+        "--force", action="store_true", help="replace OUT if it holds a previous export (only that)"
+    )
     args = parser.parse_args(rest)
     try:
         out = export_draft(args.src, args.out, force=args.force)
