@@ -19,7 +19,14 @@ of the actors' keys; ``run.ledger=true``), lets training run, and injects in tur
    come back refused, the rest be counted as bad, and the policy stay finite;
 6. ``unauthenticated_sender``: senders with an unlisted key, with the wrong learner key and
    without CURVE try to push groups;
-7. ``learner_unreachable``: the learner is frozen (SIGSTOP) for a minute (15 s with --quick).
+7. ``learner_unreachable``: the learner is frozen (SIGSTOP) for a minute (15 s with --quick);
+8. ``network_partition``: actor 1's host is cut off from the learner's host (its link taken down,
+   Redis unreachable too) for 20 s (8 s with --quick), then healed; it must be trained on again.
+
+The processes run on hosts made of network namespaces (testing/netns.py: the learner, Redis and
+this script on one, each actor on its own, non-loopback addresses inside them). Where namespaces
+cannot be made (no root or iproute2) everything runs on loopback and the partition is skipped,
+said in a ``SPECRL-CHAOS: network_partition SKIPPED: <reason>`` banner and in the figures.
 
 Then it stops everything cleanly and reads the ledger (ops/ledger.py): every ``(actor_id,
 seq)`` an actor produced must be consumed exactly once (trained, or dropped as stale), or be
@@ -31,6 +38,7 @@ finite, and versions never went backwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -69,6 +77,7 @@ from ops.ledger import read_ledger
 from ops.metrics_file import read_metrics
 from ops.processes import ROOT
 from ops.redis_server import RedisServer, find_free_port
+from testing import netns
 from testing.hostile import (
     poisoned_frames,
     refused_seqs,
@@ -88,10 +97,18 @@ def log(message: str) -> None:
 class Cluster:
     """The processes of one run (ops/processes.py), with restarts and a count of unplanned exits."""
 
-    def __init__(self, run_dir: Path, overrides: list[str]) -> None:
+    def __init__(
+        self, run_dir: Path, overrides: list[str], env: dict, hosts: netns.Hosts | None
+    ) -> None:
         self.run_dir = run_dir
-        self.learner = processes.learner(run_dir, overrides, cwd=ROOT)
-        self.actors = {i: processes.actor(run_dir, i, overrides, cwd=ROOT) for i in (0, 1)}
+        self.hosts = hosts
+        self.learner = processes.learner(run_dir, overrides, ROOT, env)
+        self.actors = {i: processes.actor(run_dir, i, overrides, env, ROOT) for i in (0, 1)}
+        if hosts is not None:  # each on its own host, with its own weights cache
+            self.learner = netns.NetnsProcess(hosts.learner, self.learner)
+            for i, proc in self.actors.items():
+                proc.args.append(f"redis.host_cache_dir={run_dir.parent / f'cache-{i}'}")
+                self.actors[i] = netns.NetnsProcess(hosts.actors[i], proc)
         self.learner_crashes_unplanned = 0
         self.actor_crashes_unplanned = 0
 
@@ -294,23 +311,26 @@ class Chaos:
         log(f"fault: {kind}")
 
 
-def start(work: Path) -> Chaos:
-    """A private Redis, CurveZMQ keys for the actors and the flooder, and the cluster's config."""
+def start(work: Path, hosts: netns.Hosts | None) -> Chaos:
+    """A private Redis, CurveZMQ keys for the actors and the flooder, and the cluster's config;
+    with ``hosts``, this thread must be on the learner's host."""
     base = load_config([])
     model_dir = ensure_model(base)
     run_dir = work / "run"
     run_dir.mkdir()
     keys_dir = work / "keys"
     write_keys(keys_dir, ("actor", FLOOD_ID))
-    redis_server = RedisServer(password="chaos-" + os.urandom(4).hex())
+    host = "127.0.0.1" if hosts is None else netns.LEARNER_IP
+    password = "chaos-" + os.urandom(4).hex()
+    redis_server = RedisServer(password=password, bind=host)
     redis_server.start()
-    address = f"tcp://127.0.0.1:{find_free_port()}"
+    address = f"tcp://{host}:{find_free_port(host)}"
     overrides = [
         f"run.name=chaos-{os.getpid()}",
         f"run.dir={run_dir}",
         "run.steps=100000",  # stopped by us, not by the budget
         "run.ledger=true",
-        f"redis.url={redis_server.url}",
+        f"redis.url=redis://{host}:{redis_server.port}/0",  # the password: in the environment
         f"model.path={model_dir}",
         f"learner.address={address}",
         "learner.checkpoint_every=5",
@@ -321,7 +341,7 @@ def start(work: Path) -> Chaos:
         f"security.curve_dir={keys_dir}",
     ]
     model_config = json.loads((model_dir / "config.json").read_text())
-    cluster = Cluster(run_dir, overrides)
+    cluster = Cluster(run_dir, overrides, {"SPECRL_REDIS_PASSWORD": password}, hosts)
     return Chaos(cluster, redis_server, address, keys_dir, model_config, base.actor.group_size)
 
 
@@ -392,6 +412,43 @@ def inject_faults(chaos: Chaos, outage_s: float, steps_between: int) -> None:
     wait_steps(cluster, steps_between, 300)
 
 
+def trained_from(run_dir: Path, index: int, after_step: int) -> int:
+    """Groups of actor ``index`` (ids are ``{host}-{index}-{suffix}``) trained after a step."""
+    trained = read_ledger(run_dir).trained
+    return sum(r["actor_id"].rsplit("-", 2)[1] == str(index) and r["step"] > after_step
+               for r in trained)  # fmt: skip
+
+
+def partition(chaos: Chaos, hold_s: float, steps_between: int) -> None:
+    """8. Actor 1's host cut off from the learner's (and Redis') for ``hold_s``, then healed:
+    it must come back and be trained on again, and nothing it sent be lost or trained twice."""
+    cluster, hosts, victim = chaos.cluster, chaos.cluster.hosts, 1
+    assert hosts is not None
+    redis_port = chaos.redis_server.port
+    chaos.fault("network_partition")
+    hosts.partition(victim)
+    try:
+        cut = not netns.reachable(hosts.actors[victim], netns.LEARNER_IP, redis_port)
+        others = netns.reachable(hosts.actors[1 - victim], netns.LEARNER_IP, redis_port)
+        sleep_checking(cluster, hold_s)
+    finally:
+        hosts.heal(victim)
+    # Groups of the step being assembled at the heal may predate it: count from the next one.
+    healed_at = max((r[mn.LEARNER_STEP] for r in steps(cluster.run_dir)), default=0) + 1
+    deadline = time.monotonic() + 300
+    while not trained_from(cluster.run_dir, victim, healed_at):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"actor {victim} was not trained on within 300 s of the heal")
+        sleep_checking(cluster, 0.5)
+    wait_steps(cluster, steps_between, 300)
+    chaos.figures["partition"] = {
+        "held_s": hold_s,
+        "partitioned_actor_unreachable": cut,
+        "other_actor_reachable": others,
+        "partitioned_actor_trained_after_heal": trained_from(cluster.run_dir, victim, healed_at),
+    }
+
+
 def outcome(chaos: Chaos, exit_codes: dict[str, int | None]) -> dict:
     """The run's figures, from the ledger, the learner's last metrics and what was injected."""
     run_dir, figures = chaos.cluster.run_dir, chaos.figures
@@ -405,6 +462,8 @@ def outcome(chaos: Chaos, exit_codes: dict[str, int | None]) -> dict:
     return {
         "faults_injected": chaos.faults,
         "fault_kinds": len(chaos.faults),
+        "hosts": "network namespaces" if chaos.cluster.hosts else figures["netns_unavailable"],
+        "partition": figures.get("partition", {}),
         "groups_produced": len(ledger.produced),
         "groups_consumed": len(ledger.consumed),
         "groups_trained": sum(o == "trained" for o in ledger.outcomes.values()),
@@ -451,8 +510,14 @@ def checks(result: dict) -> dict[str, bool]:
         == result["groups_refused_in_ledger"]
         > 0
     )
+    cut = result["partition"]
+    netns_ok = result["hosts"] == "network namespaces"
+    partition = all(cut.get(k) for k in ("partitioned_actor_unreachable", "other_actor_reachable"))
     return {
-        "at least 5 fault kinds": result["fault_kinds"] >= 5,
+        "8 fault kinds (7 where namespaces cannot be made)": result["fault_kinds"]
+        >= (8 if netns_ok else 7),
+        "partition held, healed, the actor trained on again": not netns_ok
+        or (partition and cut.get("partitioned_actor_trained_after_heal", 0) > 0),
         "groups_lost == 0": result["groups_lost"] == 0,
         "groups_duplicated == 0": result["groups_duplicated"] == 0,
         "groups_unknown == 0": result["groups_unknown"] == 0,
@@ -477,17 +542,28 @@ def main() -> int:
     args = parser.parse_args()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="specrl-chaos-"))
-    chaos = start(work)
-    try:
-        chaos.cluster.learner.start()
-        for proc in chaos.cluster.actors.values():
-            proc.start()
-        log(f"pipeline up (run dir {chaos.cluster.run_dir}); warming up")
-        inject_faults(chaos, 15.0 if args.quick else 60.0, 2 if args.quick else 6)
-        log("faults done; stopping cleanly")
-    finally:
-        exit_codes = chaos.cluster.stop()
-        chaos.redis_server.close()
+    reason = netns.unavailable()
+    with contextlib.ExitStack() as stack:
+        hosts = None
+        if reason is None:
+            hosts = stack.enter_context(netns.Hosts.create(actors=2))
+            stack.enter_context(netns.entered(hosts.learner))  # Redis, flooders: the learner's host
+        else:
+            log(f"SPECRL-CHAOS: network_partition SKIPPED: {reason} (all on loopback)")
+        chaos = start(work, hosts)
+        chaos.figures["netns_unavailable"] = reason
+        try:
+            chaos.cluster.learner.start()
+            for proc in chaos.cluster.actors.values():
+                proc.start()
+            log(f"pipeline up (run dir {chaos.cluster.run_dir}); warming up")
+            inject_faults(chaos, 15.0 if args.quick else 60.0, 2 if args.quick else 6)
+            if hosts is not None:
+                partition(chaos, 8.0 if args.quick else 20.0, 2 if args.quick else 6)
+            log("faults done; stopping cleanly")
+        finally:
+            exit_codes = chaos.cluster.stop()
+            chaos.redis_server.close()
     result = {"quick": args.quick, **outcome(chaos, exit_codes)}
     result |= {
         "wall_s": round(time.monotonic() - started, 1),
@@ -497,7 +573,7 @@ def main() -> int:
     result["passed"] = all(result["checks"].values())
     width = max(map(len, result)) + 2
     for key, value in result.items():
-        if key not in ("checks", "machine", "exit_codes", "bad_frames_by_reason"):
+        if key not in ("checks", "machine", "exit_codes", "bad_frames_by_reason", "partition"):
             print(f"  {key:<{width}} {value}")
     for name, ok in result["checks"].items():
         print(f"  [{'ok' if ok else 'FAIL'}] {name}")

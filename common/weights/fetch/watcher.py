@@ -9,6 +9,7 @@ import time
 
 import redis
 
+from common.weights.connection import REDIS_DOWN
 from common.weights.keys import weights_channel, weights_latest_key
 from common.weights.store import WeightStore
 
@@ -88,7 +89,7 @@ class VersionWatcher:
                 if time.monotonic() >= deadline:
                     self._backoff_s = 0.1  # Redis answered: the next outage starts from scratch
                     return None
-        except redis.ConnectionError as e:
+        except REDIS_DOWN as e:
             logger.warning(
                 "weights watcher for run %r lost Redis (%s); retrying in %.1f s",
                 self.run_id,
@@ -110,7 +111,7 @@ class VersionWatcher:
             pubsub, self._pubsub = self._pubsub, None
             try:
                 pubsub.close()
-            except redis.ConnectionError as e:  # already broken; nothing else to release
+            except REDIS_DOWN as e:  # already broken; nothing else to release
                 logger.debug("closing a broken pubsub: %s", e)
 
     def close(self) -> None:

@@ -86,3 +86,28 @@ def test_watcher_survives_redis_restart() -> None:
         assert 2 in seen, seen
         watcher.close()
         client.close()
+
+
+def test_watcher_survives_a_redis_that_stops_answering() -> None:
+    # A network partition: the socket stays open and reads time out (redis.TimeoutError, not a
+    # ConnectionError). The watcher must log and go on, not end the actor's weight feed.
+    import os
+    import signal
+
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        WeightWriter(client, RUN, chunk_bytes=1024).publish(1, weights(1))
+        slow = redis.Redis.from_url(server.url, socket_timeout=0.2)
+        watcher = VersionWatcher(slow, RUN, 1, poll_interval_s=0.05)
+        assert watcher.poll(timeout_s=0.2) is None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            assert watcher.poll(timeout_s=0.5) is None  # timed out reading: no exception
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        WeightWriter(client, RUN, chunk_bytes=1024).publish(2, weights(2))
+        seen = [watcher.poll(timeout_s=1.0) for _ in range(3)]
+        assert 2 in seen, seen
+        watcher.close()
+        slow.close()
+        client.close()
