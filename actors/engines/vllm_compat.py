@@ -260,6 +260,51 @@ def _probe_eagle3() -> str | None:
     return None
 
 
+def _probe_weight_transfer() -> str | None:
+    from vllm import LLM
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import reload
+    from vllm.v1.worker.gpu_worker import Worker
+
+    lifecycle = ["start_weight_update", "update_weights", "finish_weight_update"]
+    if not isinstance(getattr(WeightTransferEngineFactory, "_registry", None), dict):
+        return "WeightTransferEngineFactory._registry is gone"
+    if (
+        problem := _needs_params(
+            WeightTransferEngineFactory.register_engine,
+            ["name", "module_path_or_cls", "class_name"],
+        )
+    ) is not None:
+        return f"WeightTransferEngineFactory.register_engine: {problem}"
+    abstract = set(getattr(WeightTransferEngine, "__abstractmethods__", ()))
+    wanted = {
+        "init_transfer_engine",
+        "start_weight_update",
+        "finish_weight_update",
+        "receive_weights",
+        "shutdown",
+    }
+    if abstract != wanted:
+        return f"WeightTransferEngine's abstract methods are {sorted(abstract)}"
+    for owner in (Worker, LLM):
+        for name in ["init_weight_transfer_engine", "start_draft_weight_update", *lifecycle]:
+            if not callable(getattr(owner, name, None)):
+                return f"{owner.__name__}.{name} is gone"
+    if _reads(Worker.load_model, ["weight_transfer_config", "create_engine"]):
+        return "Worker.load_model no longer builds the engine from weight_transfer_config"
+    if "weight_transfer_config" not in EngineArgs.__dataclass_fields__:
+        return "EngineArgs has no weight_transfer_config"
+    if WeightTransferConfig(backend="specrl").backend != "specrl":
+        return "WeightTransferConfig no longer takes a registered backend's name"
+    for name in ("initialize_layerwise_reload", "finalize_layerwise_reload"):
+        if not callable(getattr(reload, name, None)):
+            return f"model_loader.reload.{name} is gone"
+    return None
+
+
 PROBES: dict[str, Callable[[], str | None]] = {
     "GPUModelRunner._sample(logits, spec_decode_metadata) "
     "(vllm_setup.plain_steps_without_drafts)": _probe_sample,
@@ -283,6 +328,9 @@ PROBES: dict[str, Callable[[], str | None]] = {
     "native eagle3: the method, probabilistic drafts, LlamaForCausalLMEagle3 loading "
     "'midlayer.*' and 'd2t', eagle_config aux layer ids, runner.get_draft_model, "
     "supports_eagle3 (vllm_eagle)": _probe_eagle3,
+    "the weight-transfer lifecycle: WeightTransferEngineFactory.register_engine, the engine's "
+    "abstract methods, Worker/LLM init/start(/draft)/update/finish, weight_transfer_config, "
+    "layer-wise reload (vllm_transfer)": _probe_weight_transfer,
 }
 """Every internal :func:`check_vllm` probes, by what it is and who relies on it."""
 

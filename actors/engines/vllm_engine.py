@@ -3,9 +3,11 @@ torch engine.
 
 Prompts go in as token ids (``skip_tokenizer_init``); behaviour log-probs are vLLM's
 *processed* log-probs (after temperature/top-p), the same distribution the learner evaluates.
-Weights are updated in place with ``collective_rpc("reload_weights")``, never by a restart: by
-Hugging Face parameter name through the model's own ``load_weights``, so any architecture vLLM
-serves takes new versions.
+Weights are updated in place, never by a restart: by Hugging Face parameter name through the
+model's own ``load_weights``, so any architecture vLLM serves takes new versions; with
+``collective_rpc("reload_weights")`` (``weight_transfer=reload``, vLLM opened on the version's
+directory), or with ``weight_transfer=specrl`` through vLLM's weight-transfer lifecycle on an
+engine started with dummy weights (:mod:`actors.engines.vllm_transfer`).
 Every request carries its weights version in vLLM's ``cache_salt``, so no request started after
 a swap can read prefix-cache blocks computed under older weights (vLLM refuses
 ``reset_prefix_cache()`` while requests run).
@@ -34,7 +36,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from actors.engines.vllm_setup import (
     import_vllm,
     resolve_dtype,
 )
+from actors.engines.vllm_slot import _Slot
 from actors.engines.vllm_verify import (
     PROCESSED_PROMPT_LOGPROBS,
     install_processed_prompt_logprobs,
@@ -74,59 +76,6 @@ from common.model import DRAFT_PREFIX
 from common.model_args import EMBEDDING, TIED_HEAD
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Slot:
-    """One sample: tokens committed before the current request (after a verification or an
-    abort), and the current request's latest output."""
-
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    # verify_on_swap: each committed token's bounded record (top-K ids, log-probs)
-    records: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    request_id: str | None = None
-    live: Any = None
-    live_versions: list[int] = field(default_factory=list)
-    finished: bool = False
-
-    def _live_tokens(self):
-        """(token, its log-prob entry, version) of each token of the current request."""
-        if self.live is None:
-            return []
-        completion = self.live.outputs[0]
-        return zip(completion.token_ids, completion.logprobs, self.live_versions, strict=False)
-
-    def commit_live(self, record: bool) -> None:
-        """Move the current request's tokens into the committed ones (its request is gone)."""
-        for token, entry, version in self._live_tokens():
-            self.tokens.append(int(token))
-            self.logprobs.append(entry[token].logprob)
-            self.versions.append(version)
-            if record:
-                self.records.append(record_of(entry))
-        self.live, self.live_versions = None, []
-
-    def reset(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.records = [], [], [], []
-
-    def record_bytes(self) -> int:
-        return sum(ids.nbytes + lps.nbytes for ids, lps in self.records)
-
-    def rollout(self, stop_ids: list[int]) -> Rollout:
-        tokens, logprobs, versions = list(self.tokens), list(self.logprobs), list(self.versions)
-        for token, entry, version in self._live_tokens():
-            tokens.append(int(token))
-            logprobs.append(entry[token].logprob)
-            versions.append(version)
-        return Rollout(
-            token_ids=np.asarray(tokens, dtype=np.int32),
-            behaviour_logprobs=np.asarray(logprobs, dtype=np.float32),
-            token_versions=np.asarray(versions, dtype=np.int32),
-            finished=bool(tokens) and tokens[-1] in stop_ids,
-        )
 
 
 class VllmEngine(EngineBase):
@@ -143,12 +92,20 @@ class VllmEngine(EngineBase):
         top_p: float = 1.0,
         seed: int = 0,
         version: int = -1,
+        weight_transfer: str = "reload",
+        start_weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """``engine``: the ``vllm_*`` options of the config's engine section (temperature 0:
-        greedy decoding)."""
+        greedy decoding). ``weight_transfer`` (``vllm_setup.WEIGHT_TRANSFER_MODES``): ``reload``
+        serves the weights in ``model_dir``; ``specrl`` starts vLLM on dummy weights (``model_dir``
+        needs only ``config.json``) and loads ``start_weights`` as ``version`` through vLLM's
+        weight-transfer lifecycle, as every later version (:mod:`vllm_transfer`)."""
         engine = engine or EngineConfig()
         spec = spec or SpecConfig()
-        check_options(inflight, engine, spec, model_dir)
+        check_options(inflight, engine, spec, model_dir, weight_transfer)
+        if (weight_transfer == "specrl") != (start_weights is not None):
+            raise ValueError("start_weights are given with weight_transfer=specrl, and only then")
+        self.transfer: Any = None  # vllm_transfer.TransferClient with weight_transfer=specrl
         self.eos_id, self.seed, self.version = eos_id, seed, version
         self.stop_ids = list(dict.fromkeys([eos_id, *engine.vllm_stop_token_ids]))  # every EOS
         self.temperature, self.top_p = temperature, top_p
@@ -168,7 +125,7 @@ class VllmEngine(EngineBase):
         self.eagle: NativeEagle | None = None
         self._setup: Any = None  # what the proposer about to be built takes (see _open)
         speculative_config = self._speculative(model_dir, engine, spec)
-        self.llm = self._open(model_dir, engine, speculative_config)
+        self.llm = self._open(model_dir, engine, speculative_config, weight_transfer)
         self.proposer: Any = None
         if self._setup is not None:
             self.proposer = self.llm.collective_rpc(attach_proposer)[0]
@@ -190,6 +147,8 @@ class VllmEngine(EngineBase):
         self._ids = itertools.count()
         self._reset_counters()
         self._spec_base = self._spec_counters()
+        if start_weights is not None:
+            self.load_weights(version, start_weights)
 
     def _speculative(self, model_dir: Path, engine: EngineConfig, spec: SpecConfig):
         """vLLM's speculative config, and the drafter set up for it (see :meth:`_open`)."""
@@ -231,8 +190,14 @@ class VllmEngine(EngineBase):
         """A specrl proposer through vLLM's ``custom_class`` method."""
         return {"method": "custom_class", "model": path, "num_speculative_tokens": k}
 
-    def _open(self, model_dir: Path, engine: EngineConfig, speculative_config: dict[str, Any]):
-        """The in-process ``vllm.LLM`` serving ``model_dir``."""
+    def _open(
+        self,
+        model_dir: Path,
+        engine: EngineConfig,
+        speculative_config: dict[str, Any],
+        weight_transfer: str,
+    ):
+        """The in-process ``vllm.LLM`` serving ``model_dir`` (its weights, or dummy ones)."""
         on_gpu = torch.cuda.is_available()
         # In-process engine: the proposer and collective_rpc callables share this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -267,6 +232,12 @@ class VllmEngine(EngineBase):
             # What verify_on_swap records and scores (see _params and _verify).
             "max_logprobs": -1 if self.exact_verify else max(20, self.verify_topk),
         }
+        if weight_transfer == "specrl":
+            from actors.engines import vllm_transfer
+
+            vllm_transfer.register()
+            kwargs["load_format"] = "dummy"  # no weights read: the first version is pushed
+            kwargs["weight_transfer_config"] = {"backend": vllm_transfer.BACKEND}
         if engine.vllm_tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = engine.vllm_tensor_parallel_size
         kwargs.update(engine.vllm_kwargs)  # anything in engine.vllm_kwargs wins
@@ -277,6 +248,10 @@ class VllmEngine(EngineBase):
         llm = llm_cls(**kwargs)
         if self.eagle is not None:
             self.eagle.started(llm)
+        if weight_transfer == "specrl":
+            from actors.engines.vllm_transfer import TransferClient
+
+            self.transfer = TransferClient(llm)
         return llm
 
     def _reset_counters(self) -> None:
@@ -301,6 +276,8 @@ class VllmEngine(EngineBase):
         ]
         if self.eagle is not None:  # target and draft in one call, the head checked first
             self.eagle.reload(self.llm, version, target, self.eagle.split(version, state_dict))
+        elif self.transfer is not None:  # start -> update (metadata only) -> finish
+            self.transfer.push(version, target)
         else:
             self.llm.collective_rpc(
                 "reload_weights",
@@ -345,6 +322,8 @@ class VllmEngine(EngineBase):
         prompts, n, max_new_tokens = call.prompts, call.n, call.max_new_tokens
         weight_source, on_group = call.weight_source, call.on_group
         engine = self.llm.llm_engine
+        if self.transfer is not None:
+            self.transfer.check()  # no decoding on a partly loaded version
         if self.selfdraft is not None:
             self.proposer.check()  # the draft must be the weights' version (load_weights)
         if self.eagle is not None:

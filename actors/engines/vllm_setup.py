@@ -38,6 +38,19 @@ VLLM_CPU_SPEC_INEXACT = (
 )
 
 
+WEIGHT_TRANSFER_MODES = ("reload", "specrl", "nccl")
+"""How versions reach vLLM (``VllmEngine(weight_transfer=...)``): ``reload`` opens the first
+version's directory and swaps through ``collective_rpc("reload_weights")``; ``specrl`` starts on
+dummy weights and delivers every version through vLLM's weight-transfer lifecycle in-process
+(:mod:`actors.engines.vllm_transfer`); ``nccl`` is written but refused
+(:mod:`actors.engines.vllm_transfer_nccl`)."""
+
+NEEDS_A_DIRECTORY = (
+    "spec={method} reads its draft from the model directory at start, which "
+    "weight_transfer={mode} starts without (dummy weights): use weight_transfer=reload with it"
+)
+
+
 USAGE_STATS_OFF = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 """vLLM's GPU worker reports usage statistics (model architecture, GPU, dtype, context length,
 speculative method) to stats.vllm.ai unless one of these is set: off unless the user set them."""
@@ -115,10 +128,15 @@ def plain_steps_without_drafts(runner) -> None:
 
 
 def check_options(
-    inflight: str, engine: EngineConfig, spec: SpecConfig, model_dir: Path | None = None
+    inflight: str,
+    engine: EngineConfig,
+    spec: SpecConfig,
+    model_dir: Path | None = None,
+    weight_transfer: str = "reload",
 ):
     """Refuse what the vLLM engine cannot run; given the model in ``model_dir``, the early-exit
     drafts on a layout the built-in model does not compute."""
+    check_transfer(weight_transfer, engine, spec)
     if inflight not in VLLM_INFLIGHT_MODES:
         raise ValueError(
             f"engine=vllm supports actor.inflight in {VLLM_INFLIGHT_MODES}, got {inflight!r} "
@@ -143,3 +161,28 @@ def check_options(
                     method=spec.method, model_type=config.get("model_type"), reason=e
                 )
             ) from e
+
+
+def check_transfer(weight_transfer: str, engine: EngineConfig, spec: SpecConfig) -> None:
+    """Refuse a weight-transfer mode the engine cannot run (see :data:`WEIGHT_TRANSFER_MODES`)."""
+    if weight_transfer not in WEIGHT_TRANSFER_MODES:
+        raise ValueError(
+            f"weight_transfer must be one of {WEIGHT_TRANSFER_MODES}, got {weight_transfer!r}"
+        )
+    if weight_transfer == "nccl":
+        from actors.engines.vllm_transfer_nccl import refuse_unproven
+
+        refuse_unproven()
+        raise ValueError(
+            "weight_transfer=nccl: the vLLM engine does not yet take a sender's address (the "
+            "nccl plane is reached only through the lifecycle calls directly)"
+        )
+    if weight_transfer != "reload" and spec.method in ("early_exit", "eagle3"):
+        raise ValueError(NEEDS_A_DIRECTORY.format(method=spec.method, mode=weight_transfer))
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
+    if weight_transfer == "specrl" and (not in_process or engine.vllm_tensor_parallel_size != 1):
+        raise ValueError(
+            "weight_transfer=specrl hands each version's tensors to vLLM's worker inside this "
+            "process: it needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine's default) and "
+            "engine.vllm_tensor_parallel_size=1; use weight_transfer=reload otherwise"
+        )
