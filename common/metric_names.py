@@ -59,6 +59,11 @@ ACTOR_WEIGHT_SUPERSEDED = "actor/weight_superseded"
 # The host cache (common/weights/fetch/host_cache.py): cached copies refused (not this user's alone, a symlink,
 # or bytes that do not hash to the manifest's weights_sha256); Redis served those fetches.
 ACTOR_HOST_CACHE_REFUSED = "actor/host_cache_refused"
+# The node-local weight plane (common/weights/publish/node_plane.py): bytes of weight chunks this
+# actor read from Redis, and versions it read from Redis chunks although it has a host cache (the
+# learner's copy in that cache was absent, refused or not written: a fallback).
+ACTOR_REDIS_CHUNK_BYTES = "actor/redis_chunk_bytes"
+ACTOR_WEIGHT_REDIS_FALLBACKS = "actor/weight_redis_fallbacks"
 # With actor.weights_group: versions received through the learner's weights group, and through
 # Redis (before joining, or where the group cannot serve).
 ACTOR_WEIGHT_VERSIONS_COLLECTIVE = "actor/weight_versions_collective"
@@ -87,6 +92,12 @@ SPEC_EXIT_KL = "spec/exit_kl"
 SPEC_DRAFT_ACCEPTANCE = "spec/draft_acceptance"
 """Learner: mean over completion tokens of sum_v min(p, q), p the policy, q its draft adapter
 or (``spec.method=eagle3``) its EAGLE-3 head."""
+SPEC_DRAFT_CHAIN = "spec/draft_chain_estimate"
+"""Learner, ``eagle3``: 1 + sum_j prod_{i<=j} a_i over the trained draft steps' acceptances a_i
+of the batch (``spec/draft_acceptance_step{j}``, measured before the update): the tokens per
+verify a chain of that length would give at those rates."""
+SPEC_EAGLE_LR = "spec/eagle_lr"
+"""Learner, ``eagle3``: the head's learning rate at its last update (warm-up included)."""
 SPEC_EAGLE_KL = "spec/eagle_kl"
 """Learner, ``spec.method=eagle3``: the EAGLE-3 head's loss, KL(p || q) summed over completion
 positions over the batch's completion tokens (learner/eagle_loss.py)."""

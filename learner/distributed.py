@@ -298,13 +298,20 @@ def load_optimizer_state(
     for key, value in tensors.items():
         name, _, slot = key.partition("::")
         state.setdefault(PREFIX + name, {})[slot] = value
-    names = [n for n, _ in module.named_parameters()]
-    saved = param_groups[0] if param_groups else {}
-    group = {**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}}
-    group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    groups = []
+    # Group by group (the policy's, then the EAGLE-3 head's): its parameters' names, its current
+    # hyper-parameters updated with the checkpoint's.
+    for i, live in enumerate(optimizer.param_groups):
+        saved = param_groups[i] if i < len(param_groups) else {}
+        group = {k: v for k, v in live.items() if k != "params"}
+        group.update(
+            {k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}
+        )
+        groups.append({**group, "params": [name_of[id(p)] for p in live["params"]]})
     set_optimizer_state_dict(
         module,
         optimizer,
-        optim_state_dict={"state": state, "param_groups": [{**group, "params": names}]},
+        optim_state_dict={"state": state, "param_groups": groups},
         options=StateDictOptions(full_state_dict=True),
     )

@@ -8,11 +8,14 @@ sampling one; 1 for greedy runs), p restricted to the head's vocabulary and reno
 head's; the acceptance reported is sum_v min(p, q) against the unrestricted p (q is zero outside
 its vocabulary), the per-token acceptance of speculative sampling with this draft.
 
-With ``steps=2`` (``spec.eagle_steps``) a second, unrolled draft step is trained too (EAGLE-3's
-training-time test): the head at t+1 reads its own first-step output at t in place of the
-auxiliary states, and the embedding of token t+2, attends to the first step's keys at
-positions <= t and to its own, and is trained toward the policy's distribution at t+2: what the
-second draft token of a chain sees at decoding time, teacher-forced on the sampled tokens.
+With ``steps`` = K > 1 (``spec.eagle_steps``, default ``spec.k``) the later draft steps are
+trained too (EAGLE-3's training-time test, :func:`ttt_states`): step j at entry t reads step j-1's
+own output at t and the embedding of token t+j, attends to the first step's keys at positions
+<= t and to the keys of steps 2..j of the same entry, and is trained toward the policy's
+distribution at t+j: what the j-th draft token of a chain sees at decoding time, teacher-forced
+on the sampled tokens. Each step is one pass of the head's layer (the earlier steps' keys and
+values are reused), so the cost grows linearly in K; step j's KL is weighted
+``spec.eagle_step_decay ** (j - 1)``.
 
 Only the head's parameters receive a gradient: the auxiliary states, the token embeddings and
 the policy's distribution all enter detached, so the policy's own update is the same with or
@@ -46,29 +49,73 @@ def eagle_states(policy: Transformer, input_ids: Tensor, aux: list[Tensor]) -> T
     return head.midlayer(embeds, hidden, cos, sin, mask, None)
 
 
-def unrolled_states(
-    policy: Transformer, input_ids: Tensor, aux: list[Tensor], first: Tensor
-) -> Tensor:
-    """The head's second draft step [B, S-2, H]: entry t (at position t+1) reads ``first``'s
-    output at t (``eagle_states``, [B, S-1, H]) and the embedding of ``input_ids`` at t+2, and
-    attends to the first step's keys at positions 0 .. t and to its own key, as the second step
-    of a draft chain does at decoding time over the head's KV cache. One causal pass over the
-    first step's inputs followed by the second step's, under that mask."""
+class _Blocks:
+    """The keys and values of the draft steps run so far: the ``kv`` cache of
+    ``Attention.forward``, each step's block appended after the earlier ones'."""
+
+    def __init__(self) -> None:
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, width: int):
+        self.k.append(k)
+        self.v.append(v)
+        return torch.cat(self.k, 2), torch.cat(self.v, 2)
+
+
+def ttt_mask(sizes: list[int], T: int, device: torch.device) -> Tensor:
+    """[T, sum(sizes) + T] bool: what entry t of the next step (after steps of ``sizes`` entries)
+    attends to: the first step's keys <= t (causal over the first step's own block), and the key
+    of entry t in each later step's block and its own."""
+    mask = torch.zeros((T, sum(sizes) + T), dtype=torch.bool, device=device)
+    if not sizes:
+        mask[:, :T] = torch.ones((T, T), dtype=torch.bool, device=device).tril()
+        return mask
+    mask[:, : sizes[0]] = torch.ones((T, sizes[0]), dtype=torch.bool, device=device).tril()
+    start = sizes[0]
+    for size in [*sizes[1:], T]:
+        mask[:, start : start + size] = torch.eye(T, size, dtype=torch.bool, device=device)
+        start += size
+    return mask
+
+
+def ttt_states(
+    policy: Transformer, input_ids: Tensor, aux: list[Tensor], steps: int
+) -> list[Tensor]:
+    """The head's outputs before its final norm for draft steps j = 1 .. ``steps``, [B, S-j, H]
+    each (fewer when the rows are too short): entry t of step j sits at position t+j-1, reads
+    step j-1's output at t (step 1: ``eagle.combine`` of the auxiliary states at t) and the
+    embedding of ``input_ids`` at t+j, and attends to step 1's keys at positions <= t and to the
+    keys of steps 2..j of entry t: the j-th step of a draft chain over the head's KV cache,
+    teacher-forced. One pass of the head's layer per step, the earlier steps' keys and values
+    reused (:class:`_Blocks`). Step 1 is :func:`eagle_states`."""
     head = policy.eagle
-    B, S1, _ = first.shape
-    T = S1 - 1
-    hidden = torch.cat([head.combine([a[:, :-1].detach() for a in aux]), first[:, :-1]], dim=1)
-    with torch.no_grad():
-        embeds = policy.model.embed_tokens(torch.cat([input_ids[:, 1:], input_ids[:, 2:]], 1))
-    dev = first.device
-    positions = torch.cat([torch.arange(S1, device=dev), torch.arange(1, T + 1, device=dev)])
-    _, _, cos, sin = policy._attention_inputs(hidden, positions.expand(B, -1), None)
-    mask = torch.zeros((S1 + T, S1 + T), dtype=torch.bool, device=dev)
-    mask[:S1, :S1] = torch.ones((S1, S1), dtype=torch.bool, device=dev).tril()
-    mask[S1:, :S1] = torch.ones((T, S1), dtype=torch.bool, device=dev).tril()  # keys j <= t
-    mask[S1:, S1:] = torch.eye(T, dtype=torch.bool, device=dev)
-    out = head.midlayer(embeds, hidden, cos, sin, mask.expand(B, 1, -1, -1), None)
-    return out[:, S1:]
+    if head is None:
+        raise ValueError("this policy has no EAGLE-3 head (spec.method=eagle3 attaches one)")
+    B, S = input_ids.shape
+    dev = input_ids.device
+    blocks, sizes, outs = _Blocks(), [], []
+    hidden = head.combine([a[:, :-1].detach() for a in aux])  # [B, S-1, H]
+    for j in range(1, steps + 1):
+        T = S - j
+        if T <= 0:
+            break
+        hidden = hidden[:, :T]
+        with torch.no_grad():
+            embeds = policy.model.embed_tokens(input_ids[:, j : j + T])
+        positions = (torch.arange(T, device=dev) + j - 1).expand(B, -1)
+        _, _, cos, sin = policy._attention_inputs(hidden, positions, None)
+        mask = ttt_mask(sizes, T, dev).expand(B, 1, -1, -1)
+        out = head.midlayer(embeds, hidden, cos, sin, mask, (blocks, 0, positions))
+        sizes.append(T)
+        outs.append(out)
+        hidden = out
+    return outs
+
+
+def step_weights(steps: int, decay: float) -> list[float]:
+    """Step j's weight in the head's loss: ``decay ** (j - 1)``."""
+    return [decay ** (j - 1) for j in range(1, steps + 1)]
 
 
 def _terms(
@@ -82,9 +129,12 @@ def _terms(
         ids = head.vocab_ids
         p_draft = p_all if ids.numel() == p_all.shape[-1] else p_all[:, ids]
         p = p_draft - p_draft.logsumexp(-1, keepdim=True)
-    q = processed_logprobs(head.logits(prenorm), temperature)
+    logits = head.logits(prenorm)
+    q = processed_logprobs(logits * head.sharpening, temperature)
     with torch.no_grad():
-        accept = torch.minimum(p_draft.exp(), q.exp()).sum()
+        # The acceptance of the q the engines draft from (the published, sharpened logits).
+        q_pub = q if head.sharpening == 1.0 else processed_logprobs(logits, temperature)
+        accept = torch.minimum(p_draft.exp(), q_pub.exp()).sum()
     return (p.exp() * (p - q)).sum(), accept
 
 
@@ -96,18 +146,23 @@ def head_inputs(
     sel: Tensor,
     steps: int = 1,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Per draft step k (1 .. ``steps``): (h_next [N_k, H], prenorm [N_k, H]) at the head
-    positions t whose position t+k is a completion position (``sel`` [B, S-1], the step's mask
-    over positions 0 .. S-2): the policy's final-normed state at t+k (of h [B, S, H], detached)
-    and the head's k-th step output for t+k."""
-    first = eagle_states(policy, input_ids, aux)  # [B, S-1, H]
-    head_sel = sel[:, 1:]  # [B, S-2]: head position t <- the policy's position t+1
-    out = [(h[:, 1:-1][head_sel].detach(), first[:, :-1][head_sel])]
-    if steps >= 2:
-        second = unrolled_states(policy, input_ids, aux, first)  # [B, S-2, H]
-        sel2 = sel[:, 2:]  # [B, S-3]: entry t <- the policy's position t+2
-        out.append((h[:, 2:-1][sel2].detach(), second[:, :-1][sel2]))
-    return out
+    """Per draft step j (1 .. ``steps``): (h_next [N_j, H], prenorm [N_j, H]) at the head
+    entries t whose policy position t+j is a completion position (``sel`` [B, S-1], the step's
+    mask over positions 0 .. S-2): the policy's final-normed state at t+j (of h [B, S, H],
+    detached) and the head's j-th step output for it (:func:`ttt_states`). Steps the rows are
+    too short for are empty."""
+    outs = ttt_states(policy, input_ids, aux, steps)
+    H = h.shape[-1]
+    parts = []
+    for j in range(1, steps + 1):
+        width = input_ids.shape[1] - 1 - j  # entries t = 0 .. S-2-j
+        if j > len(outs) or width <= 0:
+            empty = h.new_zeros((0, H))
+            parts.append((empty, empty))
+            continue
+        sel_j = sel[:, j:]
+        parts.append((h[:, j:-1][sel_j].detach(), outs[j - 1][:, :width][sel_j]))
+    return parts
 
 
 def eagle_kl_terms(
@@ -131,12 +186,21 @@ def eagle_terms(
     temperature: float,
     chunk: int,
     steps: int = 1,
-) -> tuple[Tensor, Tensor, int]:
-    """(sum of KL(p || q) over the draft steps and positions, sum of the first step's
-    acceptance, number of first-step positions) of one micro-batch (the module docstring), for
-    the learner's step."""
+    decay: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(sum over the draft steps j of ``decay ** (j-1)`` times the sum of KL(p || q) over the
+    step's positions; per step, the sum of the acceptance [steps]; per step, its number of
+    positions [steps]) of one micro-batch (the module docstring), for the learner's step."""
     parts = head_inputs(policy, input_ids, aux, h, sel, steps)
-    kl, accept = eagle_kl_terms(policy, *parts[0], temperature, chunk)
-    for h_next, prenorm in parts[1:]:
-        kl = kl + eagle_kl_terms(policy, h_next, prenorm, temperature, chunk)[0]
-    return kl, accept, int(parts[0][0].shape[0])
+    kl = h.new_zeros((), dtype=torch.float32)
+    accepts, counts = [], []
+    for weight, (h_next, prenorm) in zip(step_weights(steps, decay), parts, strict=True):
+        if h_next.shape[0] == 0:
+            accepts.append(kl.new_zeros(()))
+            counts.append(0.0)
+            continue
+        part, accept = eagle_kl_terms(policy, h_next, prenorm, temperature, chunk)
+        kl = kl + weight * part
+        accepts.append(accept.float())
+        counts.append(float(h_next.shape[0]))
+    return kl, torch.stack(accepts), torch.tensor(counts, device=kl.device)

@@ -24,6 +24,17 @@ from common.prometheus import (
     metric_suffix,
 )
 
+
+def _draft_training_figure(key: str) -> bool:
+    """The draft's figures of a step: its acceptance (per draft step too) measured on the batch
+    before the update, the chain estimate, the head's loss and learning rate."""
+    return key.startswith(mn.SPEC_DRAFT_ACCEPTANCE) or key in (
+        mn.SPEC_DRAFT_CHAIN,
+        mn.SPEC_EAGLE_KL,
+        mn.SPEC_EAGLE_LR,
+    )
+
+
 STALENESS_BUCKETS = tuple(float(s) for s in range(9))  # 0..8 versions behind, then +Inf
 
 # Metrics key -> (name, help): a counter (a cumulative total the receiver or the loop holds)
@@ -195,6 +206,8 @@ class LearnerExporter(MetricsServer):
                 snap.set("gauge", metric_suffix(key), f"Actors' {key}, mean over the step.", value)
             elif is_number(value) and key.startswith(mn.EVAL_PREFIX):
                 snap.set("gauge", metric_suffix(key), f"Held-out evaluation: {key}.", value)
+            elif is_number(value) and _draft_training_figure(key):
+                snap.set("gauge", metric_suffix(key), f"The draft's training: {key}.", value)
 
         self._groups_trained += float(metrics.get(mn.LEARNER_GROUPS) or 0)
         snap.set("counter", "groups_trained", "Groups trained on.", self._groups_trained)

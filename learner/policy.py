@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from common.eagle import EAGLE_SHARPENING_KEY
 from common.model import CONFIG_FILE, Transformer, load_pretrained
 from common.model_args import Layout, ModelArgs, layout_from_hf_config
 
@@ -102,10 +103,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 def hf_config(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of the checkpoint/version this model writes (tensors in ``dtype``)."""
     if is_builtin(model):
-        return model.args.to_hf_config(dtype)
-    cfg = model.config.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    cfg["torch_dtype"] = cfg["dtype"] = name
+        cfg = model.args.to_hf_config(dtype)
+    else:
+        cfg = model.config.to_dict()
+        cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
+    head = getattr(model, "eagle", None)
+    if head is not None and head.sharpening != 1.0:
+        # Its LM head is stored over s: a resume must know s to train the rows it holds.
+        cfg[EAGLE_SHARPENING_KEY] = head.sharpening
     return cfg
 
 

@@ -48,7 +48,25 @@ _SUM_KEYS = (
     "eagle_kl",
     "draft_positions",
 )
-"""The per-micro-batch figures summed over micro-batches and ranks (``_StepTerms.loss``)."""
+"""The per-micro-batch figures summed over micro-batches and ranks (``_StepTerms.loss``); with
+the EAGLE-3 head, then each draft step's acceptance sum and its positions (``_eagle_keys``)."""
+
+
+def _eagle_keys(steps: int) -> tuple[str, ...]:
+    """The per-draft-step figures after ``_SUM_KEYS``: acceptance sums, then positions."""
+    return tuple(f"eagle_accept_{j}" for j in range(1, steps + 1)) + tuple(
+        f"eagle_positions_{j}" for j in range(1, steps + 1)
+    )
+
+
+def draft_acceptance_key(step: int) -> str:
+    """The metric of the head's acceptance at draft step ``step``, measured on each batch before
+    the update (teacher-forced: steps < ``step`` fed the head's own outputs)."""
+    return f"{mn.SPEC_DRAFT_ACCEPTANCE}_step{step}"
+
+
+SPEC_DRAFT_CHAIN = mn.SPEC_DRAFT_CHAIN
+SPEC_EAGLE_LR = mn.SPEC_EAGLE_LR
 
 
 def draft_params(model: nn.Module) -> list[nn.Parameter]:
@@ -75,13 +93,31 @@ def make_optimizer(
     groups: list[dict] = [
         {"params": [p for p in model.parameters() if id(p) not in drafts]},
     ]
-    for params, lr in (
-        (draft_params(model), spec.adapter_lr),
-        (eagle_params(model), spec.eagle_lr),
-    ):
-        if params:
-            groups.append({"params": params, "lr": lr, "weight_decay": 0.0})
+    if draft_params(model):
+        groups.append({"params": draft_params(model), "lr": spec.adapter_lr, "weight_decay": 0.0})
+    if eagle_params(model):
+        # The head's update count (its rate's warm-up) and the learner steps whose gradients it
+        # holds (``spec.eagle_accumulate``) ride in its group, so a checkpoint keeps them.
+        groups.append(
+            {
+                "params": eagle_params(model),
+                "lr": spec.eagle_lr / spec.eagle_lr_warmup_steps,
+                "weight_decay": 0.0,
+                EAGLE_GROUP: True,
+                "eagle_updates": 0,
+                "eagle_pending": 0,
+            }
+        )
     return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+EAGLE_GROUP = "eagle_head"
+"""The key that marks the EAGLE-3 head's parameter group."""
+
+
+def eagle_group(optimizer: torch.optim.Optimizer) -> dict | None:
+    """The head's parameter group, None without one."""
+    return next((g for g in optimizer.param_groups if g.get(EAGLE_GROUP)), None)
 
 
 def loss_options(cfg: LearnerConfig, agg_tokens: int = 0) -> LossOptions:
@@ -161,10 +197,7 @@ def train_step(
     exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
     if adapter:
         exit_layer = module.policy.args.draft_exit_layer
-    eagle_coef = spec.eagle_coef if spec is not None and spec.uses_eagle else 0.0
-    if not eagle_params(module):
-        eagle_coef = 0.0
-    eagle_steps = spec.eagle_steps if spec is not None else 1
+    eagle_coef, eagle_steps, eagle_decay = _eagle_terms(module, spec)
     options = loss_options(cfg, agg_tokens)
     terms = _StepTerms(
         cfg,
@@ -177,15 +210,17 @@ def train_step(
         eagle_steps,
         n_seqs,
         options,
+        eagle_decay,
     )
+    keys = _SUM_KEYS + (_eagle_keys(eagle_steps) if eagle_coef > 0 else ())
     micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
     autocast = torch.autocast(
         batch.input_ids.device.type,
         dtype=torch.bfloat16,
         enabled=cfg.precision == "bf16-mixed",
     )
-    optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
+    _zero_grads(module, optimizer)
+    sums = torch.zeros(len(keys), dtype=torch.float64)
     for mb in micro:
         # Freed pages of the last micro-batch back to the OS first (a few ms): what glibc keeps
         # of them would otherwise sit under this one's peak. One process only: under FSDP a
@@ -203,9 +238,18 @@ def train_step(
         sums += stats.double().cpu()
     if dist is not None:
         sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
-    stats = dict(zip(_SUM_KEYS, sums.tolist(), strict=True))
-    skipped, grad_norm = _apply_gradients(module, optimizer, stats["loss"], cfg.grad_clip)
-    return _metrics(stats, float(n_valid), len(micro), skipped, grad_norm, adapter, eagle_coef > 0)
+    stats = dict(zip(keys, sums.tolist(), strict=True))
+    skipped, grad_norm = _apply_gradients(module, optimizer, stats["loss"], cfg.grad_clip, spec)
+    figures = _metrics(stats, float(n_valid), len(micro), skipped, grad_norm, adapter, eagle_coef)
+    return figures | (_eagle_metrics(stats, eagle_steps, optimizer) if eagle_coef > 0 else {})
+
+
+def _eagle_terms(module: PolicyModule, spec: SpecConfig | None) -> tuple[float, int, float]:
+    """(weight of the EAGLE-3 head's loss, 0 when it is not trained; its draft steps; their
+    weights' decay)."""
+    if spec is None or not spec.uses_eagle or not eagle_params(module):
+        return 0.0, 1, 1.0
+    return spec.eagle_coef, spec.eagle_train_steps, spec.eagle_step_decay
 
 
 def _metrics(
@@ -215,7 +259,7 @@ def _metrics(
     skipped: bool,
     grad_norm: float,
     adapter: bool,
-    eagle: bool,
+    eagle: float,
 ) -> dict[str, float]:
     """The step's figures from the summed ``stats`` (``_SUM_KEYS``)."""
     figures = {
@@ -234,10 +278,28 @@ def _metrics(
     }
     if adapter:
         figures[mn.SPEC_DRAFT_ACCEPTANCE] = stats["draft_acceptance"] / max(n_valid, 1.0)
-    if eagle:
+    if eagle > 0:
         positions = max(stats["draft_positions"], 1.0)
         figures[mn.SPEC_DRAFT_ACCEPTANCE] = stats["draft_acceptance"] / positions
         figures[mn.SPEC_EAGLE_KL] = stats["eagle_kl"]
+    return figures
+
+
+def _eagle_metrics(
+    stats: dict[str, float], steps: int, optimizer: torch.optim.Optimizer
+) -> dict[str, float]:
+    """The head's acceptance at each draft step on this batch, before its update, the chain
+    estimate they give, and its rate."""
+    group = eagle_group(optimizer)
+    figures, chain, reach = {}, 1.0, 1.0
+    for j in range(1, steps + 1):
+        rate = stats[f"eagle_accept_{j}"] / max(stats[f"eagle_positions_{j}"], 1.0)
+        figures[draft_acceptance_key(j)] = rate
+        reach *= rate
+        chain += reach
+    figures[SPEC_DRAFT_CHAIN] = chain
+    if group is not None:
+        figures[SPEC_EAGLE_LR] = float(group["lr"])
     return figures
 
 
@@ -256,30 +318,52 @@ def _rank_microbatches(
     return micro + [empty_microbatch(batch)] * (max(len(p) for p in plans) - len(micro))
 
 
+def _zero_grads(module: PolicyModule, optimizer: torch.optim.Optimizer) -> None:
+    """Every gradient to None but the EAGLE-3 head's while it accumulates over learner steps
+    (``spec.eagle_accumulate``)."""
+    group = eagle_group(optimizer)
+    keep = {id(p) for p in eagle_params(module)} if group and group["eagle_pending"] else set()
+    for p in module.parameters():
+        if id(p) not in keep:
+            p.grad = None
+
+
 def _apply_gradients(
-    module: PolicyModule, optimizer: torch.optim.Optimizer, loss: float, grad_clip: float
+    module: PolicyModule,
+    optimizer: torch.optim.Optimizer,
+    loss: float,
+    grad_clip: float,
+    spec: SpecConfig | None = None,
 ) -> tuple[bool, float]:
     """Clip the accumulated gradients and take the optimizer step, unless the loss or the
-    gradient norm is not finite; ``(skipped, gradient norm)``.
+    gradient norm is not finite; ``(skipped, gradient norm)``. The EAGLE-3 head's group steps
+    once its gradients of ``spec.eagle_accumulate`` learner steps are in (their mean, clipped on
+    its own), at a rate warmed up over ``spec.eagle_lr_warmup_steps`` of its updates; until then
+    its gradients are kept, out of this step.
 
     Defence in depth behind admission: a step whose loss or gradients are not finite would put
-    NaN into every weight (and every actor). It is skipped and counted, never taken."""
+    NaN into every weight (and every actor). It is skipped and counted, never taken (and the
+    head's accumulated gradients dropped)."""
     skipped = not math.isfinite(loss)
     grad_norm = torch.full((), float("nan"))
+    head = [p for p in eagle_params(module) if p.grad is not None]
+    group = eagle_group(optimizer) if head else None
     if not skipped:
         # The policy, its draft adapter and its EAGLE-3 head are clipped apart: a draft's
         # gradient must not scale the policy's update.
         drafts = {id(p) for p in draft_params(module) + eagle_params(module)}
         params = [p for p in module.parameters() if p.grad is not None and id(p) not in drafts]
         max_norm = grad_clip if grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
         finite = bool(torch.isfinite(grad_norm))
-        for own in (draft_params(module), eagle_params(module)):
-            draft = [p for p in own if p.grad is not None]
-            if draft:
-                finite &= bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(draft, max_norm)))
+        draft = [p for p in draft_params(module) if p.grad is not None]
+        if draft:
+            finite &= bool(torch.isfinite(_full(torch.nn.utils.clip_grad_norm_(draft, max_norm))))
+        head_due = _head_due(group, spec)
+        if head and head_due:
+            for p in head:
+                p.grad.div_(group["eagle_pending"] + 1)  # the mean over the steps it holds
+            finite &= bool(torch.isfinite(_full(torch.nn.utils.clip_grad_norm_(head, max_norm))))
         skipped = not finite
     if skipped:
         log.error(
@@ -287,10 +371,38 @@ def _apply_gradients(
             loss,
             float(grad_norm),
         )
-    else:
-        optimizer.step()
+        if group is not None:
+            group["eagle_pending"] = 0
+        optimizer.zero_grad(set_to_none=True)
+        return skipped, float(grad_norm)
+    held = [] if group is None or head_due else [(p, p.grad) for p in head]
+    for p, _ in held:
+        p.grad = None  # AdamW leaves a parameter without a gradient as it is
+    if group is not None and head_due:
+        group["lr"] = spec.eagle_lr * min(
+            1.0, (group["eagle_updates"] + 1) / spec.eagle_lr_warmup_steps
+        )
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    for p, grad in held:
+        p.grad = grad
+    if group is not None:
+        group["eagle_pending"] = 0 if head_due else group["eagle_pending"] + 1
+        group["eagle_updates"] += int(head_due)
     return skipped, float(grad_norm)
+
+
+def _head_due(group: dict | None, spec: SpecConfig | None) -> bool:
+    """Whether the head's group steps now: it holds ``spec.eagle_accumulate`` steps' gradients
+    with this one (always without a spec)."""
+    if group is None or spec is None:
+        return True
+    return group["eagle_pending"] + 1 >= spec.eagle_accumulate
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (FSDP's is a DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _chosen(policy: nn.Module, mb: MicroBatch, terms: _StepTerms) -> torch.Tensor:
@@ -325,6 +437,8 @@ class _StepTerms:
     """Sequences (rows with completion tokens) of the global batch."""
     options: LossOptions | None = None
     """The algorithm options of the policy loss (None: GRPO's)."""
+    eagle_decay: float = 1.0
+    """Step j's weight in the head's loss: ``eagle_decay ** (j - 1)`` (``spec.eagle_step_decay``)."""
 
     def loss(
         self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
@@ -434,7 +548,7 @@ class _StepTerms:
             loss = loss + self.aux_coef * exit_kl
         if aux is not None:
             # The EAGLE-3 head's loss: detached from the policy (learner/eagle_loss.py).
-            kl_sum, accept, count = eagle_terms(
+            kl_sum, step_accepts, step_counts = eagle_terms(
                 policy,
                 mb.input_ids,
                 aux,
@@ -443,9 +557,17 @@ class _StepTerms:
                 sampling.temperature,
                 cfg.logprob_chunk_tokens,
                 self.eagle_steps,
+                self.eagle_decay,
             )
             eagle_kl = kl_sum / n_valid
-            loss = loss + self.eagle_coef * eagle_kl
-            positions = torch.full((), float(count), device=h.device)
-        figures = [exit_kl, accept, eagle_kl, positions]
+            # A zero that reaches every parameter of the head even where this micro-batch has
+            # no head position (padding, one-token prompts): FSDP reduces the same gradients on
+            # every rank.
+            reach = sum(p.sum() for p in policy.eagle.parameters())
+            loss = loss + self.eagle_coef * eagle_kl + 0.0 * reach
+            accept, positions = step_accepts[0], step_counts[0]
+            per_step = [*step_accepts, *step_counts]
+        else:
+            per_step = []
+        figures = [exit_kl, accept, eagle_kl, positions, *per_step]
         return loss, [t.detach().float() for t in figures]

@@ -126,6 +126,7 @@ def setup(
         step, version, dedupe, wal_from = 0, -1, {}, 0
     attach_adapter(policy, cfg.spec, dist)
     attach_eagle_head(policy, cfg.spec, dist)
+    restore_sharpening(policy, [model_dir, Path(cfg.model.path)] if cfg.model.path else [model_dir])
     args = model_args(policy)  # refuses a model whose versions actors could not load
     set_activation_checkpointing(policy, lcfg.activation_checkpointing)
     ref_model = None
@@ -206,7 +207,9 @@ def attach_eagle_head(policy: nn.Module, spec: SpecConfig, dist: DistContext | N
     inputs, the whole vocabulary; a warm-started one comes with the model directory, ``specrl
     warm-draft spec.method=eagle3``); a head the policy has is kept. Its tensors (``eagle.*``)
     are then in the policy's state dict, so every published version carries them, and its
-    ``eagle_aux_layers`` and ``eagle_vocab_size`` in the version's config."""
+    ``eagle_aux_layers`` and ``eagle_vocab_size`` in the version's config. With learner ranks
+    (FSDP2) the head is part of the root unit: sharded with the embedding and the LM head,
+    gathered for the loss, its gradients reduce-scattered like theirs."""
     if not spec.uses_eagle:
         return  # a head the model has rides along in every version, untrained
     if not is_builtin(policy):
@@ -214,8 +217,6 @@ def attach_eagle_head(policy: nn.Module, spec: SpecConfig, dist: DistContext | N
             "spec.method=eagle3 needs the built-in model (learner.model_impl=builtin): the "
             "EAGLE-3 head is part of common.model.Transformer"
         )
-    if dist is not None:
-        raise ValueError("spec.method=eagle3 is not supported with learner ranks > 1 yet (FSDP2)")
     if policy.eagle is None:
         attach_eagle(policy)
         log.warning(
@@ -225,6 +226,28 @@ def attach_eagle_head(policy: nn.Module, spec: SpecConfig, dist: DistContext | N
             "samples, over a reduced vocabulary",
             list(policy.args.eagle_aux_layers),
         )
+
+
+def restore_sharpening(policy: nn.Module, dirs: list[Path]) -> None:
+    """The draft sharpening s of a warm-started head (``EagleHead.sharpening``): its LM head
+    holds the trained rows over s, so the learner trains on its logits times s. Read from the
+    first of ``dirs`` whose ``config.json`` records it (a checkpoint's config does not: then the
+    model directory's, where the warm start wrote it); 1 when none does."""
+    import json
+
+    from learner.prepare.eagle_warmup import SHARPENING_KEY
+
+    head = getattr(policy, "eagle", None)
+    if head is None:
+        return
+    for directory in dirs:
+        config = directory / "config.json"
+        if config.is_file():
+            value = json.loads(config.read_text()).get(SHARPENING_KEY)
+            if value is not None:
+                head.sharpening = float(value)
+                log.info("EAGLE-3 head: draft sharpening %.3g (from %s)", head.sharpening, config)
+                return
 
 
 def gather_checkpoint(state: LearnerState, dist: DistContext | None) -> FullState | None:

@@ -79,13 +79,27 @@ class SpecConfig:
     the head rides along in every version as it is). Only the head learns from it (its inputs
     are detached and its gradient is clipped on its own), so the policy's update is the same
     whatever the weight; with AdamW it acts as an on/off switch."""
-    eagle_lr: float = 1e-3
+    eagle_lr: float = 1e-4
     """``eagle3``, learner: AdamW learning rate of the head (its own group, no weight decay, its
-    gradient clipped on its own at ``learner.grad_clip``)."""
-    eagle_steps: int = 1
-    """``eagle3``, learner: draft steps the head is trained on: 1 (each position's first draft
-    token, as NeMo RL trains its head) or 2 (plus the second, unrolled: the head fed its own
-    first-step output, EAGLE-3's training-time test; about twice the head's cost)."""
+    gradient clipped on its own at ``learner.grad_clip``), reached linearly over
+    ``eagle_lr_warmup_steps`` of its updates. 1e-3 with a fresh AdamW made the head worse during
+    RL (0.844 of its starting acceptance after 20 steps, a frozen head 0.892)."""
+    eagle_lr_warmup_steps: int = 10
+    """``eagle3``, learner: the head's rate rises linearly to ``eagle_lr`` over this many of its
+    updates (1 = none): a fresh AdamW's first updates are about ``lr`` per element whatever
+    the gradient."""
+    eagle_accumulate: int = 4
+    """``eagle3``, learner: the head's gradient is summed over this many learner steps before
+    its update (the policy's is not): one step's batch holds few prompts, whose completions are
+    correlated; 4 steps of 2 prompts give the head 8 prompts per update."""
+    eagle_steps: int = 0
+    """``eagle3``, learner and ``specrl warm-draft``: draft steps the head is trained on
+    (EAGLE-3's training-time test): step j reads step j-1's own output, as the j-th draft token
+    of a chain is drafted; 1..``k``, 0 = ``k`` (every draft step). The cost grows linearly (one
+    pass of the head's layer per step)."""
+    eagle_step_decay: float = 0.8
+    """``eagle3``: step j's loss is weighted ``eagle_step_decay ** (j - 1)`` (EAGLE-3's 0.8), so
+    step 1 does not pay for the later ones."""
     eagle_vocab: int = 8192
     """``eagle3``, ``specrl warm-draft``: size of the head's draft vocabulary (the most frequent
     tokens of the model's samples); 0 = the whole vocabulary. A head the learner attaches to a
@@ -109,9 +123,11 @@ class SpecConfig:
             eagle_coef=0,
             eagle_vocab=0,
         )
-        require_positive("spec", self, "adapter_lr", "eagle_lr")
+        require_positive("spec", self, "adapter_lr", "eagle_lr", "eagle_step_decay")
+        require_at_least("spec", self, eagle_lr_warmup_steps=1, eagle_accumulate=1)
         require(
-            self.eagle_steps in (1, 2), f"spec.eagle_steps must be 1 or 2, got {self.eagle_steps}"
+            0 <= self.eagle_steps <= self.k,
+            f"spec.eagle_steps must be in 1..spec.k={self.k} (0 = spec.k), got {self.eagle_steps}",
         )
         require(
             not self.adapter or self.uses_early_exit,
@@ -136,6 +152,11 @@ class SpecConfig:
     def uses_early_exit(self) -> bool:
         """Drafts come (at least partly) from the early exit: ``early_exit`` or ``hybrid``."""
         return self.method in EXIT_METHODS
+
+    @property
+    def eagle_train_steps(self) -> int:
+        """Draft steps the EAGLE-3 head is trained on: ``eagle_steps``, or ``k`` when 0."""
+        return self.eagle_steps or self.k
 
     @property
     def uses_eagle(self) -> bool:
@@ -273,6 +294,13 @@ class EngineConfig:
     vllm_stop_token_ids: list[int] = field(default_factory=list)
     """vLLM: token ids that end a completion besides the tokenizer's EOS (the GPU profile sets
     every ``eos_token_id`` of the model's ``generation_config.json``)."""
+    vllm_weight_transfer: str = "auto"
+    """vLLM: how versions reach the engine. ``reload``: vLLM opens the first version written into
+    a temporary directory, later versions through ``reload_weights``; ``specrl``: vLLM starts on
+    dummy weights with a ``config.json`` only and takes every version through its
+    weight-transfer lifecycle (no copy of the weights on disk; not with ``spec=early_exit`` or
+    ``eagle3``, whose drafts are read from the directory); ``auto``: ``specrl`` where it can run,
+    else ``reload``; ``nccl``: refused until a GPU run proves it (docs/engines.md)."""
     vllm_verify_topk: int = 8
     """vLLM with ``actor.inflight=verify_on_swap``: how much of each old sampling distribution
     is recorded for the residual: the top k processed log-probs plus the sampled token's (at most
@@ -283,6 +311,11 @@ class EngineConfig:
         require_choice("engine.name", self.name, ENGINE_NAMES)
         require_choice("engine.torch_dtype", self.torch_dtype, TORCH_DTYPES)
         require_choice("engine.vllm_draft_dtype", self.vllm_draft_dtype, TORCH_DTYPES)
+        require_choice(
+            "engine.vllm_weight_transfer",
+            self.vllm_weight_transfer,
+            ("auto", "reload", "specrl", "nccl"),
+        )
         require_at_least(
             "engine", self, max_rows=0, vllm_max_model_len=16, vllm_tensor_parallel_size=1
         )

@@ -40,11 +40,13 @@ from learner.prepare.draft_data import (
     check_options,
     load_policy,
     pick_device,
+    resolve_options,
     resolve_vocab,
     sample_for_warmup,
     save_into,
     torch_threads,
     train_draft,
+    warm_threads,
     write_summary,
 )
 from learner.prepare.warm_start import ensure_model
@@ -144,8 +146,9 @@ def warm_draft(cfg: SpecRLConfig, opts: WarmDraftOptions) -> tuple[Transformer, 
     """Sample, pick the vocabulary, train, evaluate and save the adapter (module docstring);
     returns the policy with its trained adapter and the summary (also written as JSON). With
     ``spec.method=eagle3``: the EAGLE-3 head instead (``learner/prepare/eagle_warmup.py``)."""
+    opts = resolve_options(opts, cfg.spec.uses_eagle)
     check_options(opts)
-    with torch_threads(cfg.run.torch_threads):
+    with torch_threads(warm_threads(cfg, opts)):
         if cfg.spec.uses_eagle:
             from learner.prepare.eagle_warmup import warm_eagle  # builds on this module
 

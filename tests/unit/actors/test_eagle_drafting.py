@@ -103,6 +103,27 @@ def test_negative_control_a_wrong_q_is_detected(small, monkeypatch):
     assert sequence_pvalue(engine, PROMPT, max_new=3, samples=6000) < 1e-4
 
 
+def test_sharpened_drafts_stay_exact_and_the_unsharpened_q_is_detected(small, monkeypatch):
+    # The warm start's draft sharpening s rescales the head's published LM head by 1/s: drafts
+    # come from softmax(z / (T s)) and the verifier is handed that q, so the output stays the
+    # plain distribution. Control: handing it the trained (unsharpened) q instead biases it.
+    sharp = copy.deepcopy(small)
+    sharp.eagle.set_sharpening(0.5)
+    engine = TorchEngine(sharp, EOS, 0, 1.0, seed=123, spec=SPEC)
+    p_value = sequence_pvalue(engine, PROMPT, max_new=3, samples=6000)
+    assert p_value >= 0.01, f"p = {p_value:.2e}"
+    assert 0.05 < engine.stats()[mn.SPEC_ACCEPTANCE_RATE] < 1.0
+    real = EagleDrafter._sample
+
+    def unsharpened(self, *args, **kwargs):
+        tokens, q = real(self, *args, **kwargs)
+        return tokens, torch.log_softmax(q * self.model.eagle.sharpening, dim=-1)
+
+    monkeypatch.setattr(EagleDrafter, "_sample", unsharpened)
+    engine = TorchEngine(sharp, EOS, 0, 1.0, seed=123, spec=SPEC)
+    assert sequence_pvalue(engine, PROMPT, max_new=3, samples=6000) < 1e-4
+
+
 def test_drafts_never_leave_the_heads_vocabulary(small):
     engine = TorchEngine(small, EOS, 0, 1.0, seed=5, spec=SPEC)
     seen: list[torch.Tensor] = []

@@ -20,7 +20,7 @@ ARGS = ModelArgs(**shape(96, 64, 128, 6, 2, 1))
 def policy(seed: int = 0, **changes) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(replace(ARGS, **changes)).eval()
-    attach_eagle(model, vocab_ids=torch.arange(10, 74), seed=seed + 1)
+    attach_eagle(model, vocab_ids=torch.arange(10, 74), seed=seed + 1, init="random")
     return model
 
 
@@ -124,6 +124,53 @@ def test_a_fresh_head_starts_from_the_policys_head_rows_and_norm():
     model = policy()
     torch.testing.assert_close(model.eagle.lm_head.weight, model.lm_head.weight[10:74])
     torch.testing.assert_close(model.eagle.norm.weight, model.model.norm.weight)
+
+
+@torch.no_grad()
+def test_a_head_started_from_the_last_layer_is_that_layer_on_the_top_aux_state():
+    torch.manual_seed(5)
+    model = Transformer(ARGS).eval()
+    attach_eagle(model, vocab_ids=torch.arange(10, 74))  # init="layer", the default
+    head, last = model.eagle, model.model.layers[-1]
+    ids = torch.randint(0, 96, (2, 7))
+    aux: list[torch.Tensor] = []
+    model.run_layers(model.model.embed_tokens(ids), None, None, 0, 6, aux=aux)
+    g = model.eagle.combine(aux)
+    torch.testing.assert_close(g, aux[-1])  # fc = [0 | I]: the top auxiliary state (layer 3)
+    # q/k/v read norm(g) only, with the layer's input norm: the head's step is the policy's last
+    # decoder layer on g (causal, positions 0 ..), whatever the next tokens are.
+    _, _, cos, sin = model._attention_inputs(g, None, None)
+    expected = last(g, cos, sin, None, None)
+    out = model.run_eagle(ids, g, None, None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    other = model.run_eagle(torch.roll(ids, 1, dims=1), g, None, None)
+    torch.testing.assert_close(other, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.midlayer.hidden_norm.weight, last.input_layernorm.weight)
+    # Reading the state before the last layer (aux layer 5 of 6), the head's first draft is then
+    # exactly the policy's own next-token logits over the draft vocabulary.
+    model2 = Transformer(ARGS).eval()
+    attach_eagle(model2, aux_layers=(2, 5), vocab_ids=torch.arange(10, 74))
+    taps: list[torch.Tensor] = []
+    h = model2.run_layers(model2.model.embed_tokens(ids), None, None, 0, 6, aux=taps)
+    drafted = model2.eagle.logits(model2.run_eagle(ids, model2.eagle.combine(taps), None, None))
+    torch.testing.assert_close(drafted, model2.head(h)[..., 10:74], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="init"):
+        attach_eagle(model2, init="zeros")
+
+
+def test_sharpening_rescales_the_published_rows_not_the_trained_logits():
+    model = policy()
+    h = torch.randn(3, 64)
+    trained, published = model.eagle.trained_logits(h), model.eagle.logits(h)
+    torch.testing.assert_close(trained, published)
+    model.eagle.set_sharpening(0.5)
+    torch.testing.assert_close(model.eagle.logits(h), 2.0 * published)  # drafts from z / (T s)
+    torch.testing.assert_close(model.eagle.trained_logits(h), trained)
+    model.eagle.set_sharpening(0.7)  # from the current s, not compounded
+    torch.testing.assert_close(model.eagle.logits(h), published / 0.7)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="sharpening"):
+            model.eagle.set_sharpening(bad)
 
 
 @pytest.mark.parametrize("layout", [{}, {"attention_bias": True}, {"qk_norm": True}])

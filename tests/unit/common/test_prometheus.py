@@ -167,3 +167,21 @@ def test_taken_port_warns_and_runs_on(tmp_path, caplog):
         exporter.close()
     assert "running without metrics" in caplog.text and str(taken) in caplog.text
     assert not (tmp_path / "prometheus" / "learner.port").exists()
+
+
+def test_the_drafts_training_figures_are_learner_gauges(tmp_path):
+    cfg = load_config(["learner.metrics_port=0"])
+    figures = {
+        "spec/draft_acceptance": 0.5,
+        "spec/draft_acceptance_step1": 0.6,
+        "spec/draft_acceptance_step4": 0.3,
+        "spec/draft_chain_estimate": 2.1,
+        "spec/eagle_kl": 0.7,
+        "spec/eagle_lr": 1e-4,
+    }
+    with LearnerExporter.start(cfg, tmp_path) as exporter:
+        exporter.update(learner_step(1, **figures), [0])
+        m = scrape(exporter.port)
+    for key, value in figures.items():
+        name = "specrl_learner_" + key.replace("/", "_")
+        assert m[(name, ())] == pytest.approx(value), name

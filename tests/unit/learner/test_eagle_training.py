@@ -5,7 +5,9 @@ has its own optimizer group through a checkpoint, and the wiring attaches one wh
 from __future__ import annotations
 
 import copy
+import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,19 +17,22 @@ from common.config.actor import SpecConfig
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
 from common.eagle import EAGLE_FILE, EAGLE_PREFIX, attach_eagle
-from common.layers import KVCache
 from common.model_args import default_eagle_aux_layers
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
-from learner.eagle_loss import eagle_states, eagle_terms, unrolled_states
-from learner.policy import backbone
+from learner.eagle_loss import eagle_states, eagle_terms
+from learner.policy import backbone, hf_config
+from learner.prepare.eagle_warmup import SHARPENING_KEY
 from learner.step import make_optimizer, train_step
-from learner.wiring import attach_eagle_head
+from learner.wiring import attach_eagle_head, restore_sharpening
 from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups
 from testing.models import random_hf_model, random_model, tiny_model
 
-SPEC = SpecConfig(method="eagle3", eagle_lr=1e-2)
+SPEC = SpecConfig(
+    method="eagle3", eagle_lr=1e-2, eagle_steps=1, eagle_accumulate=1, eagle_lr_warmup_steps=1
+)
+"""One draft step, updated every learner step at its full rate: the loss's own figures."""
 
 
 def _policy(vocab_ids: torch.Tensor | None, peaked: float = 1.0, layers: int = 2):
@@ -92,11 +97,18 @@ def test_states_are_run_eagles_and_only_the_head_gets_a_gradient():
     torch.testing.assert_close(eagle_states(model, ids, aux), reference)
     kl, _, _ = eagle_terms(model, ids, aux, h, sel, 1.0, 3)
     kl.backward()
+    # Started from the policy's last layer, the embedding half of q/k/v is zero: its norm has no
+    # gradient until that half has moved, which its own gradient does.
+    idle = f"{EAGLE_PREFIX}midlayer.input_layernorm.weight"
+    H = model.args.hidden_size
     for name, p in model.named_parameters():
-        if name.startswith(EAGLE_PREFIX):
+        if name == idle:
+            assert p.grad is not None and float(p.grad.abs().sum()) == 0.0
+        elif name.startswith(EAGLE_PREFIX):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
         else:
             assert p.grad is None, name
+    assert model.eagle.midlayer.self_attn.q_proj.weight.grad[:, :H].abs().sum() > 0
 
 
 def _setup(peaked: float = 1.0):
@@ -136,16 +148,17 @@ def test_head_learns_and_leaves_the_policy_update_unchanged():
 
 def test_head_learns_a_peaked_policy_well():
     """Fails when the head does not learn: a policy with sharp distributions, whose untrained
-    head accepts little, is followed much more closely after 16 steps (0.03 -> 0.44 measured)."""
+    head (started from the policy's last layer) accepts little, is followed much more closely
+    after 16 steps (0.15 -> 0.47 measured)."""
     cfg = LearnerConfig(lr=1e-6)  # the policy barely moves; the head has its own rate
     _, model, batch = _setup(peaked=30.0)
-    spec = SpecConfig(method="eagle3", eagle_lr=1e-2)
+    spec = replace(SPEC, eagle_lr=3e-3)
     opt = make_optimizer(model, cfg, spec)
     accept = [
         train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)[mn.SPEC_DRAFT_ACCEPTANCE]
         for _ in range(16)
     ]
-    assert accept[0] < 0.1, accept
+    assert accept[0] < 0.2, accept
     assert min(accept[-3:]) > accept[0] + 0.25, accept
 
 
@@ -202,37 +215,16 @@ def test_wiring_attaches_a_head_only_where_missing(caplog):
     head = model.eagle
     attach_eagle_head(model, spec, None)
     assert model.eagle is head  # kept
-    with pytest.raises(ValueError, match="ranks > 1"):
-        attach_eagle_head(model, spec, object())  # type: ignore[arg-type]
+    attach_eagle_head(model, spec, object())  # type: ignore[arg-type]  # learner ranks too
+    assert model.eagle is head
     with pytest.raises(ValueError, match="built-in model"):
         attach_eagle_head(random_hf_model("phi3", 97), spec, None)
-
-
-@torch.no_grad()
-def test_the_unrolled_step_is_the_second_step_of_a_cached_draft_chain():
-    model = _policy(torch.arange(3, 97, 2), peaked=3.0).eval()
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(4))
-    aux: list[torch.Tensor] = []
-    backbone(model, ids, aux=aux)
-    first = eagle_states(model, ids, aux)
-    second = unrolled_states(model, ids, aux, first)
-    assert second.shape == (2, 5, 64)
-    g = model.eagle.combine(aux)
-    for t in range(5):
-        # Decoding: step 1 over positions 0 .. t fills the head's cache, step 2 at t + 1 reads it.
-        cache = KVCache(model.args, 2, 8)
-        pos = torch.arange(t + 1).expand(2, -1)
-        out1 = model.run_eagle(ids[:, 1 : t + 2], g[:, : t + 1], pos, cache)
-        torch.testing.assert_close(out1, first[:, : t + 1], rtol=1e-4, atol=1e-5)
-        step2 = torch.full((2, 1), t + 1)
-        out2 = model.run_eagle(ids[:, t + 2 : t + 3], out1[:, t : t + 1], step2, cache)
-        torch.testing.assert_close(out2[:, 0], second[:, t], rtol=1e-4, atol=1e-5)
 
 
 def test_two_steps_add_the_second_steps_loss_and_keep_the_policy_update():
     cfg = LearnerConfig(lr=1e-3, grad_clip=0.05)
     _, model, batch = _setup(peaked=5.0)
-    two = SpecConfig(method="eagle3", eagle_steps=2)
+    two = replace(SPEC, eagle_steps=2)
     out = {}
     for spec in (SPEC, two):
         m = copy.deepcopy(model)
@@ -247,5 +239,36 @@ def test_two_steps_add_the_second_steps_loss_and_keep_the_policy_update():
     for name, tensor in one.state_dict().items():
         if not name.startswith(EAGLE_PREFIX):
             assert torch.equal(two_model.state_dict()[name], tensor), name
-    with pytest.raises(ValueError, match="spec.eagle_steps must be 1 or 2"):
-        SpecConfig(method="eagle3", eagle_steps=3)
+    with pytest.raises(ValueError, match=r"spec.eagle_steps must be in 1..spec.k=4"):
+        SpecConfig(method="eagle3", eagle_steps=5)
+    assert SpecConfig(method="eagle3").eagle_train_steps == 4  # every draft step by default
+    assert SpecConfig(method="eagle3", k=3, eagle_steps=2).eagle_train_steps == 2
+
+
+def test_the_learner_trains_the_unsharpened_head_and_reads_its_sharpening(tmp_path):
+    model = _policy(torch.arange(0, 97, 2), peaked=3.0)
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(5))
+    sel = torch.ones(2, 7, dtype=torch.bool)
+    aux: list[torch.Tensor] = []
+    with torch.no_grad():
+        h, _ = backbone(model, ids, aux=aux)
+        kl, accept, _ = eagle_terms(model, ids, aux, h, sel, 0.7, 0, steps=2)
+        model.eagle.set_sharpening(0.5)  # the published rows over s: the drafts are sharper
+        kl_s, accept_s, _ = eagle_terms(model, ids, aux, h, sel, 0.7, 0, steps=2)
+    assert float(kl_s) == pytest.approx(float(kl), rel=1e-5)  # trained: the unsharpened q
+    assert not torch.allclose(accept_s, accept)  # reported: the q the engines draft from
+    # The learner reads s from the first directory that records it (a checkpoint's does not).
+    ckpt, model_dir = tmp_path / "ckpt", tmp_path / "model"
+    for d, extra in ((ckpt, {}), (model_dir, {SHARPENING_KEY: 0.7})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", **extra}))
+    fresh = _policy(torch.arange(0, 97, 2))
+    restore_sharpening(fresh, [ckpt, model_dir])
+    assert fresh.eagle.sharpening == 0.7
+    plain = random_model(97)
+    restore_sharpening(plain, [model_dir])  # no head: nothing to set
+    assert plain.eagle is None
+    # Checkpoints and versions record s too (hf_config), so a resume keeps it without the
+    # warm-started directory; an unsharpened head records nothing.
+    assert hf_config(model, torch.float32)[SHARPENING_KEY] == 0.5
+    assert SHARPENING_KEY not in hf_config(plain, torch.float32)
