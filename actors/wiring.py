@@ -116,10 +116,12 @@ def rollout_dtype(cfg: SpecRLConfig, manifest: dict) -> torch.dtype:
     return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else torch.float32
 
 
-def write_published(meta: dict, state: dict[str, torch.Tensor], path: Path) -> None:
+def write_published(
+    meta: dict, state: dict[str, torch.Tensor], path: Path, weights: bool = True
+) -> None:
     """A published version as an HF model directory (``config.json`` from the meta, the
     tensors by their HF names), in the published dtype (float32 when it mixes dtypes); a tied
-    LM head is left out, as HF checkpoints do."""
+    LM head is left out, as HF checkpoints do. ``weights=False``: ``config.json`` only."""
     config = hf_config_from_meta(meta)
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     dtype = floats.pop() if len(floats) == 1 else torch.float32
@@ -132,31 +134,49 @@ def write_published(meta: dict, state: dict[str, torch.Tensor], path: Path) -> N
     }
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    write_weights(tensors, path)  # a draft adapter's tensors in their own file
+    if weights:
+        write_weights(tensors, path)  # a draft adapter's tensors in their own file
 
 
 def _vllm_engine(
     layout: Layout, meta: dict, state, version: int, tokenizer: Tokenizer, cfg: SpecRLConfig, seed
 ):
-    """vLLM opens a model directory: the published version, written there as it is (what
-    ``engine.vllm_dtype=auto`` then serves on CPU)."""
-    # vLLM reads the directory while it builds; later versions arrive through load_weights.
+    """vLLM opens a model directory. With ``engine.vllm_weight_transfer`` resolved to
+    ``specrl``: ``config.json`` alone (in the run directory), the engine starting on dummy
+    weights and taking the version through vLLM's weight-transfer lifecycle; with ``reload``:
+    the published version written into a temporary directory as it is (what
+    ``engine.vllm_dtype=auto`` then serves on CPU), read while the engine builds."""
+    from actors.engines.vllm_engine import VllmEngine
+    from actors.engines.vllm_setup import resolve_transfer
+
+    transfer = resolve_transfer(cfg.engine.vllm_weight_transfer, cfg.engine, cfg.spec)
+    max_model_len = min(cfg.engine.vllm_max_model_len, layout.max_position_embeddings)
+    options = dict(
+        spec=cfg.spec,
+        inflight=cfg.actor.inflight,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        seed=seed,
+        version=version,
+    )
+    engine_cfg = replace(cfg.engine, vllm_max_model_len=max_model_len)
+    if transfer == "specrl":
+        config_dir = cfg.run.resolved_dir() / "vllm" / f"actor-{cfg.actor.index}"
+        write_published(meta, state, config_dir, weights=False)
+        log.info(
+            "actor: vLLM starts on dummy weights (%s); versions through its lifecycle", config_dir
+        )
+        return VllmEngine(
+            config_dir,
+            tokenizer.eos_id,
+            engine_cfg,
+            weight_transfer="specrl",
+            start_weights=state,
+            **options,
+        )
     with tempfile.TemporaryDirectory(prefix="specrl-vllm-") as model_dir:
         write_published(meta, state, Path(model_dir))
-        from actors.engines.vllm_engine import VllmEngine
-
-        max_model_len = min(cfg.engine.vllm_max_model_len, layout.max_position_embeddings)
-        return VllmEngine(
-            Path(model_dir),
-            tokenizer.eos_id,
-            replace(cfg.engine, vllm_max_model_len=max_model_len),
-            spec=cfg.spec,
-            inflight=cfg.actor.inflight,
-            temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p,
-            seed=seed,
-            version=version,
-        )
+        return VllmEngine(Path(model_dir), tokenizer.eos_id, engine_cfg, **options)
 
 
 class Recovery:

@@ -163,6 +163,19 @@ def check_options(
             ) from e
 
 
+def resolve_transfer(weight_transfer: str, engine: EngineConfig, spec: SpecConfig) -> str:
+    """``engine.vllm_weight_transfer`` as the engine runs it: ``auto`` is ``specrl`` where
+    :func:`check_transfer` allows it, else ``reload``; any other mode is checked as it is."""
+    if weight_transfer != "auto":
+        check_transfer(weight_transfer, engine, spec)
+        return weight_transfer
+    try:
+        check_transfer("specrl", engine, spec)
+    except ValueError:
+        return "reload"
+    return "specrl"
+
+
 def check_transfer(weight_transfer: str, engine: EngineConfig, spec: SpecConfig) -> None:
     """Refuse a weight-transfer mode the engine cannot run (see :data:`WEIGHT_TRANSFER_MODES`)."""
     if weight_transfer not in WEIGHT_TRANSFER_MODES:

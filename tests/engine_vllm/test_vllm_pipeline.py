@@ -46,4 +46,8 @@ def test_vllm_and_torch_actors_feed_one_learner(tmp_path, redis_server):
     trained_by = {r["actor_id"] for r in ledger.trained}
     assert len(trained_by) == 2, f"both engines' groups should be trained, got {trained_by}"
     assert not {k: n for k, n in ledger.consumed.items() if n > 1}
-    assert "vllm" in pipeline.log_tail("actor-0", 400).lower()
+    actor_log = pipeline.log_tail("actor-0", 400)
+    assert "vllm" in actor_log.lower()
+    # engine.vllm_weight_transfer=auto with spec=ngram: dummy weights at start, every version
+    # (the first included) through vLLM's weight-transfer lifecycle, no copy on disk.
+    assert "vLLM starts on dummy weights" in actor_log
