@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from common.eagle import EAGLE_FILE, EAGLE_PREFIX
 from common.link.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.model import CONFIG_FILE, DRAFT_FILE, DRAFT_PREFIX, write_weights
 from common.model_args import TIED_HEAD, config_ties_head
@@ -40,6 +41,8 @@ STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_groups.msgpack"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINING_DIR = "training_state"
+GRAD_SLOT = "grad"
+"""``name::grad``: a gradient held across learner steps (``learner/checkpoint_sharded.py``)."""
 
 
 def save_file(
@@ -129,16 +132,39 @@ def save_checkpoint(
     """``model``: a single process's model (with its ``optimizer``), or a gathered
     ``FullState`` (``optimizer`` then unused)."""
     full = model if isinstance(model, FullState) else full_state(model, optimizer)
-    # This user's alone, whatever the umask: the weights of a private model (``mkdtemp`` makes
-    # each checkpoint's directory 0700 too).
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{state.step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final, tmp = temp_checkpoint(root, state.step)
     write_model(full.config, full.model, tmp)
     tokenizer.save(tmp)
     training = tmp / TRAINING_DIR
-    training.mkdir()
+    training.mkdir(exist_ok=True)
     save_file(full.optimizer, str(training / OPTIMIZER_FILE))
+    write_training_state(training, state, full.param_groups, pending)
+    return commit(tmp, final, keep)
+
+
+def temp_checkpoint(root: Path, step: int) -> tuple[Path, Path]:
+    """The final path of step ``step``'s checkpoint and the temporary directory it is written
+    in (a dot name, which ``list_checkpoints`` ignores, until ``commit`` renames it). Temporary
+    directories a crash left behind mid-save are removed first."""
+    # This user's alone, whatever the umask: the weights of a private model (``mkdtemp`` makes
+    # each checkpoint's directory 0700 too).
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for stale in root.glob(f".{PREFIX}*.*"):
+        if stale.is_dir() and not stale.name.endswith(".old"):
+            shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"{PREFIX}{step:08d}"
+    return final, Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+
+
+def write_training_state(
+    training: Path,
+    state: TrainerState,
+    param_groups: list[dict[str, Any]],
+    pending: list[TrajectoryGroup] | None,
+    **extra: Any,
+) -> None:
+    """``trainer_state.json`` (counters, dedupe state, optimizer hyper-parameters, ``extra``)
+    and the pending groups, in a checkpoint's ``training_state/``."""
     (training / STATE_FILE).write_text(
         json.dumps(
             {
@@ -147,11 +173,18 @@ def save_checkpoint(
                 "dedupe": state.dedupe,
                 "metrics": state.metrics,
                 "wal_from": state.wal_from,
-                "optimizer_param_groups": full.param_groups,
+                "optimizer_param_groups": param_groups,
+                **extra,
             }
         )
     )
     (training / PENDING_FILE).write_bytes(msgpack.packb([encode(g) for g in pending or []]))
+
+
+def commit(tmp: Path, final: Path, keep: int) -> Path:
+    """Make the complete checkpoint in ``tmp`` the one at ``final`` (a rename: a crash before it
+    leaves only a dot directory, never a checkpoint that looks complete), then keep the newest
+    ``keep``."""
     if final.exists():
         # Swap, never delete-then-rename: a crash between the two must not lose the checkpoint.
         old = final.with_name(f".{final.name}.old")
@@ -162,7 +195,7 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    for old in list_checkpoints(root)[:-keep]:
+    for old in list_checkpoints(final.parent)[:-keep]:
         shutil.rmtree(old)
     return final
 
@@ -210,7 +243,15 @@ def load_checkpoint(
     path: Path, device: torch.device, impl: str = "auto", dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, dict[str, torch.Tensor], TrainerState, list[dict[str, Any]]]:
     """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters: the
-    whole state, for one process."""
+    whole state, for one process. A sharded checkpoint (``learner/checkpoint_sharded.py``) is
+    consolidated into a temporary full one first."""
+    from learner.checkpoint_sharded import export_checkpoint, is_sharded
+
+    if is_sharded(path):
+        with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+            return load_checkpoint(
+                export_checkpoint(path, Path(tmp) / path.name), device, impl, dtype
+            )
     model = load_policy(path, impl, device, dtype)
     state, param_groups = read_trainer_state(path)
     tensors = load_file(str(_training_file(path, OPTIMIZER_FILE)), device=str(device))
@@ -240,14 +281,21 @@ def load_sharded_model(model: nn.Module, path: Path) -> None:
     """Collective: a sharded model's parameters and persistent buffers (allocated by
     ``learner.distributed.materialize``) from the model files of ``path``, a checkpoint or model
     directory; each rank reads its shards only."""
+    from learner.checkpoint_sharded import is_sharded, model_shards
+
     policy = unwrap(model)
     unique = {name for name, _ in policy.named_parameters()}
     tied = {name for name, _ in policy.named_parameters(remove_duplicate=False)} - unique
     targets = {k: v for k, v in policy.state_dict(keep_vars=True).items() if k not in tied}
-    draft = {k: v for k, v in targets.items() if k.startswith(DRAFT_PREFIX)}
-    _read_shards(path, {k: v for k, v in targets.items() if k not in draft})
-    if draft:
-        _read_shards((path / DRAFT_FILE).parent, draft)
+    if is_sharded(path):
+        _read_shards(model_shards(path), targets)
+        return
+    # A draft adapter's and an EAGLE-3 head's tensors are in files of their own.
+    for prefix, file in ((DRAFT_PREFIX, DRAFT_FILE), (EAGLE_PREFIX, EAGLE_FILE)):
+        part = {k: targets.pop(k) for k in [k for k in targets if k.startswith(prefix)]}
+        if part:
+            _read_shards((path / file).parent, part)
+    _read_shards(path, targets)
 
 
 def load_sharded_optimizer(
@@ -259,15 +307,18 @@ def load_sharded_optimizer(
     """Collective: a checkpoint's AdamW state into the optimizer of a sharded model, each rank
     reading the rows of its shards (moments) and the whole of each scalar (``step``). Parameters
     the checkpoint has no state for start without, as AdamW does."""
-    file = _training_file(path, OPTIMIZER_FILE)
-    if not file.is_file():
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from learner.checkpoint_sharded import is_sharded, optimizer_shards
+
+    file = optimizer_shards(path) if is_sharded(path) else _training_file(path, OPTIMIZER_FILE)
+    if not file.exists():
         raise FileNotFoundError(
             f"checkpoint {path} has no {TRAINING_DIR}/{OPTIMIZER_FILE} (a model directory, not "
             "a training checkpoint: set learner.resume=false and model.path to train from it)"
         )
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    stored = HuggingFaceStorageReader(str(file.parent)).read_metadata().state_dict_metadata
+    directory = file if file.is_dir() else file.parent
+    stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
     params = dict(unwrap(model).named_parameters())
     targets: dict[str, torch.Tensor] = {}
     for key, meta in stored.items():
@@ -284,11 +335,24 @@ def load_sharded_optimizer(
             targets[key] = torch.empty_like(param)  # sharded as the parameter
         else:
             targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    _read_shards(file.parent, targets)
-    for key, value in targets.items():
-        name, _, slot = key.partition("::")
-        optimizer.state[params[name]][slot] = value
+    _read_shards(directory, targets)
+    _restore_slots(optimizer, params, targets)
     restore_param_groups(optimizer, param_groups)
+
+
+def _restore_slots(
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    """``{name::slot: tensor}`` into the optimizer's state; ``name::grad`` (gradients held across
+    learner steps, in sharded checkpoints) into the parameter's ``.grad``."""
+    for key, value in tensors.items():
+        name, _, slot = key.partition("::")
+        if slot == GRAD_SLOT:
+            params[name].grad = value
+        else:
+            optimizer.state[params[name]][slot] = value
 
 
 def _optimizer_tensors(
@@ -310,10 +374,7 @@ def restore_optimizer(
     tensors: dict[str, torch.Tensor],
     param_groups: list[dict[str, Any]],
 ) -> None:
-    params = dict(model.named_parameters())
-    for key, value in tensors.items():
-        name, _, slot = key.partition("::")
-        optimizer.state[params[name]][slot] = value
+    _restore_slots(optimizer, dict(model.named_parameters()), tensors)
     restore_param_groups(optimizer, param_groups)
 
 

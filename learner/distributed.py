@@ -8,8 +8,10 @@ checkpoints). It broadcasts each step's groups (wire frames in a uint8 tensor; n
 version; every rank collates the same full batch and trains its shard of rows. Why N ranks give
 the 1-rank update: docs/design.md §4.1 and ``learner/microbatch.py``.
 
-Checkpoints gather the full state dict to rank 0's CPU; publishing streams it there in the
-publish dtype, one tensor at a time (``stream_full_state``). Both are collectives every rank
+Checkpoints are written sharded by default: each rank writes its own rows through
+``torch.distributed.checkpoint`` (``learner/checkpoint_sharded.py``; ``learner.checkpoint_format``,
+``full`` gathers the whole state dict to rank 0's CPU as before). Publishing streams the state to
+rank 0 in the publish dtype, one tensor at a time (``stream_full_state``). Both are collectives every rank
 joins at the same point: publishing follows ``publish_every`` and the step's (all-reduced)
 skipped flag, checkpoints ``checkpoint_every``, the final checkpoint rank 0's ``stop`` message.
 On resume every rank builds the model with its parameters on the meta device (``empty_policy``),

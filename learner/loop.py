@@ -26,12 +26,14 @@ from common.weights.publish.writer import WeightWriter
 from learner.batch import TrainBatch, collate
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import TrainerState, save_checkpoint
+from learner.checkpoint_sharded import save_sharded_checkpoint, use_sharded
 from learner.distributed import DistContext, init_from_env, shutdown
 from learner.exporter import LearnerExporter
 from learner.replay import Readmission, record_refused, replay_wal
 from learner.trackers import Trackers
 from learner.versions import PolicyView, Republisher, next_version, write_version_mark
 from learner.wiring import (
+    LearnerState,
     build_receiver,
     gather_checkpoint,
     make_admission,
@@ -103,7 +105,7 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
     while True:
         op, version, groups = dist.receive(limits)
         if op == "stop":
-            gather_checkpoint(state, dist)  # rank 0's final checkpoint
+            join_checkpoint(cfg, state, dist, checkpoint_root)  # rank 0's final checkpoint
             return last
         batch = collate(groups, version, state.tokenizer.pad_id, dist.device, state.shaping)
         last = train_on(state, batch, cfg, dist)
@@ -112,8 +114,16 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
         if due.publish:
             view.refresh()
         if due.checkpoint:
-            gather_checkpoint(state, dist)
+            join_checkpoint(cfg, state, dist, checkpoint_root)
         heap.trim()  # the step's freed activations and gathered state back to the OS
+
+
+def join_checkpoint(cfg: SpecRLConfig, state: LearnerState, dist: DistContext, root: Path) -> None:
+    """A rank > 0's part of rank 0's checkpoint: writing its shards, or joining the gather."""
+    if use_sharded(cfg.learner, dist):
+        save_sharded_checkpoint(root, state.model, state.optimizer, dist)
+    else:
+        gather_checkpoint(state, dist)
 
 
 @dataclass
@@ -328,14 +338,26 @@ class Learner:
         trainer.dedupe, queued, wal_from = self.receiver.checkpoint_cut()
         trainer.wal_from = wal_from if wal_from is not None else 0
         trainer.metrics = {k: v for k, v in self.last.items() if isinstance(v, int | float)}
-        path = save_checkpoint(
-            self.checkpoint_root,
-            gather_checkpoint(state, self.dist),
-            state.tokenizer,
-            None,
-            trainer,
-            pending=[*self.buffer.pending(), *queued, *pending],
-        )
+        pending = [*self.buffer.pending(), *queued, *pending]
+        if use_sharded(self.cfg.learner, self.dist):
+            path = save_sharded_checkpoint(
+                self.checkpoint_root,
+                state.model,
+                state.optimizer,
+                self.dist,
+                state.tokenizer,
+                trainer,
+                pending=pending,
+            )
+        else:
+            path = save_checkpoint(
+                self.checkpoint_root,
+                gather_checkpoint(state, self.dist),
+                state.tokenizer,
+                None,
+                trainer,
+                pending=pending,
+            )
         if wal_from is not None:
             trim(self.wal_dir, wal_from)
         if self.ledger is not None:

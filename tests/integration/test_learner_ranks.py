@@ -12,6 +12,7 @@ import transformers
 
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.checkpoint import latest_checkpoint
+from learner.checkpoint_sharded import export_checkpoint, is_sharded
 from ops.processes import ROOT, Process
 from testing.own_model import tiny_hf_config
 from testing.pipeline import Pipeline, wait_exit
@@ -76,5 +77,9 @@ def test_two_rank_hf_learner_publishes_to_an_actor_and_resumes(tmp_path, redis_s
     assert [r["learner/version"] for r in resumed] == [5, 6]
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert ckpt is not None and ckpt.name.endswith("00000005")
-    reopened = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    # Sharded on 2 ranks (learner.checkpoint_format=auto): consolidated for transformers.
+    assert is_sharded(ckpt)
+    reopened = transformers.AutoModelForCausalLM.from_pretrained(
+        export_checkpoint(ckpt, tmp_path / "exported")
+    )
     assert type(reopened).__name__ == "Qwen2ForCausalLM"
