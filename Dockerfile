@@ -16,10 +16,13 @@ ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # Triton (vLLM's sampler and model runner, torch.compile) compiles a small C launcher the first
 # time it runs a kernel: it needs a C compiler, the C library's headers and Python.h at run time.
-# redis-tools: the compose health checks.
+# redis-tools: the compose health checks. bubblewrap: the reward sandbox
+# (task.reward_sandbox=true), which also needs a seccomp profile that allows user namespaces
+# (docs/recipes.md).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python${PYTHON_VERSION} \
         python${PYTHON_VERSION}-venv python${PYTHON_VERSION}-dev gcc libc6-dev redis-tools \
+        bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 RUN python${PYTHON_VERSION} -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

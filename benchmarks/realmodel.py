@@ -180,7 +180,9 @@ def specrl_run(overrides: list[str], run_name: str, timeout_s: float) -> tuple[P
     """``specrl run`` with ``overrides``; its run directory and the memory peaks."""
     cmd = [sys.executable, "-m", "ops.cli", "run", *overrides, f"run.name={run_name}"]
     print("$ specrl " + " ".join(cmd[3:]), flush=True)
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    # Dumpable: the learner and actors close /proc/<pid>/smaps_rollup to other processes
+    # otherwise (common/entrypoint.py), and this benchmark samples their memory there.
+    env = os.environ | {"PYTHONPATH": str(ROOT), "SPECRL_DUMPABLE": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     sampler = MemorySampler(proc.pid)
     try:

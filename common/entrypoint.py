@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -17,6 +18,11 @@ from common.gpu_start import Role, prepare
 PUBLISH_HOST_ENV = "SPECRL_PUBLISH_HOST"
 """The host interface the compose files publish the learner's and Redis' ports on (Docker's
 ``ports: HOST:PORT:PORT``); the learner reads it to refuse a wider one without CurveZMQ."""
+
+DUMPABLE_ENV = "SPECRL_DUMPABLE"
+"""``SPECRL_DUMPABLE=1`` keeps the learner and actors dumpable (a profiler or memory sampler of
+the same, unprivileged user needs it); by default they make themselves non-dumpable."""
+_PR_SET_DUMPABLE = 4
 
 OVERRIDES_HELP = f"""\
 Overrides are Hydra's KEY=VALUE (see configs/ and common/config/ for every field). Main ones:
@@ -51,6 +57,17 @@ def publish_refusal(cfg: SpecRLConfig, environ: Mapping[str, str] | None = None)
     )
 
 
+def make_non_dumpable(environ: Mapping[str, str] | None = None) -> bool:
+    """``prctl(PR_SET_DUMPABLE, 0)``: other processes of the same user (a reward's code, say) can
+    no longer read this one's ``/proc/<pid>/environ`` (the Redis password), memory or file
+    descriptors, nor ptrace it, and it writes no core dump. True when done; off with
+    ``SPECRL_DUMPABLE=1``."""
+    if (os.environ if environ is None else environ).get(DUMPABLE_ENV) == "1":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+
+
 def parse(argv: list[str], prog: str, description: str) -> SpecRLConfig | None:
     """Config from ``argv`` overrides; prints help and returns None for -h/--help."""
     if any(a in ("-h", "--help") for a in argv):
@@ -82,7 +99,13 @@ def run_main(
     """A process entry point: ``run(cfg)`` on the config of ``argv`` (default: the command line);
     exit status 0 (help printed, or ``run`` returned). ``description`` heads the help (an entry
     module passes its docstring). ``role`` (``learner``, ``actor``): on CUDA, the GPU profile's
-    defaults first (:func:`common.gpu_start.prepare`; nothing without CUDA)."""
+    defaults first (:func:`common.gpu_start.prepare`; nothing without CUDA). Run from its own
+    command line, the process first makes itself non-dumpable (:func:`make_non_dumpable`) and
+    creates what it writes (the run directory, checkpoints, logs) for its user alone (umask 077,
+    as ``specrl run`` does for its children)."""
+    if role is not None and argv is None:  # the learner's or an actor's own process
+        make_non_dumpable()
+        os.umask(0o077)
     overrides = sys.argv[1:] if argv is None else argv
     cfg = parse(overrides, prog, description or "")
     if cfg is not None:

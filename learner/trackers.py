@@ -10,6 +10,7 @@ with how to install it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from common import metric_names as mn
 from common.config import SpecRLConfig, to_yaml
+from common.config.run import redact_redis_url
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,15 @@ def _missing(library: str, error: ImportError) -> str:
     )
 
 
+def redacted_yaml(cfg: SpecRLConfig) -> str:
+    """``cfg`` as the trackers log it (W&B's run config, TensorBoard's text): any password in
+    ``redis.url`` replaced by ``***`` (:func:`common.config.run.redact_redis_url`, as in
+    ``config.yaml``)."""
+    shown = copy.deepcopy(cfg)
+    shown.redis.url = redact_redis_url(shown.redis.url)
+    return to_yaml(shown)
+
+
 class Trackers:
     """The trackers of ``run.report_to``, fed each learner record; none: it does nothing."""
 
@@ -122,7 +133,7 @@ class Trackers:
             return cls([])
         from omegaconf import OmegaConf
 
-        config_yaml = to_yaml(cfg)
+        config_yaml = redacted_yaml(cfg)
         config = OmegaConf.to_container(OmegaConf.create(config_yaml))
         opened: list[Tracker] = []
         for name in names:

@@ -4,6 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# bubblewrap confines sandboxed rewards (task.reward_sandbox=true; actors/rewards/sandbox.py) and
+# the hostile-reward tests (tests/security) need it: installed here when missing, as root or
+# with passwordless sudo; otherwise those tests are skipped and the sandbox refuses to start.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+      || echo "setup: could not install bubblewrap; the reward sandbox is unavailable" >&2
+  elif sudo -n true 2>/dev/null; then
+    sudo -n apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+      || { sudo -n apt-get update -q >/dev/null 2>&1 && sudo -n apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+      || echo "setup: could not install bubblewrap; the reward sandbox is unavailable" >&2
+  else
+    echo "setup: bubblewrap (bwrap) is missing: apt-get install bubblewrap for the reward sandbox" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), f"specrl needs Python >= 3.11, found {sys.version.split()[0]}"'
   "$PYTHON" -m venv .venv

@@ -44,15 +44,15 @@ def test_shared_stack_wiring():
     assert "redis.url=redis://$$SPECRL_REDIS_HOST:$$SPECRL_REDIS_PORT/0" in learner["command"]
     assert "/app/docker/actor.sh" in actor["command"]
     env = compose["x-specrl-env"]
-    # The learner and actors read the password from the environment (common/config/run.py).
-    assert (
-        env["SPECRL_REDIS_PASSWORD"]
-        == env["REDIS_PASSWORD"]
-        == "${REDIS_PASSWORD:?set REDIS_PASSWORD}"
-    )
+    # The learner and actors read the password from the environment (common/config/run.py), as
+    # SPECRL_REDIS_PASSWORD only; the bare REDIS_PASSWORD is the redis service's alone (its
+    # config file and health check), so a reward worker's environment never holds it.
+    assert env["SPECRL_REDIS_PASSWORD"] == "${REDIS_PASSWORD:?set REDIS_PASSWORD}"
+    assert "REDIS_PASSWORD" not in env
     assert env["SPECRL_REDIS_HOST"] == "redis" and env["SPECRL_LEARNER_HOST"] == "learner"
-    for service in services.values():
-        assert service["environment"] == env
+    for name, service in services.items():
+        own = {"REDIS_PASSWORD": env["SPECRL_REDIS_PASSWORD"]} if name == "redis" else {}
+        assert service["environment"] == {**env, **own}, name
         # Published ports live in the GPU override: host networking (CPU) cannot have them.
         assert "ports" not in service
         assert "resources" not in service.get("deploy", {})
@@ -147,8 +147,12 @@ def test_no_secret_on_a_command_line():
             assert not re.search(pattern, text), (name, pattern)
     compose = load("docker-compose.yml")
     redis, learner = compose["services"]["redis"], compose["services"]["learner"]
-    for check in (redis["healthcheck"]["test"][1], learner["healthcheck"]["test"][1]):
-        assert check.startswith('REDISCLI_AUTH="$$REDIS_PASSWORD" redis-cli '), check
+    checks = (
+        (redis["healthcheck"]["test"][1], "REDIS_PASSWORD"),
+        (learner["healthcheck"]["test"][1], "SPECRL_REDIS_PASSWORD"),
+    )
+    for check, variable in checks:
+        assert check.startswith(f'REDISCLI_AUTH="$${variable}" redis-cli '), check
         assert check.count("REDIS_PASSWORD") == 1, check
     assert "REDIS_PASSWORD" not in learner["command"]
     actor_exec = texts["docker/actor.sh"].split("exec specrl-actor", 1)[1]

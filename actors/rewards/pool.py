@@ -1,46 +1,66 @@
 """A bounded pool of reward worker processes with a per-call time limit.
 
-Each call goes to an idle worker (``python -m actors.rewards.worker``); at most ``workers`` calls
-run at once. A call that raises, returns something unusable, outlives ``timeout_s`` or kills its
-worker gives :class:`~actors.rewards.spec.RewardOutcome` with its failure kind and the failure
-reward, and is counted; a worker that timed out or died is killed and replaced, so a hanging or
-crashing reward never stops the actor. Sandboxed workers (``sandbox=True``) run each call in a
-fresh confined process (:func:`actors.rewards.worker.confine`) in an empty directory, with an
-environment of PATH, HOME and PYTHONPATH only.
+Each call goes to an idle worker (:mod:`actors.rewards.worker`); at most ``workers`` calls run at
+once. A call that raises, returns something unusable, outlives ``timeout_s``, kills its worker,
+or whose worker cannot start gives :class:`~actors.rewards.spec.RewardOutcome` with its failure
+kind and the failure reward, and is counted; a worker that timed out or died is killed and
+replaced, so a hanging or crashing reward never stops the actor. Only the first worker, started
+in the constructor, refuses the start (a bad spec, an import error, no sandbox).
+
+A reward file is read once, here, and every worker loads that copy (a sealed in-memory file),
+so nothing that writes the file later changes the reward. Workers start in isolated mode from an
+allow-listed environment (:func:`actors.rewards.sandbox.worker_env`); what they print reaches
+the actor's log, at most :data:`OUTPUT_BYTES_PER_CALL` a call. Sandboxed workers
+(``sandbox=True``) run each call in a fresh process confined by bubblewrap
+(:mod:`actors.rewards.sandbox`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import importlib.machinery
+import itertools
+import json
 import logging
 import os
 import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
-from typing import Any
+from typing import IO, Any
 
 import msgpack
 
-from actors.rewards.spec import FAILURE_KINDS, RewardOutcome, absolute_spec, combine
-from actors.rewards.worker import frame
+from actors.rewards import sandbox as confinement
+from actors.rewards.spec import (
+    FAILURE_KINDS,
+    MAX_COMPONENTS,
+    RewardOutcome,
+    absolute_spec,
+    combine,
+    parse_reward_spec,
+)
+from actors.rewards.worker import BOOT, frame
 
 log = logging.getLogger(__name__)
+output_log = logging.getLogger("actors.rewards.output")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = confinement.ROOT
 MAX_REPLY_BYTES = 1 << 20
 """A reply larger than this is refused (``invalid``) and its worker replaced."""
-SECRET_ENV_PREFIXES = ("SPECRL_",)
-"""Environment variables a worker never inherits (the Redis password, the actor token...)."""
+OUTPUT_BYTES_PER_CALL = 64 << 10
+"""What a worker's prints may add to the actor's log per call; the rest is dropped (counted)."""
+OUTPUT_LINE_BYTES = 2000
+START_TIMEOUT_S = 60.0
 
 
 class RewardPoolError(RuntimeError):
@@ -56,48 +76,93 @@ class RewardCall:
     row: Mapping[str, Any]
 
 
+class _Output(threading.Thread):
+    """Forwards a worker's stderr (its prints) to the actor's log, line by line, at most
+    :data:`OUTPUT_BYTES_PER_CALL` since the last :meth:`allow`; keeps a tail for errors."""
+
+    def __init__(self, stream: IO[bytes], label: str) -> None:
+        super().__init__(name=f"reward-output-{label}", daemon=True)
+        self.stream, self.label = stream, label
+        self.budget, self.dropped = OUTPUT_BYTES_PER_CALL, 0
+        self.tail: deque[str] = deque(maxlen=20)
+        self.start()
+
+    def allow(self) -> None:
+        self.budget = OUTPUT_BYTES_PER_CALL
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while line := self.stream.readline(OUTPUT_LINE_BYTES):
+                text = line.decode("utf-8", "replace").rstrip("\n")
+                self.tail.append(text)
+                if self.budget >= len(line):
+                    self.budget -= len(line)
+                    output_log.info("reward %s: %s", self.label, text)
+                else:
+                    if not self.dropped:
+                        output_log.warning(
+                            "reward %s: printed over %d bytes in one call; the rest of its "
+                            "output is dropped",
+                            self.label,
+                            OUTPUT_BYTES_PER_CALL,
+                        )
+                    self.dropped += len(line)
+        with contextlib.suppress(OSError):
+            self.stream.close()
+
+
 class _Worker:
     """One worker process, started on first use and after every replacement."""
 
-    def __init__(self, pool: RewardPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: RewardPool, index: int) -> None:
+        self.pool, self.index = pool, index
         self.process: subprocess.Popen[bytes] | None = None
-        self.home: tempfile.TemporaryDirectory[str] | None = None
+        self.output: _Output | None = None
 
     def start(self) -> None:
+        """Start the process and wait for its hello; :class:`RewardPoolError` if it failed."""
         pool = self.pool
-        argv = [sys.executable, "-m", "actors.rewards.worker", pool.spec]
-        python_path = [str(ROOT), os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])]
+        argv = [sys.executable, "-I", "-u", "-c", BOOT, str(ROOT), json.dumps(pool.options)]
+        env = confinement.worker_env(pool.sandbox)
         if pool.sandbox:
-            self.home = tempfile.TemporaryDirectory(prefix="specrl-reward-")
-            argv += ["--sandbox", str(pool.memory_mb)]
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.home.name}
-            cwd: str | None = self.home.name
-        else:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_ENV_PREFIXES)}
-            cwd = None
-        env["PYTHONPATH"] = os.pathsep.join(python_path)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+            argv = confinement.command(argv, pool.binds, env=env)
         self.process = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            cwd=cwd,
+            stderr=subprocess.PIPE,
             env=env,
+            pass_fds=() if pool.source_fd is None else (pool.source_fd,),
             start_new_session=True,  # its own process group: a kill takes its children too
         )
-        hello = self.read(time.monotonic() + pool.start_timeout_s)
+        assert self.process.stderr is not None
+        self.output = _Output(self.process.stderr, f"{pool.label}[{self.index}]")
+        try:
+            hello = self.read(time.monotonic() + pool.start_timeout_s)
+        except _Timeout:
+            hello = {"error": f"no answer within {pool.start_timeout_s} s"}
+        except _BadReply as err:
+            hello = {"error": str(err)}
         if not isinstance(hello, dict) or not hello.get("ready"):
             self.stop()
-            why = hello.get("error") if isinstance(hello, dict) else "no answer"
-            raise RewardPoolError(f"task.reward={pool.spec!r} could not start: {why}")
+            why = hello.get("error") if isinstance(hello, dict) else "it exited"
+            tail = "\n".join(self.output.tail)[-1500:] if self.output else ""
+            raise RewardPoolError(
+                f"task.reward={pool.spec!r} could not start: {why}"
+                + (f"\n{tail}" if tail and why != tail else "")
+            )
 
-    def call(self, request: bytes) -> RewardOutcome:
+    def call(self, call_id: int, request: bytes) -> RewardOutcome:
         """One call's outcome; the worker is stopped after a timeout, a crash or a bad reply."""
         pool = self.pool
         if self.process is None:
-            self.start()
+            try:
+                self.start()
+            except (RewardPoolError, confinement.SandboxUnavailable, OSError) as err:
+                return pool.failed("crashed", f"the worker could not start: {err}"[:500])
         assert self.process is not None and self.process.stdin is not None
+        if self.output is not None:
+            self.output.allow()
         try:
             self.process.stdin.write(request)
             self.process.stdin.flush()
@@ -117,13 +182,13 @@ class _Worker:
         if reply is None:
             code = self.stop()
             return pool.failed("crashed", f"the worker exited with {code}")
-        if not isinstance(reply, dict) or "ok" not in reply:
-            self.stop()
+        if not isinstance(reply, dict) or "ok" not in reply or reply.get("id") != call_id:
+            self.stop()  # a reply of another call (or forged) is never taken for this one's
             return pool.failed("invalid", f"unreadable reply {reply!r:.80}")
         if not reply["ok"]:
             kind = reply.get("kind") if reply.get("kind") in FAILURE_KINDS else "invalid"
             return pool.failed(kind, str(reply.get("error", ""))[:500])
-        return combine(reply.get("value"), pool.weights, pool.failure_reward)
+        return pool.accept(combine(reply.get("value"), pool.weights, pool.failure_reward))
 
     def read(self, deadline: float) -> Any:
         """The next reply, or None if the worker closed its end."""
@@ -157,19 +222,20 @@ class _Worker:
         return b"".join(chunks)
 
     def stop(self) -> int | None:
-        """Kill the worker and its process group; its exit code."""
+        """Kill the worker and its process group (sandboxed: its whole pid namespace); its exit
+        code."""
         process, self.process = self.process, None
         code = None
         if process is not None:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             code = process.wait()
             for stream in (process.stdin, process.stdout):
                 if stream is not None:
                     stream.close()
-        if self.home is not None:
-            self.home.cleanup()
-            self.home = None
+        if self.output is not None:
+            self.output.join(timeout=2.0)
+            self.output = None
         return code
 
 
@@ -179,6 +245,42 @@ class _Timeout(Exception):
 
 class _BadReply(Exception):
     pass
+
+
+def sealed_copy(data: bytes, name: str) -> int:
+    """A read-only in-memory file holding ``data`` (sealed: nobody can change it), its fd."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def user_paths() -> list[str]:
+    """Where an unsandboxed worker also finds modules: the working directory and PYTHONPATH."""
+    return [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+
+
+def reward_code(spec: str, sandbox: bool) -> tuple[Path | None, list[str]]:
+    """The file whose copy the workers load (a ``.py`` spec, or, sandboxed, a one-file module
+    found in the working directory or PYTHONPATH), and the directories to show a sandbox
+    read-only for a module that is a package there."""
+    target, _ = parse_reward_spec(spec)
+    if target.endswith(".py"):
+        return Path(target), []
+    if not sandbox:
+        return None, []
+    top = target.split(".")[0]
+    found = importlib.machinery.PathFinder.find_spec(top, user_paths())
+    if found is None or found.origin is None:
+        return None, []  # in the virtual environment or specrl: shown to the sandbox as is
+    if found.submodule_search_locations:
+        return None, [str(Path(found.origin).parent)]
+    if "." in target:
+        return None, []
+    return Path(found.origin), []
 
 
 class RewardPool:
@@ -198,30 +300,88 @@ class RewardPool:
         failure_reward: float = 0.0,
         sandbox: bool = False,
         memory_mb: int = 1024,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec = absolute_spec(spec)
+        self.label = self.spec.rsplit(":", 1)[-1]
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.weights = dict(weights or {})
         self.failure_reward = failure_reward
         self.sandbox, self.memory_mb = sandbox, memory_mb
+        self.source_fd: int | None = None
+        self.binds: list[str] = []
+        self.options = self._options()
         self._lock = threading.Lock()
         self._failures: Counter[str] = Counter()
         self._calls = 0
-        self._workers = [_Worker(self) for _ in range(workers)]
+        self._names: set[str] = set()
+        self._ids = itertools.count(1)
+        self._workers = [_Worker(self, i) for i in range(workers)]
         self._idle: SimpleQueue[_Worker] = SimpleQueue()
         for worker in self._workers:
             self._idle.put(worker)
-        self._workers[0].start()
+        try:
+            self._workers[0].start()
+        except BaseException:
+            self._close_source()
+            raise
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="reward")
         self._closed = False
 
+    def _options(self) -> dict[str, Any]:
+        """What each worker is told (:func:`actors.rewards.worker.main`); takes the copy of the
+        reward file and, sandboxed, checks that this host can confine."""
+        if self.sandbox:
+            try:
+                confinement.check()
+            except confinement.SandboxUnavailable as err:
+                raise RewardPoolError(f"task.reward_sandbox=true: {err}") from err
+        path, self.binds = reward_code(self.spec, self.sandbox)
+        options: dict[str, Any] = {"spec": self.spec, "paths": [], "parent": None}
+        if path is not None:
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise RewardPoolError(f"task.reward={self.spec!r}: no file {path} ({err})") from err
+            self.source_fd = sealed_copy(data, f"reward-{path.stem}")
+            name = self.spec.rsplit(":", 1)[-1]
+            options.update(source_fd=self.source_fd, source_name=str(path))
+            options["spec"] = f"{path}:{name}"
+        if self.sandbox:
+            options["paths"] = [str(Path(b).parent) for b in self.binds]
+            cpu_s = int(self.start_timeout_s + self.timeout_s) + 1
+            options["limits"] = {
+                "memory_mb": self.memory_mb,
+                "cpu_s": cpu_s,
+                "nproc": confinement.NPROC_LIMIT,
+                "file_size": confinement.FILE_SIZE_LIMIT,
+            }
+            self.binds = self.binds + confinement.specrl_binds()
+        else:
+            options["paths"] = user_paths()
+            options["parent"] = os.getpid()
+        return options
+
     def failed(self, kind: str, detail: str) -> RewardOutcome:
         return RewardOutcome(reward=self.failure_reward, failure=kind, detail=detail)
+
+    def accept(self, outcome: RewardOutcome) -> RewardOutcome:
+        """``outcome``, or ``invalid`` when its components would take this pool past
+        :data:`MAX_COMPONENTS` distinct names (each becomes a metric of the run)."""
+        with self._lock:
+            new = set(outcome.components) - self._names
+            if len(self._names) + len(new) > MAX_COMPONENTS:
+                return self.failed(
+                    "invalid",
+                    f"component names {sorted(new)[:5]} past the {MAX_COMPONENTS} distinct "
+                    "names a reward may use in a run",
+                )
+            self._names |= new
+        return outcome
 
     def score(self, calls: Sequence[RewardCall]) -> list[RewardOutcome]:
         """Every call's outcome, in order (the calls run on the pool's workers in parallel)."""
@@ -230,12 +390,14 @@ class RewardPool:
         return list(self._executor.map(self._one, calls))
 
     def _one(self, call: RewardCall) -> RewardOutcome:
+        call_id = next(self._ids)
         request = frame(
-            {"prompt": call.prompt, "completion": call.completion, "row": call.row}, lenient=True
+            {"prompt": call.prompt, "completion": call.completion, "row": call.row, "id": call_id},
+            lenient=True,
         )
         worker = self._idle.get()
         try:
-            outcome = worker.call(request)
+            outcome = worker.call(call_id, request)
             if self.sandbox:
                 worker.stop()  # a fresh confined process for every call
         finally:
@@ -259,6 +421,11 @@ class RewardPool:
         with self._lock:
             return {"calls": self._calls, **{k: self._failures[k] for k in FAILURE_KINDS}}
 
+    def _close_source(self) -> None:
+        if self.source_fd is not None:
+            os.close(self.source_fd)
+            self.source_fd = None
+
     def close(self) -> None:
         if self._closed:
             return
@@ -266,6 +433,7 @@ class RewardPool:
         self._executor.shutdown(wait=True)
         for worker in self._workers:
             worker.stop()
+        self._close_source()
 
     def __enter__(self) -> RewardPool:
         return self

@@ -10,11 +10,12 @@ components), summed with ``task.reward_weights`` (1 for a component the weights 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import math
 import numbers
+import re
 import sys
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,17 @@ REWARD_ARGUMENTS = ("prompt", "completion", "row")
 FAILURE_KINDS = ("raised", "timeout", "nonfinite", "invalid", "crashed")
 """Why a call gave no reward: the function raised, ran past ``task.reward_timeout_s``, returned
 NaN or an infinity, returned something that is not a number or a dict of numbers, or its worker
-process died (a segfault, ``sys.exit``, the sandbox's memory limit)."""
+process died (a segfault, ``sys.exit``, the sandbox's memory limit) or a replacement worker could
+not start."""
+
+
+MAX_COMPONENTS = 32
+"""The most named components one call may return (and distinct names one pool accepts)."""
+MAX_COMPONENT_NAME = 64
+COMPONENT_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+RESERVED_COMPONENTS = frozenset({"failed", "mean", "max", "min", "std", "sum", "count", "total"})
+"""Component names that would stand in for specrl's own figures (``reward/failed``, the
+learner's ``reward_mean``...); ``failed_*`` is reserved too."""
 
 
 class RewardSpecError(ValueError):
@@ -68,18 +79,27 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
         path = Path(target)
         if not path.is_file():
             raise RewardSpecError(f"task.reward={spec!r}: no file {path}")
-        module_name = f"specrl_user_reward_{path.stem}"
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise RewardSpecError(f"task.reward={spec!r}: cannot load {path} as Python")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-        loader_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as err:
-            raise RewardSpecError(f"task.reward={spec!r}: no module {target!r} ({err})") from err
+        return load_reward_source(path.read_bytes(), str(path), spec)
+    try:
+        module = importlib.import_module(target)
+    except ModuleNotFoundError as err:
+        raise RewardSpecError(f"task.reward={spec!r}: no module {target!r} ({err})") from err
+    return _checked(module, spec)
+
+
+def load_reward_source(source: bytes, filename: str, spec: str) -> Callable[..., Any]:
+    """The function ``spec`` names in ``source``, the text of its file ``filename`` (the copy the
+    pool took at actor start: the file itself may have changed since)."""
+    module_name = f"specrl_user_reward_{Path(filename).stem}"
+    module = types.ModuleType(module_name)
+    module.__file__ = filename
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - the user's reward
+    return _checked(module, spec)
+
+
+def _checked(module: types.ModuleType, spec: str) -> Callable[..., Any]:
+    target, name = parse_reward_spec(spec)
     function = getattr(module, name, None)
     if function is None or not callable(function):
         raise RewardSpecError(f"task.reward={spec!r}: {target} has no function {name!r}")
@@ -113,10 +133,16 @@ def combine(value: Any, weights: Mapping[str, float], failure_reward: float = 0.
     named real numbers is summed with ``weights``. Anything else, or a non-finite number anywhere,
     is a failure with ``failure_reward``."""
     if isinstance(value, Mapping):
+        if len(value) > MAX_COMPONENTS:
+            why = f"{len(value)} components (at most {MAX_COMPONENTS})"
+            return _failed(failure_reward, "invalid", why)
         components: dict[str, float] = {}
         for key, part in value.items():
-            if not isinstance(key, str) or not _is_real(part):
-                return _failed(failure_reward, "invalid", f"component {key!r}={part!r}")
+            refusal = component_name_refusal(key)
+            if refusal is not None:
+                return _failed(failure_reward, "invalid", refusal)
+            if not _is_real(part):
+                return _failed(failure_reward, "invalid", f"component {key!r}={part!r:.80}")
             components[key] = float(part)
         if not components:
             return _failed(failure_reward, "invalid", "an empty dict of components")
@@ -128,6 +154,21 @@ def combine(value: Any, weights: Mapping[str, float], failure_reward: float = 0.
     if not all(math.isfinite(v) for v in (total, *components.values())):
         return _failed(failure_reward, "nonfinite", f"returned {value!r:.80}")
     return RewardOutcome(reward=total, components=components)
+
+
+def component_name_refusal(name: Any) -> str | None:
+    """Why ``name`` cannot name a component (it becomes the metric ``reward/<name>``), or None:
+    a letter then letters, digits or ``_``, at most :data:`MAX_COMPONENT_NAME` characters, not
+    one of :data:`RESERVED_COMPONENTS` nor ``failed_*``."""
+    if not isinstance(name, str):
+        return f"component name {name!r:.80} is not a string"
+    if len(name) > MAX_COMPONENT_NAME:
+        return f"component name {name[:40]!r}... is over {MAX_COMPONENT_NAME} characters"
+    if not COMPONENT_NAME.fullmatch(name):
+        return f"component name {name!r} is not a letter then letters, digits or _"
+    if name.lower() in RESERVED_COMPONENTS or name.lower().startswith("failed"):
+        return f"component name {name!r} is reserved for specrl's own reward figures"
+    return None
 
 
 def _is_real(value: Any) -> bool:

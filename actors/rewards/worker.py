@@ -1,34 +1,44 @@
-"""A reward worker process: ``python -m actors.rewards.worker SPEC [--sandbox MEMORY_MB]``.
+"""A reward worker process, started by :mod:`actors.rewards.pool` as
+``python -I -u -c BOOT ROOT OPTIONS`` (:data:`BOOT`): isolated mode, so neither the working
+directory nor any ``PYTHON*`` variable or user site directory reaches its path or start-up.
 
-It loads the reward function once, answers ``{"ready": true}`` (or the load error) and then, for
-each request (a 4-byte big-endian length and a msgpack map of the reward arguments) on stdin,
-writes one reply on the same framing: ``{"ok": true, "value": ...}`` or ``{"ok": false, "kind":
-..., "error": ...}``. The function's own prints go to stderr, never into the replies. The parent
-(:mod:`actors.rewards.pool`) enforces the time limit and checks every reply.
+It loads the reward function once (a file's source from the copy the pool took at actor start,
+passed as a sealed file descriptor, or a module), answers ``{"ready": true}`` (or the load error)
+and then, for each request (a 4-byte big-endian length and a msgpack map of the reward arguments
+and the call's ``id``) on stdin, writes one reply on the same framing: ``{"ok": true, "id": ...,
+"value": ...}`` or ``{"ok": false, "id": ..., "kind": ..., "error": ...}``. The function's own
+prints go to stderr, which the pool forwards to the actor's log, never into the replies.
 
-With ``--sandbox`` the worker first confines itself, before any user code is imported: a new
-user and network namespace (no network interface but a down loopback), an address-space limit of
-MEMORY_MB, a 64 MiB limit on files it writes, no core dumps. A worker that cannot confine itself
-says so and exits; it never runs the function unconfined.
+Sandboxed (``limits`` in the options; the process already runs under bubblewrap,
+:mod:`actors.rewards.sandbox`), it caps its address space, CPU time, file size, process count
+and core dumps before the reward's code is read. Every worker asks for SIGKILL when its parent
+dies. Code the reward function runs in its own process can still reach the reply channel: run
+model-written code with :func:`actors.rewards.run_untrusted`, in a process of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import resource
+import signal
 import struct
 import sys
 from typing import Any, BinaryIO
 
 import msgpack
 
-from actors.rewards.spec import REWARD_ARGUMENTS, load_reward_function
+from actors.rewards.spec import REWARD_ARGUMENTS, load_reward_function, load_reward_source
 
+BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from actors.rewards.worker import main; sys.exit(main(sys.argv[2]))"
+)
+"""The ``-c`` program that starts a worker: specrl's root first on the path, nothing else."""
 _HEADER = struct.Struct(">I")
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
-FILE_SIZE_LIMIT = 64 << 20
+_PR_SET_PDEATHSIG = 1
+_MAX_SOURCE_BYTES = 16 << 20
 
 
 def read_frame(stream: BinaryIO) -> Any:
@@ -75,56 +85,80 @@ def _as_text(value: Any) -> Any:
         return str(value)
 
 
-def confine(memory_mb: int) -> None:
-    """Enter a new user and network namespace, then cap memory, file size and core dumps."""
+def die_with_parent(parent: int | None) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(
-            errno,
-            f"the reward sandbox cannot enter a network namespace (unshare: "
-            f"{os.strerror(errno)}); unprivileged user namespaces are off on this host or in "
-            "this container (sysctl kernel.unprivileged_userns_clone, Docker's seccomp profile)",
-        )
-    limit = memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
-def serve(spec: str, replies: BinaryIO, requests: BinaryIO, memory_mb: int | None) -> int:
+def limit(memory_mb: int, cpu_s: int, nproc: int, file_size: int) -> None:
+    """Cap this process and what it starts: address space, CPU seconds, processes of its uid,
+    file size, no core dumps."""
+    for name, value in (
+        (resource.RLIMIT_AS, memory_mb << 20),
+        (resource.RLIMIT_CPU, cpu_s),
+        (resource.RLIMIT_NPROC, nproc),
+        (resource.RLIMIT_FSIZE, file_size),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(name, (value, value))
+
+
+def read_source(fd: int) -> bytes:
+    """The reward file's copy behind ``fd`` (sealed by the pool), then ``fd`` closed."""
     try:
-        if memory_mb is not None:
-            confine(memory_mb)
-        function = load_reward_function(spec)
+        size = os.fstat(fd).st_size
+        if size > _MAX_SOURCE_BYTES:
+            raise ValueError(f"the reward file is {size} bytes (at most {_MAX_SOURCE_BYTES})")
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+
+
+def load(options: dict[str, Any]) -> Any:
+    """The reward function the options name, confined first when they carry limits."""
+    limits = options.get("limits")
+    if limits:
+        limit(**limits)
+    source_fd = options.get("source_fd")
+    source = read_source(source_fd) if source_fd is not None else None
+    sys.path[1:1] = options.get("paths", [])
+    if source is not None:
+        return load_reward_source(source, options["source_name"], options["spec"])
+    return load_reward_function(options["spec"])
+
+
+def serve(options: dict[str, Any], replies: BinaryIO, requests: BinaryIO) -> int:
+    try:
+        function = load(options)
     except Exception as err:  # noqa: BLE001 - any load error goes back to the parent, which stops the start
         replies.write(frame({"ready": False, "error": f"{type(err).__name__}: {err}"}))
         return 1
     replies.write(frame({"ready": True}))
     while (request := read_frame(requests)) is not None:
+        call_id = request.get("id")
         try:
             value = function(**{k: request[k] for k in REWARD_ARGUMENTS})
         except Exception as err:  # noqa: BLE001 - the user's error is the reply
-            reply = {"ok": False, "kind": "raised", "error": f"{type(err).__name__}: {err}"}
-            replies.write(frame(reply))
+            error = f"{type(err).__name__}: {err}"
+            replies.write(frame({"ok": False, "id": call_id, "kind": "raised", "error": error}))
             continue
         try:
-            replies.write(frame({"ok": True, "value": value}))
+            replies.write(frame({"ok": True, "id": call_id, "value": value}))
         except (TypeError, ValueError, OverflowError) as err:
-            replies.write(frame({"ok": False, "kind": "invalid", "error": f"returned {err}"}))
+            reply = {"ok": False, "id": call_id, "kind": "invalid", "error": f"returned {err}"}
+            replies.write(frame(reply))
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 3) or (len(argv) == 3 and argv[1] != "--sandbox"):
-        print("usage: python -m actors.rewards.worker SPEC [--sandbox MEMORY_MB]", file=sys.stderr)
-        return 2
-    # The replies keep the real stdout; the function's prints go to stderr.
+def main(options_json: str) -> int:
+    options = json.loads(options_json)
+    die_with_parent(options.get("parent"))
+    # The replies keep the real stdout (a descriptor no child inherits); the function's prints
+    # go to stderr.
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     requests = os.fdopen(0, "rb", buffering=0)
-    return serve(argv[0], replies, requests, int(argv[2]) if len(argv) == 3 else None)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return serve(options, replies, requests)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from actors.rewards import sandbox
 from actors.rewards.pool import RewardCall, RewardPool, RewardPoolError
 from actors.rewards.scoring import PoolScorer, TaskScorer, outcome_stats, problem_row
 from actors.rewards.spec import RewardOutcome, RewardSpecError, combine, parse_reward_spec
@@ -238,12 +238,16 @@ def test_outcome_stats_give_component_means_and_failures_by_kind():
     assert outcome_stats([RewardOutcome(1.0)]) == {}
 
 
-def _sandbox_available() -> bool:
-    return subprocess.run(["unshare", "-rn", "true"], check=False).returncode == 0
+def _sandbox_refusal() -> str | None:
+    try:
+        sandbox.check()
+    except sandbox.SandboxUnavailable as err:
+        return str(err)
+    return None
 
 
 sandboxed = pytest.mark.skipif(
-    not _sandbox_available(), reason="this host gives no unprivileged user namespaces"
+    _sandbox_refusal() is not None, reason=f"no reward sandbox here: {_sandbox_refusal()}"
 )
 
 
@@ -254,9 +258,15 @@ def test_the_sandbox_cuts_the_network_that_an_unconfined_worker_has(rewards_file
     try:
         with pool(rewards_file, "connects") as p:
             assert p.score([call(port=port)])[0].reward == 1.0
+        listener.accept()[0].close()
         with pool(rewards_file, "connects", sandbox=True) as p:
             (outcome,) = p.score([call(port=port)])
-        assert outcome.failure == "raised" and "unreachable" in outcome.detail, outcome
+        # Its own network namespace: the host's loopback (and the listener) is not there.
+        assert outcome.failure == "raised", outcome
+        assert "refused" in outcome.detail or "unreachable" in outcome.detail, outcome
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
     finally:
         listener.close()
 
