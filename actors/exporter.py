@@ -85,6 +85,15 @@ _ACTOR_METRICS = {
         "Host-cache copies refused (not this user's alone, a symlink, or bytes that do not hash "
         "to the manifest); Redis served those fetches.",
     ),
+    mn.ACTOR_REDIS_CHUNK_BYTES: (
+        "redis_chunk_bytes",
+        "Bytes of weight chunks read from Redis (0 for an actor the node-local plane serves).",
+    ),
+    mn.ACTOR_WEIGHT_REDIS_FALLBACKS: (
+        "weight_redis_fallbacks",
+        "Versions read from Redis chunks although this actor has a host cache (its node's copy "
+        "was absent, refused or not written).",
+    ),
     mn.ACTOR_WEIGHT_FETCH_FAILURES: (
         "weight_fetch_failures",
         "Versions refused or not read (the weights in use were kept).",

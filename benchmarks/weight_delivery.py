@@ -22,9 +22,9 @@ from common.model_args import with_tied_head
 from common.policy_meta import model_args_from_meta
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from common.weights.fetch.feed import RedisWeightFeed, StallMeter, meter_loads, take
-from common.weights.fetch.host_cache import HostCache
 from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
+from common.weights.host_cache import HostCache
 from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
 from testing.shapes import QWEN25_05B, shape

@@ -19,9 +19,9 @@ from common.config.learner import LearnerConfig
 from common.config.run import ModelConfig
 from common.model import Transformer
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
-from common.weights.fetch.host_cache import HostCache
 from common.weights.fetch.reader import WeightReader
 from common.weights.format import weights_digest
+from common.weights.host_cache import HostCache
 from common.weights.keys import weights_chunk_key
 from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter

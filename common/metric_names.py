@@ -56,7 +56,7 @@ ACTOR_DECODE_STALL_FRAC = "actor/decode_stall_frac"
 ACTOR_WEIGHT_LOAD_S = "actor/weight_load_s"
 ACTOR_WEIGHT_FETCH_FAILURES = "actor/weight_fetch_failures"
 ACTOR_WEIGHT_SUPERSEDED = "actor/weight_superseded"
-# The host cache (common/weights/fetch/host_cache.py): cached copies refused (not this user's alone, a symlink,
+# The host cache (common/weights/host_cache.py): cached copies refused (not this user's alone, a symlink,
 # or bytes that do not hash to the manifest's weights_sha256); Redis served those fetches.
 ACTOR_HOST_CACHE_REFUSED = "actor/host_cache_refused"
 # The node-local weight plane (common/weights/publish/node_plane.py): bytes of weight chunks this

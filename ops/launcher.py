@@ -39,7 +39,7 @@ from common.model import DRAFT_FILE
 from common.model_args import ModelArgs, layout_from_hf_config
 from common.policy_meta import check_rollout_support
 from common.tasks import task_from_config
-from common.weights.fetch.host_cache import HostCache
+from common.weights.host_cache import HostCache
 from learner.prepare.presets import PresetError, ensure_preset
 from learner.prepare.warm_start import default_model_dir, ensure_model
 from ops import processes

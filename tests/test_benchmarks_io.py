@@ -106,6 +106,7 @@ def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> N
         "weight_delivery",
         "vllm_kit",
         "publish_stages",
+        "node_stages",
     ):
         assert callable(module.main), script
 

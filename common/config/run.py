@@ -318,9 +318,10 @@ class TaskConfig:
     0, counted) or ``drop_group`` (its group is not sent, counted)."""
     reward_sandbox: bool = False
     """Run ``task.reward`` confined, for rewards that execute model-written code: a fresh process
-    per call with no network (a new network namespace), ``task.reward_memory_mb`` of address
-    space, an empty working directory and no inherited environment. Refused at start where the
-    host gives no unprivileged user namespaces."""
+    per call under bubblewrap (read-only system and Python, no home, run or working directory,
+    its own pid and network namespaces, ``task.reward_memory_mb`` of address space, process and
+    CPU limits, an allow-listed environment). What it confines and what it does not:
+    docs/recipes.md. Refused at start where bubblewrap is missing or cannot make namespaces."""
     reward_memory_mb: int = 1024
     """``task.reward_sandbox``: the address-space limit of each call's process."""
 
@@ -420,6 +421,13 @@ class RedisConfig:
     it is used, and one in a directory or file that is not this user's alone is refused (fetched
     from Redis, counted in ``actor/host_cache_refused``); empty: off (every actor fetches from
     Redis)."""
+    publish_to_host_cache: bool = True
+    """The node-local weight plane: the learner writes each version into its own
+    ``host_cache_dir`` before it commits it in Redis, while an actor reading that same directory
+    (same uid; its ``node-id`` file) fetched a version in the last 10 minutes; those actors then
+    read no weight bytes from Redis, and the Redis bytes, for other nodes, follow the commit.
+    Where no actor shares the learner's directory, it writes nothing there. False: every version
+    goes through Redis alone. Needs ``host_cache_dir``."""
 
     def __post_init__(self) -> None:
         require_at_least("redis", self, chunk_bytes=1024, retention=1, keyframe_every=1)
@@ -430,6 +438,15 @@ class RedisConfig:
         require(
             self.poll_interval_s > 0,
             f"redis.poll_interval_s must be > 0, got {self.poll_interval_s}",
+        )
+        require(
+            not self.host_cache_dir or os.path.isabs(self.host_cache_dir),
+            "redis.host_cache_dir must be an absolute path (the learner and the actors of a node "
+            f"must name the same directory), got {self.host_cache_dir!r}",
+        )
+        require(
+            isinstance(self.publish_to_host_cache, bool),
+            f"redis.publish_to_host_cache must be true or false, got {self.publish_to_host_cache!r}",
         )
         for warning in redis_exposure_warnings(self.url, os.environ.get(REDIS_PASSWORD_ENV, "")):
             logger.warning("%s", warning)

@@ -17,9 +17,14 @@ IDX, VAL, DENSE = "idx/", "val/", "dense/"
 
 
 def _sparse_entry(
-    version: int, name: str, b: torch.Tensor, blob: Mapping[str, torch.Tensor]
+    version: int,
+    name: str,
+    b: torch.Tensor,
+    blob: Mapping[str, torch.Tensor],
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """``b`` with the changed elements of a "sparse" entry written in (``b`` left untouched)."""
+    """``b`` with the changed elements of a "sparse" entry written in: into ``b`` itself when
+    ``in_place``, else into a copy (``b`` left untouched)."""
     idx, val = blob.get(IDX + name), blob.get(VAL + name)
     if (
         idx is None
@@ -33,7 +38,7 @@ def _sparse_entry(
     idx = idx.long()
     if idx.numel() and not (int(idx.min()) >= 0 and int(idx.max()) < b.numel()):
         raise WeightsCorrupt(f"version {version}: delta indices of {name} out of range")
-    flat = b.reshape(-1).clone()
+    flat = b.view(-1) if in_place and b.is_contiguous() else b.reshape(-1).clone()
     flat[idx] = val
     return flat.view(b.shape)
 
@@ -43,8 +48,12 @@ def apply_delta(
     base: Mapping[str, torch.Tensor],
     blob: Mapping[str, torch.Tensor],
     encoding: Mapping[str, str],
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The full state of ``version``: ``base`` (left untouched) with ``blob`` applied."""
+    """The full state of ``version``: ``base`` with ``blob`` applied. ``in_place``: the
+    changed elements are written into ``base``'s own tensors (a "dense" entry copied into
+    them), so a delta costs no copy of the tensors it changes; only for a base that no one
+    else holds. Otherwise ``base`` is left untouched."""
     if set(encoding) != set(base):
         raise WeightsCorrupt(f"version {version}: the delta's tensors differ from its base's")
     out: dict[str, torch.Tensor] = {}
@@ -56,9 +65,9 @@ def apply_delta(
             t = blob.get(DENSE + name)
             if t is None or t.shape != b.shape or t.dtype != b.dtype:
                 raise WeightsCorrupt(f"version {version}: delta entry {name} is malformed")
-            out[name] = t
+            out[name] = b.copy_(t) if in_place else t
         elif how == "sparse":
-            out[name] = _sparse_entry(version, name, b, blob)
+            out[name] = _sparse_entry(version, name, b, blob, in_place)
         else:
             raise WeightsCorrupt(f"version {version}: unknown delta encoding {how!r} of {name}")
     return out

@@ -26,3 +26,17 @@ def weights_versions_key(run_id: str) -> str:
 def weights_channel(run_id: str) -> str:
     """Pub/sub channel on which a new version number is announced."""
     return f"weights:{run_id}:announce"
+
+
+def weights_bytes_key(run_id: str, version: int) -> str:
+    """JSON of how ``version``'s bytes are stored in Redis (kind, delta base and encoding, chunk
+    sha256s), for a version committed before its bytes (the node-local plane, docs/design.md
+    §6.5); set, in one script, once those chunks are all there."""
+    return f"weights:{run_id}:{version}:bytes"
+
+
+def weights_nodes_key(run_id: str) -> str:
+    """Hash: the node id of each host cache whose actors read this run -> the last time one of
+    them fetched (unix seconds); the learner writes into its own node's cache while it is
+    listed there."""
+    return f"weights:{run_id}:nodes"

@@ -127,3 +127,31 @@ def check_against_manifest(
                 f"{spec.get('dtype')}"
             )
     return {name: state_dict[name] for name in expected}
+
+
+BYTES_FIELDS = (
+    "kind",
+    "keyframe",
+    "base",
+    "base_sha256",
+    "encoding",
+    "num_chunks",
+    "chunk_sha256",
+    "chunks_sha256",
+    "total_bytes",
+)
+"""The manifest fields a bytes record brings (a reader takes no other field from it)."""
+
+
+def merge_bytes_record(manifest: dict[str, Any], raw: bytes | None, what: str) -> dict[str, Any]:
+    """``manifest`` with its bytes record (``raw``, None: not stored yet) merged in: a
+    manifest committed before its Redis bytes (``redis_bytes: "pending"``, the node-local
+    plane: docs/design.md §6.5) reads, once they are stored, like one committed with them.
+    Raises ``WeightsCorrupt`` naming ``what`` for a record that is not a JSON object."""
+    if manifest.get("redis_bytes") != "pending" or raw is None:
+        return manifest
+    record = parse_manifest(raw, what)
+    merged = dict(manifest)
+    merged.update({k: record[k] for k in BYTES_FIELDS if k in record})
+    merged["redis_bytes"] = "stored"
+    return merged

@@ -19,8 +19,8 @@ import torch
 
 from common.config.run import RedisConfig
 from common.weights.connection import portable_kwargs
-from common.weights.keys import weights_latest_key, weights_manifest_key
-from common.weights.manifest import check_manifest, parse_manifest
+from common.weights.keys import weights_bytes_key, weights_latest_key, weights_manifest_key
+from common.weights.manifest import check_manifest, merge_bytes_record, parse_manifest
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class WeightStore:
     @classmethod
     def from_recipe(cls, recipe: Mapping[str, Any]) -> Self:
         settings = dict(recipe)
+        settings.pop("host_cache_dir", None)  # a writer's node-local plane (its own from_recipe)
         pool = redis.ConnectionPool(
             connection_class=settings.pop("connection_class"),
             **settings.pop("connection_kwargs"),
@@ -104,11 +105,15 @@ class WeightStore:
         return int(raw) if raw is not None else None
 
     def manifest(self, version: int) -> dict[str, Any] | None:
-        """The parsed manifest of ``version``, or None if it does not exist (or was pruned)."""
-        raw = self.client.get(weights_manifest_key(self.run_id, version))
+        """The parsed manifest of ``version``, or None if it does not exist (or was pruned);
+        with its bytes record merged in where it was committed before its Redis bytes."""
+        raw, record = self.client.mget(
+            weights_manifest_key(self.run_id, version), weights_bytes_key(self.run_id, version)
+        )
         if raw is None:
             return None
-        return parse_manifest(raw, f"manifest of version {version}")
+        manifest = parse_manifest(raw, f"manifest of version {version}")
+        return merge_bytes_record(manifest, record, f"bytes record of version {version}")
 
     def checked_manifest(self, version: int) -> dict[str, Any]:
         """The manifest of ``version`` once it is one a reader can use (``check_manifest``)."""

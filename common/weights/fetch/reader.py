@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -16,7 +17,6 @@ from common import metric_names as mn
 from common.config.run import RedisConfig
 from common.weights.deltas import apply_delta
 from common.weights.fetch.chunks import read_chunks
-from common.weights.fetch.host_cache import CacheRefused, HostCache
 from common.weights.format import (
     WeightsCorrupt,
     WeightsError,
@@ -25,10 +25,18 @@ from common.weights.format import (
     tensors_from_safetensors,
     weights_digest,
 )
+from common.weights.host_cache import CacheRefused, HostCache
+from common.weights.keys import weights_nodes_key
 from common.weights.manifest import check_against_manifest, chunk_list
 from common.weights.store import HeldVersion, WeightStore
 
 logger = logging.getLogger(__name__)
+
+REGISTER_EVERY_S = 30.0
+"""How often a reader refreshes its node's listing (common/weights/publish/node_plane.py)."""
+
+BYTES_WAIT_S = 120.0
+"""How long a reader waits for the Redis bytes of a version committed before them."""
 
 
 class WeightReader(WeightStore):
@@ -45,6 +53,9 @@ class WeightReader(WeightStore):
         super().__init__(client, run_id, **settings)
         self.host_cache = host_cache
         self.cache_refused = 0  # host-cache reads refused (see _from_host_cache)
+        self.redis_chunk_bytes = 0  # bytes of weight chunks read from Redis
+        self.redis_fallbacks = 0  # versions read from Redis chunks despite a host cache
+        self._registered = -float("inf")  # when this reader last listed its node (monotonic)
         self._warned: set[str] = set()
         self._fetched: HeldVersion | None = None  # what the next delta we read may apply to
 
@@ -76,6 +87,7 @@ class WeightReader(WeightStore):
         held = self._fetched
         if held is not None and held.version == version and held.digest == digest:
             return version, held.state
+        self.register_node()
         state, refused = self._from_host_cache(version, manifest)
         if state is None:
             with contextlib.ExitStack() as stack:
@@ -93,8 +105,30 @@ class WeightReader(WeightStore):
 
     def stats(self) -> dict[str, float]:
         """``actor/host_cache_refused``: host-cache reads refused so far (see
-        :meth:`_from_host_cache`; each was fetched from Redis instead)."""
-        return {mn.ACTOR_HOST_CACHE_REFUSED: self.cache_refused}
+        :meth:`_from_host_cache`; each was fetched from Redis instead);
+        ``actor/redis_chunk_bytes``: bytes of weight chunks read from Redis;
+        ``actor/weight_redis_fallbacks``: versions built from Redis chunks by this reader
+        although it has a host cache (the node-local copy was absent, refused or not written)."""
+        return {
+            mn.ACTOR_HOST_CACHE_REFUSED: self.cache_refused,
+            mn.ACTOR_REDIS_CHUNK_BYTES: self.redis_chunk_bytes,
+            mn.ACTOR_WEIGHT_REDIS_FALLBACKS: self.redis_fallbacks,
+        }
+
+    def register_node(self) -> None:
+        """List this reader's host cache as read by an actor of the run (at most every
+        ``REGISTER_EVERY_S``): the learner writes versions into a node's cache while one is
+        listed (common/weights/publish/node_plane.py). Best effort: a refused cache is logged."""
+        now = time.monotonic()
+        if self.host_cache is None or now - self._registered < REGISTER_EVERY_S:
+            return
+        self._registered = now
+        try:
+            node = self.host_cache.node_id(self.run_id)
+        except (CacheRefused, OSError) as e:
+            self._refuse(f"host weight cache: no node id ({e})", count=False)
+            return
+        self.client.hset(weights_nodes_key(self.run_id), node, str(time.time()))
 
     def _refuse(self, why: str, count: bool = True) -> None:
         """Count a refused host-cache read (``count``; not the lock or write of the same fetch)
@@ -168,6 +202,7 @@ class WeightReader(WeightStore):
             if held is not None and held.version == m["base"] and held.digest == m["base_sha256"]:
                 break
             base = self.checked_manifest(m["base"]) if m["base"] < v else None
+            base = self._stored(m["base"], base) if base is not None else None
             if base is None or base["weights_sha256"] != m["base_sha256"]:
                 raise WeightsCorrupt(f"version {v}: its base {m['base']} is not the one it names")
             if self.host_cache is not None:
@@ -184,13 +219,23 @@ class WeightReader(WeightStore):
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | bytes]:
         """The full state of ``version`` from Redis, and its safetensors bytes (for the host
         cache): a full read, or the deltas since a version we hold (or since the keyframe)."""
+        if self.host_cache is not None:
+            self.redis_fallbacks += 1
+        manifest = self._stored(version, manifest)
         chain, held = self._chain(version, manifest)
         first_version, first = chain[0]
-        if first["kind"] == "full":
+        # A state built here from a full version is this reader's alone until it is returned:
+        # the deltas after it are applied in place. One from a held version is not (the caller
+        # holds it, and a delta's result shares the tensors it left unchanged): each delta
+        # copies what it changes.
+        private = first["kind"] == "full"
+        if private:
             buf = self._read_stored(first_version, first)
             state = tensors_from_safetensors(first_version, buf)
             state = check_against_manifest(first_version, state, first["tensors"])
             check_finite(first_version, state)
+            if first.get("redis_bytes") == "stored":  # its chunk list came after the commit
+                self._check_digest(first_version, state, first["weights_sha256"], "")
             raw: torch.Tensor | bytes = buf
             chain = chain[1:]
         else:
@@ -198,22 +243,44 @@ class WeightReader(WeightStore):
             state = held.state
         for v, m in chain:
             blob = tensors_from_safetensors(v, self._read_stored(v, m))
-            state = apply_delta(v, state, blob, m["encoding"])
+            state = apply_delta(v, state, blob, m["encoding"], in_place=private)
             check_against_manifest(v, state, m["tensors"])
             check_finite(v, state)
-            got = weights_digest(state)
-            if got != m["weights_sha256"]:
-                raise WeightsCorrupt(
-                    f"version {v}: weights after applying the delta hash to {got[:12]}…, "
-                    f"manifest weights_sha256 says {m['weights_sha256'][:12]}…"
-                )
+            self._check_digest(v, state, m["weights_sha256"], " after applying the delta")
         if manifest["kind"] == "delta":
             raw = serialize_state_dict(state) if self.host_cache is not None else b""
         return state, raw
 
+    @staticmethod
+    def _check_digest(version: int, state: dict[str, torch.Tensor], want: str, how: str) -> None:
+        got = weights_digest(state)
+        if got != want:
+            raise WeightsCorrupt(
+                f"version {version}: weights{how} hash to {got[:12]}…, manifest weights_sha256 "
+                f"says {want[:12]}…"
+            )
+
+    def _stored(self, version: int, manifest: dict[str, Any]) -> dict[str, Any]:
+        """``manifest`` once its Redis bytes are stored: a version committed before them (the
+        node-local plane) is waited for, at most ``BYTES_WAIT_S``; raises ``WeightsError`` if it
+        was pruned meanwhile or its bytes did not come."""
+        deadline = time.monotonic() + BYTES_WAIT_S
+        pause = 0.01
+        while manifest.get("redis_bytes") == "pending":
+            if time.monotonic() > deadline:
+                raise WeightsError(
+                    f"version {version}: its Redis bytes were not stored within {BYTES_WAIT_S:g} s"
+                )
+            time.sleep(pause)
+            pause = min(0.2, pause * 2)
+            manifest = self.checked_manifest(version)
+        return manifest
+
     def _read_stored(self, version: int, manifest: Mapping[str, Any]) -> torch.Tensor:
         """The verified bytes of one stored version (a full version's or a delta's)."""
+        manifest = self._stored(version, dict(manifest))
         chunk_sha256, total_bytes = chunk_list(version, manifest)
+        self.redis_chunk_bytes += total_bytes
         return read_chunks(
             self.client,
             self.run_id,

@@ -1,6 +1,6 @@
 """Which stored versions a run keeps, and the deletion of the others: the newest ``retention``
 versions with the delta chain they need, within ``retention_bytes``; a version goes as a whole
-(manifest and chunks) in one transaction, so a concurrent reader sees all of it or none."""
+(manifest, bytes record and chunks) in one transaction, so a concurrent reader sees all of it or none."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from typing import Any
 
 import redis
 
-from common.weights.keys import weights_chunk_key, weights_manifest_key, weights_versions_key
+from common.weights.keys import (
+    weights_bytes_key,
+    weights_chunk_key,
+    weights_manifest_key,
+    weights_versions_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +60,11 @@ def prune(
     old = client.zrangebyscore(versions_key, "-inf", f"({oldest_kept}")
     for raw in old:
         version = int(raw)
-        keys = [weights_manifest_key(run_id, version)]
+        keys = [weights_manifest_key(run_id, version), weights_bytes_key(run_id, version)]
         stored = manifest(version)
-        if stored is not None:
-            keys += [
-                weights_chunk_key(run_id, version, i) for i in range(int(stored["num_chunks"]))
-            ]
+        if stored is not None:  # no chunks listed: committed before its bytes, never stored
+            chunks = int(stored.get("num_chunks", 0))
+            keys += [weights_chunk_key(run_id, version, i) for i in range(chunks)]
         # One transaction: a concurrent reader sees the whole version or none of it.
         pipe = client.pipeline(transaction=True)
         pipe.delete(*keys)

@@ -4,7 +4,9 @@ a version (its chunks, then one atomic commit) and prunes what retention no long
 
 With ``keyframe_every > 1`` a version is a delta against the one this writer published before,
 while that is still the latest. A version with a non-finite floating tensor is refused before
-anything is written.
+anything is written. With the node-local plane (``redis.publish_to_host_cache``,
+common/weights/publish/node_plane.py) a version goes into the node's weights cache first and is
+committed before its Redis bytes, which follow for other nodes (docs/design.md §6.5).
 """
 
 from __future__ import annotations
@@ -15,21 +17,25 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Self
 
 import redis
 import safetensors.torch
 import torch
 
-from common.weights.deltas import DENSE, IDX, VAL
+from common.config.run import RedisConfig
+from common.weights.deltas import DENSE, IDX, VAL, apply_delta
 from common.weights.format import (
     WeightsError,
     check_finite,
     dtype_name,
     publish_threads,
     safetensors_chunks,
+    threaded_map,
     weights_digest,
 )
+from common.weights.host_cache import HostCache
 from common.weights.keys import (
     weights_channel,
     weights_chunk_key,
@@ -38,6 +44,7 @@ from common.weights.keys import (
     weights_versions_key,
 )
 from common.weights.manifest import MANIFEST_FORMAT, digest_of_digests, sha256_of
+from common.weights.publish.node_plane import NodePlane
 from common.weights.publish.retention import prune
 from common.weights.store import HeldVersion, WeightStore
 
@@ -148,8 +155,9 @@ def encode_delta(
 
 def delta_bytes(
     base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
-) -> tuple[bytes, dict[str, str]] | None:
-    """The safetensors bytes of the delta from ``base`` to ``new`` and its encoding, or None
+) -> tuple[bytes, dict[str, str], dict[str, torch.Tensor]] | None:
+    """The safetensors bytes of the delta from ``base`` to ``new``, its encoding and its blob
+    (``encode_delta``'s tensors), or None
     where it would not save enough: a delta that saves little (every element moved, as with
     fp32 weights) costs a digest check on every reader and lengthens the chain Redis keeps."""
     blob, encoding = encode_delta(base, new)
@@ -157,7 +165,11 @@ def delta_bytes(
     full_bytes = sum(t.numel() * t.element_size() for t in new.values())
     if len(data) > _MAX_DELTA_FRACTION * full_bytes:
         return None
-    return data, encoding
+    return data, encoding, blob
+
+
+def _layout(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {n: (t.shape, t.dtype) for n, t in state.items()}
 
 
 def new_manifest(
@@ -194,20 +206,70 @@ def new_manifest(
     }
 
 
+@dataclass
+class _Pending:
+    """A version committed before its Redis bytes (the node-local plane): what storing them
+    needs, kept so a retry after a Redis outage stores them instead of publishing again."""
+
+    version: int
+    digest: str
+    state: dict[str, torch.Tensor]
+    base: HeldVersion | None
+    snapshot: bool
+
+
 class WeightWriter(WeightStore):
     """Publishes versions of a state dict for one run; remembers the last version it published
-    (the base of the next delta), so a process uses one writer per run."""
+    (the base of the next delta), so a process uses one writer per run. Given a ``node_plane``,
+    a version is first written into the node's shared-memory cache for the actors there, then
+    committed, then its Redis bytes follow (common/weights/publish/node_plane.py)."""
 
-    def __init__(self, client: redis.Redis, run_id: str, **settings: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        host_cache_dir: str = "",
+        **settings: int,
+    ) -> None:
+        """``host_cache_dir``: the node-local plane into that host cache (empty: off)."""
         super().__init__(client, run_id, **settings)
         self._commit_script = client.register_script(_COMMIT_LUA)
         self._published: HeldVersion | None = None  # base of the next delta we write
+        self._owned = False  # whether ``_published``'s tensors are this writer's own copy
+        self._pending: _Pending | None = None
+        self.node_plane = (
+            NodePlane(client, run_id, HostCache(host_cache_dir)) if host_cache_dir else None
+        )
         self.last_publish_bytes = 0
-        """Bytes written for the last published version (a delta's, or the full size)."""
+        """Bytes written to Redis for the last published version (a delta's, or the full
+        size)."""
         self.threads = publish_threads()
-        """Threads hashing a version (the cores here, at most 8); the upload process runs at a
-        lower priority than the learner's threads. A full version is serialised chunk by chunk
-        on the writing thread, as its chunks go out (``safetensors_chunks``)."""
+        """Threads checking, hashing and writing a version (the cores here, at most 16); the
+        upload process runs at a lower priority than the learner's threads. A full version is
+        serialised chunk by chunk on the writing thread, as its chunks go out
+        (``safetensors_chunks``)."""
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, run_id: str) -> Self:
+        """The run's writer on the configured Redis, with the node-local plane where
+        ``redis.publish_to_host_cache`` and ``redis.host_cache_dir`` are set."""
+        writer = super().from_config(cfg, run_id)
+        if cfg.publish_to_host_cache and cfg.host_cache_dir:
+            writer.node_plane = NodePlane(writer.client, run_id, HostCache(cfg.host_cache_dir))
+        return writer
+
+    def recipe(self) -> dict[str, Any]:
+        """:meth:`WeightStore.recipe`, with the node-local plane's directory."""
+        root = self.node_plane.root if self.node_plane is not None else ""
+        return {**super().recipe(), "host_cache_dir": root}
+
+    @classmethod
+    def from_recipe(cls, recipe: Mapping[str, Any]) -> Self:
+        writer = super().from_recipe(recipe)
+        root = recipe.get("host_cache_dir", "")
+        if root:
+            writer.node_plane = NodePlane(writer.client, writer.run_id, HostCache(root))
+        return writer
 
     def publish(
         self,
@@ -220,9 +282,13 @@ class WeightWriter(WeightStore):
         ``WeightsNonFinite`` (writing nothing) if a floating tensor holds NaN or infinity.
 
         With ``keyframe_every > 1`` the writer keeps the published tensors as the next delta's
-        base: a copy when ``snapshot`` (False: the caller hands them over and will not modify
-        them).
+        base: its own copy when ``snapshot`` (False: the caller hands them over and will not
+        modify them), updated in place from the next version's delta. A call after a Redis
+        outage interrupted the storing of a version committed before its bytes stores them.
         """
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.version == version and self._store_pending(pending):
+            return  # else Redis lost the commit too (restarted empty): published anew below
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise WeightsError(f"version must be a non-negative int, got {version!r}")
         current = self.latest_version()
@@ -232,19 +298,55 @@ class WeightWriter(WeightStore):
                 f"{current} and versions only grow"
             )
         state = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
-        check_finite(version, state)
+        check_finite(version, state, self.threads)
         digest = weights_digest(state, threads=self.threads)
         base = self._delta_base(version, current, state)
+        planes = None
+        if self.node_plane is not None:
+            planes = self.node_plane.put(version, digest, state, self.threads)
+        if planes is not None:
+            manifest = new_manifest(self.run_id, version, state, digest, version, [], 0, meta)
+            for field in ("num_chunks", "chunk_sha256", "chunks_sha256", "total_bytes"):
+                del manifest[field]
+            manifest |= {"planes": planes, "redis_bytes": "pending"}
+            self._commit(version, json.dumps(manifest), [])
+            self._store_pending(_Pending(version, digest, state, base, snapshot))
+            return
+        fields, chunk_keys, blob = self._write_bytes(version, state, base)
+        manifest = new_manifest(
+            self.run_id, version, state, digest, fields["keyframe"], [], 0, meta
+        )
+        self._commit(version, json.dumps(manifest | fields), chunk_keys)
+        self._keep(version, digest, state, fields, blob, snapshot)
+
+    def _store_pending(self, pending: _Pending) -> bool:
+        """Write the Redis bytes of a version committed before them, then its bytes record;
+        False where its manifest is gone (nothing kept). Until then the version stays pending:
+        a retry of the same version (after a Redis outage here) stores its bytes."""
+        assert self.node_plane is not None
+        self._pending = pending
+        fields, chunk_keys, blob = self._write_bytes(pending.version, pending.state, pending.base)
+        stored = self.node_plane.store_bytes(pending.version, fields, chunk_keys)
+        self._pending = None
+        if stored:
+            self._keep(
+                pending.version, pending.digest, pending.state, fields, blob, pending.snapshot
+            )
+        return stored
+
+    def _write_bytes(
+        self, version: int, state: dict[str, torch.Tensor], base: HeldVersion | None
+    ) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor] | None]:
+        """Write ``version``'s chunks (a delta against ``base`` where one saves enough, else
+        in full); the manifest fields that describe them, their keys, and the delta's blob."""
         delta = delta_bytes(base.state, state) if base is not None else None
-        if delta is None:
-            base = None  # written in full
         settings = self.settings
         if delta is not None:
-            data, encoding = delta
+            data, encoding, blob = delta
             total = len(data)
         else:  # in full, serialised chunk by chunk as the chunks go out
+            base, blob, encoding = None, None, {}
             total, data = safetensors_chunks(state, settings.chunk_bytes)
-            encoding = {}
         chunk_keys, chunk_sha256 = write_chunks(
             self.client,
             self.run_id,
@@ -254,19 +356,56 @@ class WeightWriter(WeightStore):
             settings.pending_ttl_s,
             self.threads,
         )
-        keyframe = base.keyframe if base is not None else version
-        manifest = new_manifest(
-            self.run_id, version, state, digest, keyframe, chunk_sha256, total, meta
-        )
+        fields: dict[str, Any] = {
+            "kind": "full",
+            "keyframe": base.keyframe if base is not None else version,
+            "num_chunks": len(chunk_sha256),
+            "chunk_sha256": chunk_sha256,
+            "chunks_sha256": digest_of_digests(chunk_sha256),
+            "total_bytes": total,
+        }
         if base is not None:
-            manifest["kind"] = "delta"
-            manifest |= {"base": base.version, "base_sha256": base.digest, "encoding": encoding}
-        self._commit(version, json.dumps(manifest), chunk_keys)
+            fields |= {
+                "kind": "delta",
+                "base": base.version,
+                "base_sha256": base.digest,
+                "encoding": encoding,
+            }
         self.last_publish_bytes = total
-        self._published = None
-        if self.settings.keyframe_every > 1:
-            kept = {name: t.clone() for name, t in state.items()} if snapshot else state
-            self._published = HeldVersion(version, digest, kept, keyframe)
+        return fields, chunk_keys, blob
+
+    def _keep(
+        self,
+        version: int,
+        digest: str,
+        state: dict[str, torch.Tensor],
+        fields: Mapping[str, Any],
+        blob: dict[str, torch.Tensor] | None,
+        snapshot: bool,
+    ) -> None:
+        """Remember ``version`` as the next delta's base (``keyframe_every > 1``), then prune.
+
+        With ``snapshot`` the writer keeps its own copy: the base it already owns is updated in
+        place (a delta's changed elements written in, a full version copied over it), so a
+        version costs no new copy of the weights; a first version is cloned."""
+        if self.settings.keyframe_every == 1:
+            self._published = None
+            self._prune()
+            return
+        owned = self._published if self._owned else None
+        if owned is not None and _layout(owned.state) != _layout(state):
+            owned = None
+        self._owned = snapshot
+        if not snapshot:
+            kept = state
+        elif owned is not None and blob is not None and owned.version == fields.get("base"):
+            kept = apply_delta(version, owned.state, blob, fields["encoding"], in_place=True)
+        elif owned is not None:
+            kept = owned.state
+            threaded_map(lambda name: kept[name].copy_(state[name]), list(state), self.threads)
+        else:
+            kept = {name: t.clone() for name, t in state.items()}
+        self._published = HeldVersion(version, digest, kept, int(fields["keyframe"]))
         self._prune()
 
     def _delta_base(
@@ -283,8 +422,7 @@ class WeightWriter(WeightStore):
             or version - base.keyframe >= self.settings.keyframe_every
         ):
             return None
-        layout = {n: (t.shape, t.dtype) for n, t in state.items()}
-        return base if {n: (t.shape, t.dtype) for n, t in base.state.items()} == layout else None
+        return base if _layout(base.state) == _layout(state) else None
 
     def _commit(self, version: int, manifest_json: str, chunk_keys: list[str]) -> None:
         keys = [

@@ -17,9 +17,9 @@ import redis
 import torch
 
 from common import metric_names as mn
-from common.weights.fetch.host_cache import CacheRefused, HostCache
 from common.weights.fetch.reader import WeightReader
 from common.weights.format import serialize_state_dict, tensors_from_safetensors, weights_digest
+from common.weights.host_cache import CacheRefused, HostCache
 from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
 
@@ -220,7 +220,7 @@ def test_a_cache_directory_others_may_write_is_not_used(
     version, state = reader.fetch(1)
     assert version == 1 and state["w"].sum() == 16  # fetched from Redis instead
     assert egress(redis_client) - before > 64  # the bytes did come from Redis
-    assert reader.stats() == {mn.ACTOR_HOST_CACHE_REFUSED: 1}
+    assert reader.stats()[mn.ACTOR_HOST_CACHE_REFUSED] == 1
     assert list(root.iterdir()) == []  # nothing written into it
     assert stat.S_IMODE(root.lstat().st_mode) == 0o777  # and left as it was
     with pytest.raises(CacheRefused, match="mode 0777"):
@@ -322,12 +322,12 @@ def test_a_cached_file_that_changes_size_while_read_is_refused(tmp_path: Path, m
     cache = HostCache(tmp_path)
     digest = "ab" * 32
     cache.put(RUN, 1, digest, bytes(range(64)))
-    real_readv = os.readv
+    real_preadv = os.preadv
 
-    def truncating_readv(fd: int, buffers: list) -> int:
+    def truncating_preadv(fd: int, buffers: list, offset: int) -> int:
         cache.path(RUN, 1, digest).write_bytes(b"x" * 10)  # truncated in place by another writer
-        return real_readv(fd, buffers)
+        return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "readv", truncating_readv)
+    monkeypatch.setattr(os, "preadv", truncating_preadv)
     with pytest.raises(CacheRefused, match="shrank while it was read"):
         cache.get(RUN, 1, digest)

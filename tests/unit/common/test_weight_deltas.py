@@ -181,7 +181,7 @@ def test_non_finite_version_is_never_published(redis_client: redis.Redis) -> Non
 def publish_unchecked(monkeypatch, store: WeightWriter, version: int, sd) -> None:
     """Publish bypassing the writer's finite check (a broken or foreign publisher)."""
     with monkeypatch.context() as m:
-        m.setattr(writer_module, "check_finite", lambda version, state: None)
+        m.setattr(writer_module, "check_finite", lambda version, state, threads=1: None)
         store.publish(version, sd)
 
 

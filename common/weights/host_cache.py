@@ -9,6 +9,11 @@ deletes the run's versions older than the ``keep`` newest (a reader that opened 
 it whole). A read copies the file into the reader's own memory (never a mapping of the file),
 and the reader hashes that copy: a later write to the file cannot change weights in use.
 
+The learner of the node writes its versions here too, the same way (the node-local plane,
+common/weights/publish/node_plane.py): :meth:`HostCache.put_tensors` lays the file out straight
+from the tensors, and :meth:`HostCache.node_id` names the run's directory, so a manifest can say which
+node's cache holds the version.
+
 The cache trusts nothing it did not make (``/dev/shm`` is writable by every user): its
 directories (``{root}/specrl-weights-{uid}`` and one per run) are created 0700 and used only
 while they are directories owned by this user that no one else may write; a file is opened only
@@ -27,16 +32,29 @@ import fcntl
 import logging
 import os
 import re
+import secrets
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+from common.weights.format import (
+    publish_threads,
+    raw_bytes,
+    safetensors_layout,
+    threaded_map,
+)
 
 logger = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NODE_ID_FILE = "node-id"
+WRITE_BLOCK = 64 * 2**20
+"""Largest byte range one ``pwrite`` of :meth:`HostCache.put_tensors` (or one ``preadv`` of
+:meth:`HostCache.get`) takes: threads share the big tensors."""
 
 
 class CacheRefused(OSError):
@@ -129,10 +147,10 @@ class HostCache:
                 if fd is not None:
                     os.close(fd)
 
-    def get(self, run_id: str, version: int, digest: str) -> torch.Tensor | None:
-        """The cached bytes of ``version`` (uint8, a private copy), or None. Raises
-        :class:`CacheRefused` for a file or directory that is not this user's alone, or one that
-        shrank while it was read."""
+    def get(self, run_id: str, version: int, digest: str, threads: int = 0) -> torch.Tensor | None:
+        """The cached bytes of ``version`` (uint8, a private copy read on ``threads`` threads;
+        0: ``publish_threads()``), or None. Raises :class:`CacheRefused` for a file or
+        directory that is not this user's alone, or one that shrank while it was read."""
         name = self._file_name(version, digest)
         with self._run_dir(run_id, create=False) as run_fd:
             if run_fd is None:
@@ -148,24 +166,73 @@ class HostCache:
         try:
             st = os.fstat(fd)
             _check_owned(st, str(self._dir(run_id) / name), is_dir=False)
-            return _read_private(fd, st.st_size, name)
+            return _read_private(fd, st.st_size, name, threads or publish_threads())
         finally:
             os.close(fd)
 
     def put(self, run_id: str, version: int, digest: str, data: torch.Tensor | bytes) -> bool:
         """Publish verified bytes for the host; False (and a warning) if the disk is full.
         Raises :class:`CacheRefused` for a directory that is not this user's alone."""
-        name = self._file_name(version, digest)
-        tmp = f".{name}.{os.getpid()}.tmp"
         view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
+
+        def write(fd: int) -> None:
+            with os.fdopen(os.dup(fd), "wb") as f:
+                f.write(view)
+
+        return self._write_file(run_id, version, digest, write)
+
+    def put_tensors(
+        self,
+        run_id: str,
+        version: int,
+        digest: str,
+        tensors: Mapping[str, torch.Tensor],
+        threads: int = 1,
+    ) -> bool:
+        """:meth:`put` of the safetensors file of ``tensors`` (contiguous CPU tensors of the
+        dtypes ``common.weights.format`` writes), laid out straight into the file: the header,
+        then byte ranges of at most ``WRITE_BLOCK`` written with ``pwrite`` on ``threads``
+        threads (it releases the GIL). The caller vouches that ``digest`` is theirs."""
+        order, head, body = safetensors_layout(tensors, None)
+        pieces: list[tuple[memoryview, int]] = [(memoryview(head), 0)]
+        offset = len(head)
+        for name in order:
+            raw = memoryview(raw_bytes(tensors[name]).numpy())
+            for start in range(0, len(raw), WRITE_BLOCK):
+                pieces.append((raw[start : start + WRITE_BLOCK], offset + start))
+            offset += len(raw)
+
+        def write(fd: int) -> None:
+            os.ftruncate(fd, len(head) + body)
+
+            def put(piece: tuple[memoryview, int]) -> None:
+                view, at = piece
+                while len(view):
+                    done = os.pwrite(fd, view, at)
+                    view, at = view[done:], at + done
+
+            threaded_map(put, pieces, threads)
+
+        return self._write_file(run_id, version, digest, write)
+
+    def _write_file(
+        self, run_id: str, version: int, digest: str, write: Callable[[int], None]
+    ) -> bool:
+        """A temp file (0600, never through a symlink) filled by ``write(fd)``, then renamed to
+        the version's name (readers see the whole file or none); older versions pruned."""
+        name = self._file_name(version, digest)
+        tmp = f".{name}.{os.getpid()}.{threading.get_native_id()}.tmp"
         with self._run_dir(run_id, create=True) as run_fd:
             assert run_fd is not None
             try:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=run_fd)  # left by a crashed process with our pid
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                with os.fdopen(os.open(tmp, flags, 0o600, dir_fd=run_fd), "wb") as f:
-                    f.write(view)
+                fd = os.open(tmp, flags, 0o600, dir_fd=run_fd)
+                try:
+                    write(fd)
+                finally:
+                    os.close(fd)
                 # Atomic: readers see the whole file or none.
                 os.replace(tmp, name, src_dir_fd=run_fd, dst_dir_fd=run_fd)
             except OSError as e:
@@ -175,6 +242,34 @@ class HostCache:
                 return False
             self._prune(run_fd, version)
         return True
+
+    def node_id(self, run_id: str) -> str:
+        """This node's id for ``run_id``: 32 hex digits in the run's directory (``node-id``),
+        made once by the first process to ask (0600, an atomic link of a finished file).
+        Processes that share this directory (the same host's ``/dev/shm``, or a volume mounted
+        into several containers) read the same id, so a manifest naming it tells an actor the
+        version's file is in its own cache (docs/design.md §6.5); it goes with the run's
+        copies (:meth:`remove_run`). Raises :class:`CacheRefused` for a directory or file that
+        is not this user's alone."""
+        with self._run_dir(run_id, create=True) as run_fd:
+            assert run_fd is not None
+            what = str(self._dir(run_id) / NODE_ID_FILE)
+            text = _read_node_id(run_fd, what)
+            if text is None:
+                tmp = f".{NODE_ID_FILE}.{os.getpid()}.{threading.get_native_id()}.tmp"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, 0o600, dir_fd=run_fd)
+                try:
+                    os.write(fd, secrets.token_hex(16).encode())
+                finally:
+                    os.close(fd)
+                with contextlib.suppress(FileExistsError):  # another process made it first
+                    os.link(tmp, NODE_ID_FILE, src_dir_fd=run_fd, dst_dir_fd=run_fd)
+                os.unlink(tmp, dir_fd=run_fd)
+                text = _read_node_id(run_fd, what)
+        if text is None or not re.fullmatch(r"[0-9a-f]{32}", text):
+            raise CacheRefused(f"host weight cache: {what} is malformed")
+        return text
 
     def _prune(self, run_fd: int, newest: int) -> None:
         """Delete the files and locks of the run's versions older than the ``keep`` newest."""
@@ -225,20 +320,42 @@ class HostCache:
             os.close(fd)  # releases the flock
 
 
-def _read_private(fd: int, size: int, name: str) -> torch.Tensor:
-    """The ``size`` bytes of file ``fd`` copied into this process's own memory (uint8).
+def _read_node_id(dir_fd: int, what: str) -> str | None:
+    """The text of ``node-id`` in the checked directory ``dir_fd`` (None: there is none)."""
+    try:
+        fd = os.open(NODE_ID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CacheRefused(f"host weight cache: {what} is a symlink") from e
+        raise
+    try:
+        _check_owned(os.fstat(fd), what, is_dir=False)
+        return os.read(fd, 64).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+
+
+def _read_private(fd: int, size: int, name: str, threads: int = 1) -> torch.Tensor:
+    """The ``size`` bytes of file ``fd`` copied into this process's own memory (uint8), in
+    ranges of at most ``WRITE_BLOCK`` read with ``preadv`` on ``threads`` threads.
 
     Never a mapping of the file: unwritten pages of even a ``MAP_PRIVATE`` mapping show later
     writes to the file, so a same-user process could change weights after they were hashed.
     The caller hashes this copy, which no one else can reach."""
     out = torch.empty(size, dtype=torch.uint8)
     view = memoryview(out.numpy())
-    done = 0
-    while done < size:
-        got = os.readv(fd, [view[done:]])
-        if got == 0:
-            raise CacheRefused(f"host weight cache: {name} shrank while it was read")
-        done += got
+
+    def read(start: int) -> None:
+        done, end = start, min(size, start + WRITE_BLOCK)
+        while done < end:
+            got = os.preadv(fd, [view[done:end]], done)
+            if got == 0:
+                raise CacheRefused(f"host weight cache: {name} shrank while it was read")
+            done += got
+
+    threaded_map(read, list(range(0, size, WRITE_BLOCK)), threads)
     return out  # bytes written past ``size`` meanwhile are not read: the hash decides
 
 
