@@ -92,7 +92,7 @@ SPEC_EXIT_KL = "spec/exit_kl"
 SPEC_DRAFT_ACCEPTANCE = "spec/draft_acceptance"
 """Learner: mean over completion tokens of sum_v min(p, q), p the policy, q its draft adapter
 or (``spec.method=eagle3``) its EAGLE-3 head."""
-SPEC_DRAFT_CHAIN = "spec/draft_chain_estimate"
+SPEC_DRAFT_CHAIN_ESTIMATE = "spec/draft_chain_estimate"
 """Learner, ``eagle3``: 1 + sum_j prod_{i<=j} a_i over the trained draft steps' acceptances a_i
 of the batch (``spec/draft_acceptance_step{j}``, measured before the update): the tokens per
 verify a chain of that length would give at those rates."""

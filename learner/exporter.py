@@ -29,7 +29,7 @@ def _draft_training_figure(key: str) -> bool:
     """The draft's figures of a step: its acceptance (per draft step too) measured on the batch
     before the update, the chain estimate, the head's loss and learning rate."""
     return key.startswith(mn.SPEC_DRAFT_ACCEPTANCE) or key in (
-        mn.SPEC_DRAFT_CHAIN,
+        mn.SPEC_DRAFT_CHAIN_ESTIMATE,
         mn.SPEC_EAGLE_KL,
         mn.SPEC_EAGLE_LR,
     )

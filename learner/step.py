@@ -65,7 +65,7 @@ def draft_acceptance_key(step: int) -> str:
     return f"{mn.SPEC_DRAFT_ACCEPTANCE}_step{step}"
 
 
-SPEC_DRAFT_CHAIN = mn.SPEC_DRAFT_CHAIN
+SPEC_DRAFT_CHAIN = mn.SPEC_DRAFT_CHAIN_ESTIMATE
 SPEC_EAGLE_LR = mn.SPEC_EAGLE_LR
 
 
