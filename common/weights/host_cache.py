@@ -155,17 +155,11 @@ class HostCache:
         with self._run_dir(run_id, create=False) as run_fd:
             if run_fd is None:
                 return None
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run_fd)
-            except FileNotFoundError:
-                return None
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise CacheRefused(f"host weight cache: {name} is a symlink") from e
-                raise
+            opened = _open_owned(run_fd, name, str(self._dir(run_id) / name))
+        if opened is None:
+            return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            _check_owned(st, str(self._dir(run_id) / name), is_dir=False)
             return _read_private(fd, st.st_size, name, threads or publish_threads())
         finally:
             os.close(fd)
@@ -320,10 +314,12 @@ class HostCache:
             os.close(fd)  # releases the flock
 
 
-def _read_node_id(dir_fd: int, what: str) -> str | None:
-    """The text of ``node-id`` in the checked directory ``dir_fd`` (None: there is none)."""
+def _open_owned(dir_fd: int, name: str, what: str) -> tuple[int, os.stat_result] | None:
+    """``name`` in the checked directory ``dir_fd``, opened for reading without following a
+    symlink, with its stat, once it is a regular file of this user's alone (None: there is none).
+    Raises :class:`CacheRefused` for a symlink or a file someone else owns or may write."""
     try:
-        fd = os.open(NODE_ID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -331,10 +327,23 @@ def _read_node_id(dir_fd: int, what: str) -> str | None:
             raise CacheRefused(f"host weight cache: {what} is a symlink") from e
         raise
     try:
-        _check_owned(os.fstat(fd), what, is_dir=False)
-        return os.read(fd, 64).decode(errors="replace").strip()
-    finally:
+        st = os.fstat(fd)
+        _check_owned(st, what, is_dir=False)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_node_id(dir_fd: int, what: str) -> str | None:
+    """The text of ``node-id`` in the checked directory ``dir_fd`` (None: there is none)."""
+    opened = _open_owned(dir_fd, NODE_ID_FILE, what)
+    if opened is None:
+        return None
+    try:
+        return os.read(opened[0], 64).decode(errors="replace").strip()
+    finally:
+        os.close(opened[0])
 
 
 def _read_private(fd: int, size: int, name: str, threads: int = 1) -> torch.Tensor:
