@@ -160,6 +160,15 @@ def command(
     return args + list(argv)
 
 
+def unavailable() -> str | None:
+    """Why this host cannot confine (:func:`check`'s reason), or None where it can."""
+    try:
+        check()
+    except SandboxUnavailable as err:
+        return str(err)
+    return None
+
+
 def check() -> None:
     """Raise :class:`SandboxUnavailable` with the reason if this host cannot confine: a trivial
     confined Python must start and see itself confined."""

@@ -11,16 +11,7 @@ from actors.rewards import sandbox
 from actors.rewards.escapes import ATTEMPTS, NPROC_LIMIT, run_attempt, staged
 from actors.rewards.pool import RewardCall, RewardPool
 
-
-def _refusal() -> str | None:
-    try:
-        sandbox.check()
-    except sandbox.SandboxUnavailable as err:
-        return str(err)
-    return None
-
-
-REFUSAL = _refusal()
+REFUSAL = sandbox.unavailable()
 needs_sandbox = pytest.mark.skipif(
     REFUSAL is not None, reason=f"SKIPPED: this host cannot run the reward sandbox: {REFUSAL}"
 )

@@ -23,15 +23,8 @@ from common.link.protocol import Completion, DecodeLimits, TrajectoryGroup, deco
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _refusal() -> str | None:
-    try:
-        sandbox.check()
-    except sandbox.SandboxUnavailable as err:
-        return str(err)
-    return None
-
-
-sandboxed = pytest.mark.skipif(_refusal() is not None, reason=f"no sandbox: {_refusal()}")
+REFUSAL = sandbox.unavailable()
+sandboxed = pytest.mark.skipif(REFUSAL is not None, reason=f"no sandbox: {REFUSAL}")
 
 REWARDS = textwrap.dedent(
     """
@@ -192,8 +185,8 @@ pool.score([RewardCall("p", "c", {})])
 def test_a_call_in_progress_dies_with_a_killed_actor(rewards, tmp_path, confined):
     """L4: SIGKILL the actor mid-call: its worker (and, sandboxed, everything it started) goes
     too, and nothing is left in the temporary directory."""
-    if confined and _refusal() is not None:
-        pytest.skip(f"no sandbox: {_refusal()}")
+    if confined and REFUSAL is not None:
+        pytest.skip(f"no sandbox: {REFUSAL}")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     actor = subprocess.Popen(

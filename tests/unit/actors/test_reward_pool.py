@@ -238,16 +238,9 @@ def test_outcome_stats_give_component_means_and_failures_by_kind():
     assert outcome_stats([RewardOutcome(1.0)]) == {}
 
 
-def _sandbox_refusal() -> str | None:
-    try:
-        sandbox.check()
-    except sandbox.SandboxUnavailable as err:
-        return str(err)
-    return None
-
-
+SANDBOX_REFUSAL = sandbox.unavailable()
 sandboxed = pytest.mark.skipif(
-    _sandbox_refusal() is not None, reason=f"no reward sandbox here: {_sandbox_refusal()}"
+    SANDBOX_REFUSAL is not None, reason=f"no reward sandbox here: {SANDBOX_REFUSAL}"
 )
 
 
