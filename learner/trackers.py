@@ -10,7 +10,6 @@ with how to install it.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Mapping
@@ -18,8 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from common import metric_names as mn
-from common.config import SpecRLConfig, to_yaml
-from common.config.run import redact_redis_url
+from common.config import SpecRLConfig, redacted_yaml
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +107,6 @@ def _missing(library: str, error: ImportError) -> str:
         f"run.report_to names {library}, which cannot be imported ({error}): "
         "pip install 'specrl[trackers]' (or drop it from run.report_to)"
     )
-
-
-def redacted_yaml(cfg: SpecRLConfig) -> str:
-    """``cfg`` as the trackers log it (W&B's run config, TensorBoard's text): any password in
-    ``redis.url`` replaced by ``***`` (:func:`common.config.run.redact_redis_url`, as in
-    ``config.yaml``)."""
-    shown = copy.deepcopy(cfg)
-    shown.redis.url = redact_redis_url(shown.redis.url)
-    return to_yaml(shown)
 
 
 class Trackers:

@@ -15,7 +15,6 @@ children are ops/processes.py's, which die with the launcher even if it is SIGKI
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import secrets
@@ -32,8 +31,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from common import metric_names as mn
-from common.config import SpecRLConfig, to_yaml
-from common.config.run import REDIS_PASSWORD_ENV, redact_redis_url, split_redis_password
+from common.config import SpecRLConfig, redacted_yaml
+from common.config.run import REDIS_PASSWORD_ENV, split_redis_password
 from common.eagle import EAGLE_FILE
 from common.model import DRAFT_FILE
 from common.model_args import ModelArgs, layout_from_hf_config
@@ -121,14 +120,6 @@ def child_secrets(redis_url: str) -> dict[str, str]:
     holds none (a password already in the launcher's environment is inherited)."""
     _, password = split_redis_password(redis_url)
     return {REDIS_PASSWORD_ENV: password} if password else {}
-
-
-def saved_config(cfg: SpecRLConfig) -> str:
-    """``cfg`` as YAML for ``{run_dir}/config.yaml``, with any password in ``redis.url``
-    replaced by ``***``."""
-    shown = copy.deepcopy(cfg)
-    shown.redis.url = redact_redis_url(shown.redis.url)
-    return to_yaml(shown)
 
 
 class PreflightError(ValueError):
@@ -293,7 +284,7 @@ def private_run_dir(run_dir: Path) -> None:
 def _run(cfg: SpecRLConfig, overrides: list[str], console: Console) -> dict:
     run_dir = cfg.run.resolved_dir()
     private_run_dir(run_dir)
-    (run_dir / "config.yaml").write_text(saved_config(cfg))
+    (run_dir / "config.yaml").write_text(redacted_yaml(cfg))
     console.print(
         f"[bold]specrl run[/bold] {cfg.run.name}: task={cfg.task.name} actors={cfg.actor.num_actors} steps={cfg.run.steps} → {run_dir}"
     )

@@ -12,6 +12,7 @@ only the fields that option changes.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from common.config.run import (
     SamplingConfig,
     SecurityConfig,
     TaskConfig,
+    redact_redis_url,
 )
 
 CONFIG_DIR_ENV = "SPECRL_CONFIG_DIR"
@@ -132,3 +134,11 @@ def to_yaml(cfg: SpecRLConfig) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def redacted_yaml(cfg: SpecRLConfig) -> str:
+    """``cfg`` as YAML wherever it is kept or shown (``{run_dir}/config.yaml``, the trackers'
+    run config), with any password in ``redis.url`` replaced by ``***``."""
+    shown = copy.deepcopy(cfg)
+    shown.redis.url = redact_redis_url(shown.redis.url)
+    return to_yaml(shown)

@@ -136,7 +136,8 @@ def test_compose_gives_the_learner_and_actors_no_bare_redis_password():
 
 def test_the_trackers_log_the_redacted_config(tmp_path):
     pytest.importorskip("torch.utils.tensorboard")
-    from learner.trackers import Trackers, redacted_yaml
+    from common.config import redacted_yaml
+    from learner.trackers import Trackers
 
     cfg = load_config(
         ["redis.url=redis://:s3cretpass@db.example:6379/0", "run.report_to=[tensorboard]"]

@@ -15,11 +15,11 @@ import redis
 import yaml
 import zmq.auth.certs
 
-from common.config import load_config
+from common.config import load_config, redacted_yaml
 from common.config.run import REDIS_PASSWORD_ENV
 from common.curve_keys import actor_keys, learner_keys
 from ops.keys import write_keys
-from ops.launcher import child_overrides, child_secrets, saved_config
+from ops.launcher import child_overrides, child_secrets
 from ops.processes import child_env
 from ops.redis_server import RedisServer
 
@@ -92,7 +92,7 @@ def test_launcher_children_get_the_password_in_their_environment(tmp_path):
 
 def test_saved_config_redacts_the_redis_password(tmp_path):
     cfg = load_config(["redis.url=redis://:hunter2@127.0.0.1:6390/0", f"run.dir={tmp_path}"])
-    text = saved_config(cfg)
+    text = redacted_yaml(cfg)
     assert "hunter2" not in text
     assert yaml.safe_load(text)["redis"]["url"] == "redis://:***@127.0.0.1:6390/0"
     assert cfg.redis.url == "redis://:hunter2@127.0.0.1:6390/0"  # the live config is untouched
