@@ -65,10 +65,6 @@ def draft_acceptance_key(step: int) -> str:
     return f"{mn.SPEC_DRAFT_ACCEPTANCE}_step{step}"
 
 
-SPEC_DRAFT_CHAIN = mn.SPEC_DRAFT_CHAIN_ESTIMATE
-SPEC_EAGLE_LR = mn.SPEC_EAGLE_LR
-
-
 def draft_params(model: nn.Module) -> list[nn.Parameter]:
     """The draft adapter's parameters (none for a policy without one)."""
     draft = getattr(unwrap(model), "draft", None)
@@ -297,9 +293,9 @@ def _eagle_metrics(
         figures[draft_acceptance_key(j)] = rate
         reach *= rate
         chain += reach
-    figures[SPEC_DRAFT_CHAIN] = chain
+    figures[mn.SPEC_DRAFT_CHAIN_ESTIMATE] = chain
     if group is not None:
-        figures[SPEC_EAGLE_LR] = float(group["lr"])
+        figures[mn.SPEC_EAGLE_LR] = float(group["lr"])
     return figures
 
 

@@ -22,8 +22,6 @@ from learner.batch import collate
 from learner.eagle_loss import eagle_states, eagle_terms, ttt_states
 from learner.policy import backbone
 from learner.step import (
-    SPEC_DRAFT_CHAIN,
-    SPEC_EAGLE_LR,
     draft_acceptance_key,
     eagle_group,
     make_optimizer,
@@ -162,7 +160,7 @@ def test_each_steps_acceptance_is_measured_on_the_batch_before_the_update():
         assert metrics[draft_acceptance_key(j)] == pytest.approx(rate, rel=1e-4)
     assert metrics[mn.SPEC_DRAFT_ACCEPTANCE] == metrics[draft_acceptance_key(1)]
     chain = 1 + rates[0] + rates[0] * rates[1] + rates[0] * rates[1] * rates[2]
-    assert metrics[SPEC_DRAFT_CHAIN] == pytest.approx(chain, rel=1e-4)
+    assert metrics[mn.SPEC_DRAFT_CHAIN_ESTIMATE] == pytest.approx(chain, rel=1e-4)
     assert draft_acceptance_key(4) not in metrics
 
 
@@ -187,7 +185,7 @@ def test_the_head_accumulates_over_learner_steps_and_warms_its_rate_up():
     assert eagle_group(opt)["eagle_pending"] == 1
     second = train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
     assert _changed(start, _head(model)) and eagle_group(opt)["eagle_updates"] == 1
-    assert second[SPEC_EAGLE_LR] == pytest.approx(spec.eagle_lr / 4)
+    assert second[mn.SPEC_EAGLE_LR] == pytest.approx(spec.eagle_lr / 4)
     assert first[mn.SPEC_DRAFT_ACCEPTANCE] == pytest.approx(second[mn.SPEC_DRAFT_ACCEPTANCE])
     # Two equal steps' mean is one step's gradient: the same update as without accumulating.
     one = replace(spec, eagle_accumulate=1)
