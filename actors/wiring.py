@@ -126,16 +126,17 @@ def write_published(
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     dtype = floats.pop() if len(floats) == 1 else torch.float32
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    if not weights:
+        return
     tied = config_ties_head(config)
     tensors = {
         name: t.to(dtype if t.is_floating_point() else t.dtype).contiguous()
         for name, t in state.items()
         if not (tied and name == TIED_HEAD)
     }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    if weights:
-        write_weights(tensors, path)  # a draft adapter's tensors in their own file
+    write_weights(tensors, path)  # a draft adapter's tensors in their own file
 
 
 def _vllm_engine(
