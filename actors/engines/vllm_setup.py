@@ -9,7 +9,7 @@ from typing import Any
 
 from actors.engines.vllm_compat import check_runner, check_vllm
 from common.config.actor import EngineConfig, SpecConfig
-from common.config.modes import VLLM_INFLIGHT_MODES
+from common.config.modes import VLLM_INFLIGHT_MODES, VLLM_WEIGHT_TRANSFERS
 from common.model_args import ModelArgs
 from common.policy_meta import SPEC_NEEDS_BUILTIN
 
@@ -38,7 +38,7 @@ VLLM_CPU_SPEC_INEXACT = (
 )
 
 
-WEIGHT_TRANSFER_MODES = ("reload", "specrl", "nccl")
+WEIGHT_TRANSFER_MODES = tuple(m for m in VLLM_WEIGHT_TRANSFERS if m != "auto")
 """How versions reach vLLM (``VllmEngine(weight_transfer=...)``): ``reload`` opens the first
 version's directory and swaps through ``collective_rpc("reload_weights")``; ``specrl`` starts on
 dummy weights and delivers every version through vLLM's weight-transfer lifecycle in-process

@@ -13,7 +13,14 @@ from common.config.checks import (
     require_ordered,
     require_positive,
 )
-from common.config.field_types import EngineName, InflightMode, NgramSource, SpecMethod, TorchDtype
+from common.config.field_types import (
+    EngineName,
+    InflightMode,
+    NgramSource,
+    SpecMethod,
+    TorchDtype,
+    VllmWeightTransfer,
+)
 from common.config.learner import weights_group_refusal
 from common.config.modes import (
     AUTO_SPEC_METHOD,
@@ -25,6 +32,7 @@ from common.config.modes import (
     NGRAM_SOURCES,
     SPEC_METHODS,
     TORCH_DTYPES,
+    VLLM_WEIGHT_TRANSFERS,
 )
 
 
@@ -294,7 +302,7 @@ class EngineConfig:
     vllm_stop_token_ids: list[int] = field(default_factory=list)
     """vLLM: token ids that end a completion besides the tokenizer's EOS (the GPU profile sets
     every ``eos_token_id`` of the model's ``generation_config.json``)."""
-    vllm_weight_transfer: str = "auto"
+    vllm_weight_transfer: VllmWeightTransfer = "auto"
     """vLLM: how versions reach the engine. ``reload``: vLLM opens the first version written into
     a temporary directory, later versions through ``reload_weights``; ``specrl``: vLLM starts on
     dummy weights with a ``config.json`` only and takes every version through its
@@ -312,9 +320,7 @@ class EngineConfig:
         require_choice("engine.torch_dtype", self.torch_dtype, TORCH_DTYPES)
         require_choice("engine.vllm_draft_dtype", self.vllm_draft_dtype, TORCH_DTYPES)
         require_choice(
-            "engine.vllm_weight_transfer",
-            self.vllm_weight_transfer,
-            ("auto", "reload", "specrl", "nccl"),
+            "engine.vllm_weight_transfer", self.vllm_weight_transfer, VLLM_WEIGHT_TRANSFERS
         )
         require_at_least(
             "engine", self, max_rows=0, vllm_max_model_len=16, vllm_tensor_parallel_size=1

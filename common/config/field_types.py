@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "ChatTemplateMode",
+    "CheckpointFormat",
     "DatasetFormat",
     "EngineName",
     "InflightMode",
@@ -31,11 +32,13 @@ __all__ = [
     "SpecMethod",
     "TaskName",
     "TorchDtype",
+    "VllmWeightTransfer",
 ]
 
 if TYPE_CHECKING:
     from common.config.modes import (
         ChatTemplateMode,
+        CheckpointFormat,
         DatasetFormat,
         EngineName,
         InflightMode,
@@ -53,9 +56,11 @@ if TYPE_CHECKING:
         SpecMethod,
         TaskName,
         TorchDtype,
+        VllmWeightTransfer,
     )
 else:
     ChatTemplateMode = DatasetFormat = EngineName = InflightMode = LearnerProfile = str
     ModelImpl = NgramSource = Precision = PublishDtype = PublishUpload = str
     SpecMethod = TaskName = TorchDtype = str
+    CheckpointFormat = VllmWeightTransfer = str
     LossAggregation = LrSchedule = OverlongMode = RatioLevel = RewardFailureMode = str

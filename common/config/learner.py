@@ -12,6 +12,7 @@ from common.config.checks import (
     require_positive,
 )
 from common.config.field_types import (
+    CheckpointFormat,
     LearnerProfile,
     LossAggregation,
     LrSchedule,
@@ -23,6 +24,7 @@ from common.config.field_types import (
     RatioLevel,
 )
 from common.config.modes import (
+    CHECKPOINT_FORMATS,
     LEARNER_PROFILES,
     LOSS_AGGREGATIONS,
     LR_SCHEDULES,
@@ -34,9 +36,6 @@ from common.config.modes import (
     RATIO_LEVELS,
 )
 from common.config.run import is_loopback_host
-
-CHECKPOINT_FORMATS = ("auto", "sharded", "full")
-"""``learner.checkpoint_format`` (``learner/checkpoint_sharded.py``)."""
 
 WEIGHTS_GROUP_ON_CUDA = (
     "the weights group on CUDA (NCCL) has not been run on a GPU yet and is refused, for three "
@@ -168,7 +167,7 @@ class LearnerConfig:
     """Write a checkpoint every N steps (and always at exit)."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory when one exists."""
-    checkpoint_format: str = "auto"
+    checkpoint_format: CheckpointFormat = "auto"
     """With several learner ranks: ``sharded``, each rank writes its own rows of the model and
     AdamW state (``torch.distributed.checkpoint``; no full-state gather; consolidated for HF tools
     with ``python -m learner.checkpoint_sharded``), or ``full``, gathered to rank 0 and written in

@@ -44,6 +44,9 @@ SPEC_METHODS: tuple[SpecMethod, ...] = get_args(SpecMethod)
 EngineName = Literal["torch", "vllm"]
 """``engine.name``: the rollout engines."""
 ENGINE_NAMES: tuple[EngineName, ...] = get_args(EngineName)
+VllmWeightTransfer = Literal["auto", "reload", "specrl", "nccl"]
+"""``engine.vllm_weight_transfer``: how versions reach vLLM (``actors/engines/vllm_setup.py``)."""
+VLLM_WEIGHT_TRANSFERS: tuple[VllmWeightTransfer, ...] = get_args(VllmWeightTransfer)
 AUTO_SPEC_METHOD: dict[EngineName, SpecMethod] = {"torch": "hybrid", "vllm": "early_exit"}
 """What ``spec.method=auto`` becomes on each engine when the config is loaded: the early exit
 (the trained self-draft with ``spec.adapter``) plus n-gram drafts on the torch engine; the early
@@ -85,6 +88,9 @@ PUBLISH_DTYPES: tuple[PublishDtype, ...] = get_args(PublishDtype)
 PublishUpload = Literal["process", "thread"]
 """``learner.publish_upload``: where background uploads run (``common/weights/publish/publisher.py``)."""
 PUBLISH_UPLOADS: tuple[PublishUpload, ...] = get_args(PublishUpload)
+CheckpointFormat = Literal["auto", "sharded", "full"]
+"""``learner.checkpoint_format`` (``learner/checkpoint_sharded.py``)."""
+CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = get_args(CheckpointFormat)
 LearnerProfile = Literal["auto", "manual", "off"]
 """``learner.profile``: how the memory settings meet the device's memory."""
 LEARNER_PROFILES: tuple[LearnerProfile, ...] = get_args(LearnerProfile)
