@@ -17,10 +17,20 @@ Figures (``real_eagle_*``):
 - ``lossless``: chi-square of both rows' complete sequences against the exact plain distribution
   of an enumerable model with a fitted head (T = 1, and 0.7 with top-p 0.9), and a negative
   control (the verifier handed a wrong q) that must fail.
+- ``conditional_acceptance_by_pos``: the ``eagle3`` row's acceptance at draft step j given steps
+  < j were accepted, at batch 8: a_j / a_(j-1) of its acceptance by position a (a chain accepts
+  step j only when every earlier step was).
+- ``heldout_wording_tokens_per_verify_b8``: the ``eagle3`` row's tokens per verify at batch 8 on
+  word problems of a wording family neither the warm start nor the task uses
+  (``benchmarks/heldout_wording.py``); the adapter's beside it.
 - ``acceptance_after_rl_over_before`` (and ``..._frozen``): the head's held-out acceptance after
   E2E_STEPS RL steps with spec=eagle3 (the learner trains it online) on the final policy's
   samples, over the warm-started head's on the initial policy's; frozen: the final policy with
-  the head as it was at the start.
+  the head as it was at the start. Over RL_EVAL_PROMPTS held-out prompts x 2 samples, with a 95%
+  interval (``..._ci95``): percentile bootstrap over prompts, paired (a prompt's samples before
+  and after are drawn together).
+- ``warmup_s``, ``warmup_tokens``: the head's `specrl warm-draft` wall time (sampling included)
+  and the completion tokens it trained on, from its summary in the model directory.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from dataclasses import replace
 import torch
 
 from actors.engines.torch_engine import TorchEngine
+from benchmarks import heldout_wording as wording
 from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.model import Transformer
@@ -40,6 +51,11 @@ from testing.eagle import fit_head, one_thread, with_head
 from testing.lossless_check import EOS, peaky_model, sequence_pvalue
 
 ROWS = ("eagle3", "eagle3_adaptive")
+RL_EVAL_PROMPTS = 64
+"""Held-out prompts (x 2 samples) the head's drift over RL is measured on."""
+BOOTSTRAP = 10_000
+WORDING_PROMPTS = 6
+"""Held-out-wording prompts (x 8 samples, one prompt per generate call: batch 8)."""
 PVALUE_MIN = 0.01
 COUNTED = (
     "parameters (elements of the loaded model's tensors) a forward reads for one token. Target "
@@ -122,10 +138,12 @@ def summary(flat: dict[str, object], reads: dict[str, int], k: int, batches: Ite
     frac = reads["eagle_draft_token"] / target
     amortised = (reads["eagle_draft_token"] - reads["head_fc"] * (k - 1) / k) / target
     tpv = float(flat["real_eagle3_b8_tokens_per_verify"])  # type: ignore[arg-type]
+    by_pos = list(flat.get("real_eagle3_b8_acceptance_by_pos") or [])  # type: ignore[call-overload]
     ratios = {b: flat[f"real_eagle3_adaptive_b{b}_ratio"] for b in batches}
     out: dict[str, object] = {
         "real_eagle_k": k,
         "real_eagle_tokens_per_verify_b8": tpv,
+        "real_eagle_conditional_acceptance_by_pos": conditional(by_pos),
         "real_eagle_adaptive_min_ratio": min(ratios.values()),  # type: ignore[type-var]
         "real_eagle_adaptive_ratio_by_batch": ratios,
         "real_eagle_params_read": reads,
@@ -139,6 +157,11 @@ def summary(flat: dict[str, object], reads: dict[str, int], k: int, batches: Ite
             "speed-up if a step's time were proportional to the parameters it reads"
         ),
     }
+    warm = flat.get("real_eagle_warmup")
+    if isinstance(warm, dict):
+        out["real_eagle_warmup_s"] = warm["seconds"]
+        out["real_eagle_warmup_tokens"] = warm["train_tokens"]
+        out["real_eagle_warmup_threads"] = warm.get("threads")
     if "adapter_draft_token" in reads and "real_adapter_b8_tokens_per_verify" in flat:
         adapter_frac = reads["adapter_draft_token"] / target
         adapter_tpv = float(flat["real_adapter_b8_tokens_per_verify"])  # type: ignore[arg-type]
@@ -146,6 +169,57 @@ def summary(flat: dict[str, object], reads: dict[str, int], k: int, batches: Ite
         out["real_adapter_membound_bound_b8"] = round(
             membound_bound(adapter_tpv, k, adapter_frac), 4
         )
+    return out
+
+
+def conditional(by_pos: list[float]) -> list[float]:
+    """Acceptance at step j given steps < j were accepted, from the acceptance by position."""
+    out, reach = [], 1.0
+    for a in by_pos:
+        out.append(round(a / reach, 3) if reach > 0 else 0.0)
+        reach = a
+    return out
+
+
+# ------------------------------------------------------------------ held-out wording
+
+
+def wording_figures(model: Transformer, tokenizer, cfg, rows: dict[str, SpecConfig]) -> dict:
+    """Tokens per verify and acceptance by position of the ``eagle3`` and ``adapter`` rows at
+    batch 8 (1 prompt x 8 samples per call) on WORDING_PROMPTS problems of the held-out wording
+    family (``benchmarks/heldout_wording.py``), encoded as the task's prompts are."""
+    from common.prompts import prompt_encoder
+
+    encode = prompt_encoder(
+        tokenizer, cfg.task.chat_template, cfg.task.system_prompt, cfg.task.natural_language
+    )
+    problems = wording.problems(WORDING_PROMPTS)
+    prompts = [encode(text) for text, _ in problems]
+    out: dict[str, object] = {
+        "real_heldout_wording_prompts": len(prompts),
+        "real_heldout_wording_example": problems[0][0],
+    }
+    for name in ("eagle3", "adapter"):
+        engine = TorchEngine(
+            model,
+            tokenizer.eos_id,
+            tokenizer.pad_id,
+            cfg.sampling.temperature,
+            cfg.sampling.top_p,
+            seed=0,
+            spec=rows[name],
+        )
+        for prompt in prompts:
+            engine.generate([prompt], 8, cfg.task.max_new_tokens)
+        stats = engine.stats()
+        prefix = "real_eagle" if name == "eagle3" else "real_adapter"
+        out[f"{prefix}_heldout_wording_tokens_per_verify_b8"] = round(
+            stats[mn.SPEC_MEAN_ACCEPTED_LEN], 3
+        )
+        positions = [stats.get(f"{mn.SPEC_ACCEPTANCE_POS_PREFIX}{i}", 0.0) for i in range(1, 9)]
+        out[f"{prefix}_heldout_wording_acceptance_by_pos"] = [
+            round(p, 3) for p in positions if p > 0
+        ]
     return out
 
 
@@ -239,7 +313,9 @@ def verdict(
 # ------------------------------------------------------------------ RL: the head's drift
 
 
-def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> dict[str, object]:
+def rl_figures(
+    flat: dict[str, object], steps: int, eval_prompts: int = RL_EVAL_PROMPTS
+) -> dict[str, object]:
     """One `specrl run` of E2E ``steps`` steps with spec=eagle3 (the head trained online): its
     wall time (and over spec=none's, when ``flat`` has it) and the head's acceptance drift."""
     from benchmarks.real_preset import (
@@ -260,29 +336,66 @@ def rl_figures(flat: dict[str, object], steps: int, eval_prompts: int = 16) -> d
     if flat.get("real_e2e_none_wall_s"):
         out["real_e2e_eagle3_speedup"] = round(float(flat["real_e2e_none_wall_s"]) / wall, 3)  # type: ignore[arg-type]
     d = drift(model_dir, run_dir, "eagle", eval_prompts)
-    before = head_acceptance(d.start, d.before, d.temperature)
+    before = prompt_acceptance(d.start, d.before, d.temperature)
     # The head's inputs are the policy's states, so the frozen head reads the final policy's.
-    after, frozen_after = head_acceptance(d.final, d.after, d.temperature, also=d.frozen)
-    out.update(drift_figures("real_eagle_acceptance", before, after, frozen_after))
+    after = prompt_acceptance(d.final, d.after, d.temperature)
+    frozen_after = prompt_acceptance(d.frozen, d.after, d.temperature)
+    means = [pooled(x) for x in (before, after, frozen_after)]
+    out.update(drift_figures("real_eagle_acceptance", *means))
     out.update(
-        real_eagle_acceptance_after_rl_over_before_frozen=round(frozen_after / before, 3),
+        real_eagle_acceptance_after_rl_over_before_ci95=ratio_ci95(after, before),
+        real_eagle_acceptance_after_rl_over_before_frozen=round(means[2] / means[0], 3),
+        real_eagle_acceptance_after_rl_over_before_frozen_ci95=ratio_ci95(frozen_after, before),
+        real_eagle_acceptance_eval_prompts=eval_prompts,
+        real_eagle_acceptance_ci_method=(
+            f"percentile bootstrap ({BOOTSTRAP} resamples of the prompts, paired: a prompt's "
+            "samples before and after drawn together), 2.5% and 97.5%"
+        ),
         real_eagle_rl_steps=steps,
         real_eagle_rl_command=f"specrl run {' '.join(OVERRIDES)} spec=eagle3 run.steps={steps}",
     )
     return out
 
 
-def head_acceptance(policy: Transformer, samples, temperature: float, also=None):
-    """Mean per-token acceptance sum_v min(p, q) of ``policy``'s head over ``samples``
-    (``learner.prepare.eagle_warmup.held_out_acceptance``, as `specrl warm-draft` measures it); with
-    ``also`` (the same policy, another head), the pair."""
+def prompt_acceptance(
+    policy: Transformer, samples, temperature: float, per_prompt: int = 2
+) -> list[tuple[float, int]]:
+    """Per prompt (``per_prompt`` consecutive samples each, as ``real_preset.held_out_samples``
+    makes them), the summed per-token acceptance sum_v min(p, q) of ``policy``'s head at draft
+    step 1 and the tokens summed over (``learner.prepare.eagle_warmup.held_out_acceptance``, as
+    `specrl warm-draft` measures it)."""
     from learner.prepare.eagle_warmup import held_out_acceptance, teacher_states
 
     records = teacher_states(policy, samples, 8)
-    mine = held_out_acceptance(policy, records, temperature, 8, 256)
-    if also is None:
-        return mine
-    return mine, held_out_acceptance(also, records, temperature, 8, 256)
+    out = []
+    for i in range(0, len(records), per_prompt):
+        part = records[i : i + per_prompt]
+        tokens = sum(len(r.completion) for r in part)
+        out.append((held_out_acceptance(policy, part, temperature, 8, 256) * tokens, tokens))
+    return out
+
+
+def pooled(per_prompt: list[tuple[float, int]]) -> float:
+    """The per-token mean over every prompt's tokens."""
+    return sum(a for a, _ in per_prompt) / max(sum(n for _, n in per_prompt), 1)
+
+
+def ratio_ci95(
+    after: list[tuple[float, int]], before: list[tuple[float, int]], seed: int = 0
+) -> list[float]:
+    """The 95% percentile-bootstrap interval of pooled(after) / pooled(before), prompts
+    resampled with replacement, each prompt's pair kept together."""
+    if len(after) != len(before) or not after:
+        raise ValueError("after and before need the same prompts, at least one")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(after), (BOOTSTRAP, len(after)), generator=gen)
+    a, an, b, bn = (
+        torch.tensor([x[j] for x in seq], dtype=torch.float64)
+        for seq, j in ((after, 0), (after, 1), (before, 0), (before, 1))
+    )
+    ratios = (a[idx].sum(1) / an[idx].sum(1)) / (b[idx].sum(1) / bn[idx].sum(1))
+    low, high = torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return [round(float(low), 3), round(float(high), 3)]
 
 
 def warmup_summary(model_dir) -> dict[str, object] | None:

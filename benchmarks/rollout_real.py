@@ -125,6 +125,13 @@ def measure(quick: bool, repeats: int) -> tuple[dict[str, object], list[str]]:
         table += _batch_figures(flat, engines, batch, cfg.spec.k)
         print("\n".join(table[-len(engines) :]), flush=True)
     _summarise(flat)
+    flat.update(eagle_rows.wording_figures(model, tokenizer, cfg, rows))
+    print(
+        "held-out wording, tokens per verify at batch 8: eagle3 "
+        f"{flat['real_eagle_heldout_wording_tokens_per_verify_b8']}, adapter "
+        f"{flat['real_adapter_heldout_wording_tokens_per_verify_b8']}",
+        flush=True,
+    )
     # Parameters read per token, counted from the tensors of the model the rows decoded with.
     flat.update(eagle_rows.summary(flat, eagle_rows.param_reads(model), cfg.spec.k, BATCHES))
     return flat, table

@@ -139,6 +139,12 @@ def _warm_draft_parser() -> argparse.ArgumentParser:
         choices=("bfloat16", "float32"),
         help="dtype of the sampling copy (float32: for a CPU without bf16 instructions)",
     )
+    add(
+        "--sampler",
+        default=O.sampler,
+        choices=("auto", "torch", "vllm"),
+        help="who samples the completions: auto = vLLM for spec=eagle3 where it serves the model",
+    )
     add("--device", default=O.device, help="auto (cuda when available), cpu, cuda, ...")
     add("--out", type=Path, help="write a copy of the model directory with the adapter here")
     add(

@@ -103,6 +103,43 @@ def test_the_real_sections_eagle_keys_from_the_rows_figures():
     )
     # The adapter family's adaptive minimum is unchanged by the head's rows.
     assert flat["real_adaptive_min_ratio"] == 1.0
+    assert flat["real_eagle_conditional_acceptance_by_pos"] == [0.7]
+    assert "real_eagle_warmup_s" not in flat  # no warm-start summary given
+
+
+def test_conditional_acceptance_divides_each_position_by_the_one_before():
+    assert eagle_rows.conditional([0.8, 0.4, 0.1, 0.05]) == [0.8, 0.5, 0.25, 0.5]
+    assert eagle_rows.conditional([0.5, 0.0, 0.0]) == [0.5, 0.0, 0.0]
+    assert eagle_rows.conditional([]) == []
+
+
+def test_the_warm_start_summary_gives_its_seconds_and_tokens():
+    flat = {
+        "real_eagle3_b8_tokens_per_verify": 2.0,
+        "real_eagle3_adaptive_b8_ratio": 1.1,
+        "real_eagle_warmup": {"seconds": 1500.5, "train_tokens": 120_000, "threads": 2},
+    }
+    out = eagle_rows.summary(flat, eagle_rows.param_reads(tiny(True)), 4, [8])
+    assert out["real_eagle_warmup_s"] == 1500.5 and out["real_eagle_warmup_tokens"] == 120_000
+
+
+def test_the_drift_interval_brackets_the_ratio_and_narrows_with_prompts():
+    rng = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, mean: float) -> list[tuple[float, int]]:
+        acc = (mean + 0.1 * torch.randn(n, generator=rng)).clamp(0, 1)
+        return [(float(a) * 100, 100) for a in acc]
+
+    before, after = prompts(64, 0.5), prompts(64, 0.55)
+    ratio = eagle_rows.pooled(after) / eagle_rows.pooled(before)
+    low, high = eagle_rows.ratio_ci95(after, before)
+    assert low < ratio < high and high - low < 0.2
+    wide = eagle_rows.ratio_ci95(after[:8], before[:8])
+    assert wide[1] - wide[0] > high - low
+    # The same prompts before and after: a ratio of exactly 1 every resample.
+    assert eagle_rows.ratio_ci95(before, before) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="same prompts"):
+        eagle_rows.ratio_ci95(after[:3], before)
 
 
 def test_the_preset_directory_gets_the_head_the_way_it_gets_the_adapter(tmp_path, monkeypatch):
@@ -165,3 +202,25 @@ def test_the_vllm_native_head_is_exact_and_the_rotated_q_control_is_not():
     assert figures["real_vllm_eagle_lossless_acceptance_t1.0_p1.0"] > 0.05
     # StepClock timed the engine's steps (what the speed rows' step cost reads).
     assert figures["real_vllm_eagle_lossless_engine_steps"] > 0
+
+
+def test_the_held_out_wording_rows_report_both_drafts(monkeypatch):
+    from common.config import load_config
+    from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    model = tiny(True)
+    monkeypatch.setattr(eagle_rows, "WORDING_PROMPTS", 2)
+    cfg = load_config(["task.max_new_tokens=6"])
+    rows = rollout_real.methods(3, 1) | eagle_rows.methods(3)
+    # The tiny model's vocabulary has no capitals: each character's code point modulo V.
+    import common.prompts
+
+    monkeypatch.setattr(
+        common.prompts, "prompt_encoder", lambda *a: lambda text: [ord(c) % V for c in text[:24]]
+    )
+    out = eagle_rows.wording_figures(model, tokenizer, cfg, rows)
+    assert out["real_heldout_wording_prompts"] == 2
+    for prefix in ("real_eagle", "real_adapter"):
+        assert out[f"{prefix}_heldout_wording_tokens_per_verify_b8"] >= 1.0
+        assert len(out[f"{prefix}_heldout_wording_acceptance_by_pos"]) <= 3

@@ -67,6 +67,9 @@ class WarmDraftOptions:
     """Of the sampling copy of the policy (``float32``: the policy itself, for a CPU without bf16
     instructions); the states the loss reads come from it. bf16 samples SmolLM2 1.5 times faster
     on an AVX-512 CPU core, and its states train an adapter as good (docs/training.md)."""
+    sampler: str = "auto"
+    """``auto``: vLLM for the EAGLE-3 head where vLLM serves the model, else the torch sampler;
+    ``torch``; ``vllm`` (the head only) (``learner/prepare/vllm_sample.py``)."""
     device: str = "auto"
     exit_layer: int | None = None
     """None: ``spec.exit_layer`` unless it is the default, else :data:`EXIT_FRACTION`."""
@@ -451,6 +454,7 @@ class Sampled:
     coverage: float
     """Share of the held-out completion tokens inside ``vocab_ids``."""
     seconds: float
+    sampler: str = "torch"
 
 
 def sample_for_warmup(
@@ -460,33 +464,55 @@ def sample_for_warmup(
     tokenizer,
     exit_layer: int,
     vocab: int,
+    model_dir: Path,
 ) -> Sampled:
     """Sample ``opts.samples_per_prompt`` completions of ``opts.prompts`` training prompts at
-    the run's sampling settings (plain decoding, recording the states after ``exit_layer``),
-    hold a share of the prompts out and pick the ``vocab`` tokens the rest use most (0: all)."""
+    the run's sampling settings (plain decoding, recording the states after ``exit_layer``;
+    with vLLM, ``opts.sampler``, the tokens only), hold a share of the prompts out and pick the
+    ``vocab`` tokens the rest use most (0: all)."""
+    from learner.prepare.vllm_sample import resolve_sampler
+
     started = time.perf_counter()
+    sampler = resolve_sampler(opts.sampler, cfg.spec.uses_eagle, model_dir)
     prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)
     held = max(1, round(len(prompts) * opts.holdout))
     if len(prompts) <= held:
         raise WarmDraftError(f"{len(prompts)} distinct prompts: too few to hold {held} out")
     log.info(
-        "sampling %d prompts (%d held out) x %d completions",
+        "sampling %d prompts (%d held out) x %d completions with the %s sampler",
         len(prompts),
         held,
         opts.samples_per_prompt,
+        sampler,
     )
     sampling = cfg.sampling
     decoding = Decoding(max_new, exit_layer, tokenizer.eos_id, sampling.temperature, sampling.top_p)
-    groups = sample_all(
-        sampling_copy(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed
-    )
+    if sampler == "vllm":
+        groups = _vllm_groups(model_dir, prompts, opts, decoding, cfg.run.seed)
+    else:
+        groups = sample_all(
+            sampling_copy(policy, opts.sample_dtype), prompts, opts, decoding, cfg.run.seed
+        )
     evaluation = [s for g in groups[:held] for s in g]
     train = [s for g in groups[held:] for s in g]
     keep = {tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id} | turn_end_ids(tokenizer)
     completions = [s.completion for s in train]
     ids = draft_vocabulary(completions, prompts[held:], vocab, policy.args.vocab_size, keep)
     covered = coverage(ids, [s.completion for s in evaluation])
-    return Sampled(train, evaluation, ids, covered, time.perf_counter() - started)
+    return Sampled(train, evaluation, ids, covered, time.perf_counter() - started, sampler)
+
+
+def _vllm_groups(
+    model_dir: Path, prompts: list[list[int]], opts: WarmDraftOptions, decoding: Decoding, seed: int
+) -> list[list[Sample]]:
+    """vLLM's completions as samples without states (the head's records recompute them)."""
+    from learner.prepare.vllm_sample import sample_vllm
+
+    none = torch.empty(0)
+    groups = sample_vllm(
+        model_dir, prompts, opts.samples_per_prompt, decoding, seed, opts.sample_dtype
+    )
+    return [[Sample(p, c, none, none) for p, c in group] for group in groups]
 
 
 def save_into(
@@ -525,6 +551,7 @@ def write_summary(
         "train_tokens": sum(len(s.completion) for s in sampled.train),
         "heldout_tokens": sum(len(s.completion) for s in sampled.evaluation),
         "epochs": opts.epochs,
+        "sampler": sampled.sampler,
         **trained,
         "k": k,
         "tokens_per_verify_before": round(tokens_per_verify(trained["acceptance_before"], k), 3),

@@ -166,7 +166,9 @@ def _warm_draft(
     exit_layer = resolve_exit_layer(cfg, args.num_hidden_layers, opts.exit_layer)
     vocab = resolve_vocab(cfg, args.vocab_size, opts.vocab)
     log.info("warm-draft %s: exit layer %d of %d", model_dir, exit_layer, args.num_hidden_layers)
-    data = sample_for_warmup(cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab)
+    data = sample_for_warmup(
+        cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab, model_dir
+    )
     temperature = cfg.sampling.temperature
     attach_draft(policy, exit_layer, data.vocab_ids)
     before = held_out_acceptance(policy, data.evaluation, temperature, opts.batch, opts.chunk)

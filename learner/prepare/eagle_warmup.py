@@ -350,7 +350,9 @@ def warm_eagle(
     args = policy.args
     vocab = resolve_eagle_vocab(cfg, args.vocab_size, opts.vocab)
     exit_layer = min(1, args.num_hidden_layers)  # the sampler's split: any layer will do
-    data = sample_for_warmup(cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab)
+    data = sample_for_warmup(
+        cfg, opts, policy, load_tokenizer(model_dir), exit_layer, vocab, model_dir
+    )
     temperature, k = cfg.sampling.temperature, cfg.spec.k
     attach_eagle(policy, vocab_ids=data.vocab_ids, seed=cfg.run.seed)  # its inputs: what to record
     evaluation = teacher_states(policy, data.evaluation, opts.batch)

@@ -1,6 +1,7 @@
-"""The learner on 2 FSDP2 ranks (torchrun, gloo) training a transformers Qwen2 model through the
-real pipeline: an actor loads its published versions, a restart on 2 ranks resumes and versions
-keep growing, and the checkpoint opens in transformers."""
+"""The learner on 2 FSDP2 ranks (torchrun, gloo) through the real pipeline: training a
+transformers Qwen2 model (an actor loads its published versions, a restart on 2 ranks resumes and
+versions keep growing, and the checkpoint opens in transformers), and training the built-in
+model's EAGLE-3 head (spec=eagle3), which an actor drafts with."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import pytest
 import torch
 import transformers
 
+from common import metric_names as mn
+from common.eagle import attach_eagle
+from common.model import load_pretrained
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.checkpoint import latest_checkpoint
 from learner.checkpoint_sharded import export_checkpoint, is_sharded
 from ops.processes import ROOT, Process
 from testing.own_model import tiny_hf_config
-from testing.pipeline import Pipeline, wait_exit
+from testing.pipeline import Pipeline, wait_exit, warm_model
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +87,51 @@ def test_two_rank_hf_learner_publishes_to_an_actor_and_resumes(tmp_path, redis_s
         export_checkpoint(ckpt, tmp_path / "exported")
     )
     assert type(reopened).__name__ == "Qwen2ForCausalLM"
+
+
+def test_two_rank_learner_trains_and_publishes_the_eagle_head_an_actor_drafts_with(
+    tmp_path, redis_server
+):
+    """spec=eagle3 with 2 learner ranks (torchrun, gloo): the head is trained on every step
+    (its acceptance measured before each update), published inside every version, and the
+    actor's engine drafts with the versions it loads."""
+    model = warm_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    pipeline = Pipeline.make(
+        run_dir,
+        redis_server.url,
+        model,
+        [
+            "spec=eagle3",
+            "spec.k=3",
+            "learner.groups_per_step=2",
+            "learner.checkpoint_every=4",
+            "learner.group_timeout_s=120",
+            "actor.group_size=4",
+            "run.torch_threads=1",
+        ],
+    )
+    try:
+        learner = start_ranks(pipeline, ["run.steps=4"])
+        pipeline.start_actor(0)
+        assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
+    finally:
+        pipeline.stop_all()
+    steps = pipeline.steps()
+    assert [r["learner/step"] for r in steps] == [1, 2, 3, 4]
+    assert all(0.0 <= r[mn.SPEC_DRAFT_ACCEPTANCE] <= 1.0 for r in steps)
+    assert all(r[mn.SPEC_EAGLE_KL] > 0 for r in steps)
+    # The actor drafted with the head of a published version (0 = the model's own, untrained).
+    drafted = [r[mn.SPEC_DRAFT_VERSION] for r in steps if mn.SPEC_DRAFT_VERSION in r]
+    assert drafted and max(drafted) >= 1, steps[-1]
+    assert any(r.get(mn.SPEC_ACCEPTANCE_RATE, 0) > 0 for r in steps)
+    # The head the ranks published moved away from the one the run started with.
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    path = export_checkpoint(ckpt, tmp_path / "exported") if is_sharded(ckpt) else ckpt
+    trained = load_pretrained(path).eagle.state_dict()
+    start = load_pretrained(model)
+    attach_eagle(start)  # what the learner attached (deterministic: the policy's last layer)
+    initial = start.eagle.state_dict()
+    assert trained.keys() == initial.keys()
+    assert any(not torch.equal(trained[k], initial[k]) for k in ("fc.weight", "lm_head.weight"))
