@@ -110,7 +110,7 @@ the policy's EAGLE-3 head instead (spec.eagle_vocab, spec.eagle_lr; eagle/model.
 
 
 def _warm_draft_parser() -> argparse.ArgumentParser:
-    from learner.prepare.draft_data import WARMUP_LR
+    from learner.prepare.draft_data import SAMPLERS, WARMUP_LR
     from learner.prepare.draft_data import WarmDraftOptions as O
 
     parser = argparse.ArgumentParser(
@@ -142,7 +142,7 @@ def _warm_draft_parser() -> argparse.ArgumentParser:
     add(
         "--sampler",
         default=O.sampler,
-        choices=("auto", "torch", "vllm"),
+        choices=SAMPLERS,
         help="who samples the completions: auto = vLLM for spec=eagle3 where it serves the model",
     )
     add("--device", default=O.device, help="auto (cuda when available), cpu, cuda, ...")

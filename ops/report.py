@@ -384,6 +384,17 @@ def render_markdown(rows: list[dict], summary: dict, name: str) -> str:
             f"{_fmt(summary.get('spec_acceptance_first_10pct'), '.2f')} → {_fmt(summary.get('spec_acceptance_last_10pct'), '.2f')}",
         ),
         ("mean accepted length (tokens)", _fmt(summary.get("spec_mean_accepted_len"), ".2f")),
+        *(
+            [
+                (
+                    "draft acceptance on each batch before its update (learner), first 10% → last 10%",
+                    f"{_fmt(summary['draft_acceptance_first_10pct'], '.3f')} → "
+                    f"{_fmt(summary['draft_acceptance_last_10pct'], '.3f')}",
+                )
+            ]
+            if "draft_acceptance_first_10pct" in summary
+            else []
+        ),
         *_draft_length_figures(steps),
         *_evaluation_figures(rows),
         ("in-flight tokens kept by verification", _fmt(summary.get("verify_salvaged_frac"), ".0%")),

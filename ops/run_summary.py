@@ -95,6 +95,13 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
                 "spec_mean_accepted_len": _mean(lengths),
             }
         )
+    # spec=eagle3 / the adapter: the learner's own measure of the draft on each batch, taken
+    # before the draft's update (the draft as the actors drafted with it).
+    learner_side = [r[mn.SPEC_DRAFT_ACCEPTANCE] for r in steps if mn.SPEC_DRAFT_ACCEPTANCE in r]
+    if learner_side:
+        tenth_d = max(1, len(learner_side) // 10)
+        summary["draft_acceptance_first_10pct"] = _mean(learner_side[:tenth_d])
+        summary["draft_acceptance_last_10pct"] = _mean(learner_side[-tenth_d:])
     salvaged = [
         r[mn.VERIFY_SALVAGED_FRAC] for r in steps if r.get(mn.VERIFY_SALVAGED_FRAC) is not None
     ]

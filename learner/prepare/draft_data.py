@@ -457,6 +457,33 @@ class Sampled:
     sampler: str = "torch"
 
 
+SAMPLERS = ("auto", "torch", "vllm")
+
+
+def resolve_sampler(sampler: str, eagle: bool, model_dir: Path) -> str:
+    """``torch`` or ``vllm`` for ``--sampler``: ``auto`` takes vLLM for the EAGLE-3 head when it
+    can (:func:`why_not_vllm`), else torch; ``vllm`` is refused for the adapter (it reads the
+    sampler's states) or when vLLM cannot serve the model."""
+    from learner.prepare.vllm_sample import why_not_vllm
+
+    if sampler not in SAMPLERS:
+        raise WarmDraftError(f"--sampler must be one of {SAMPLERS}, got {sampler!r}")
+    if sampler == "torch" or (sampler == "auto" and not eagle):
+        return "torch"
+    if not eagle:
+        raise WarmDraftError(
+            "--sampler vllm samples for the EAGLE-3 head only (spec=eagle3): the draft "
+            "adapter's warm start trains on the torch sampler's own states"
+        )
+    why = why_not_vllm(model_dir)
+    if why is None:
+        return "vllm"
+    if sampler == "vllm":
+        raise WarmDraftError(f"--sampler vllm: {why}")
+    log.info("sampling with the torch sampler: %s", why)
+    return "torch"
+
+
 def sample_for_warmup(
     cfg: SpecRLConfig,
     opts: WarmDraftOptions,
@@ -470,8 +497,6 @@ def sample_for_warmup(
     the run's sampling settings (plain decoding, recording the states after ``exit_layer``;
     with vLLM, ``opts.sampler``, the tokens only), hold a share of the prompts out and pick the
     ``vocab`` tokens the rest use most (0: all)."""
-    from learner.prepare.vllm_sample import resolve_sampler
-
     started = time.perf_counter()
     sampler = resolve_sampler(opts.sampler, cfg.spec.uses_eagle, model_dir)
     prompts, max_new = training_prompts(cfg, tokenizer, opts.prompts)

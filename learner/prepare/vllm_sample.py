@@ -27,7 +27,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SAMPLERS = ("auto", "torch", "vllm")
 CHUNK = 128
 """Prompts per ``LLM.generate`` call: a progress line after each."""
 MIN_HEAD_DIM = 32
@@ -53,30 +52,6 @@ def why_not_vllm(model_dir: Path) -> str | None:
     if not torch.cuda.is_available() and head_dim < MIN_HEAD_DIM:
         return f"head dimension {head_dim} < {MIN_HEAD_DIM}, which vLLM's CPU attention refuses"
     return None
-
-
-def resolve_sampler(sampler: str, eagle: bool, model_dir: Path) -> str:
-    """``torch`` or ``vllm`` for ``--sampler``: ``auto`` takes vLLM for the EAGLE-3 head when it
-    can (:func:`why_not_vllm`), else torch; ``vllm`` is refused for the adapter (it reads the
-    sampler's states) or when vLLM cannot serve the model."""
-    from learner.prepare.draft_data import WarmDraftError
-
-    if sampler not in SAMPLERS:
-        raise WarmDraftError(f"--sampler must be one of {SAMPLERS}, got {sampler!r}")
-    if sampler == "torch" or (sampler == "auto" and not eagle):
-        return "torch"
-    if not eagle:
-        raise WarmDraftError(
-            "--sampler vllm samples for the EAGLE-3 head only (spec=eagle3): the draft "
-            "adapter's warm start trains on the torch sampler's own states"
-        )
-    why = why_not_vllm(model_dir)
-    if why is None:
-        return "vllm"
-    if sampler == "vllm":
-        raise WarmDraftError(f"--sampler vllm: {why}")
-    log.info("sampling with the torch sampler: %s", why)
-    return "torch"
 
 
 def sample_vllm(

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common.model import save_pretrained
-from learner.prepare.draft_data import Decoding, WarmDraftError
-from learner.prepare.vllm_sample import resolve_sampler, sample_vllm, why_not_vllm
+from learner.prepare.draft_data import Decoding, WarmDraftError, resolve_sampler
+from learner.prepare.vllm_sample import sample_vllm, why_not_vllm
 from testing.lossless_check import EOS, exact_sequence_logprobs, peaky_model, rollouts_pvalue
 from testing.models import random_model
 

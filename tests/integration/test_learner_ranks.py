@@ -46,28 +46,39 @@ def start_ranks(pipeline: Pipeline, extra: list[str]):
     return pipeline.learner
 
 
+COMMON = [
+    "learner.groups_per_step=2",
+    "learner.group_timeout_s=120",
+    "actor.group_size=4",
+    "run.torch_threads=1",
+]
+
+
+def ranks_pipeline(tmp_path: Path, redis_url: str, model: Path, extra: list[str]) -> Pipeline:
+    """The pipeline of a 2-rank learner of ``model`` (run directory ``tmp_path / "run"``)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    return Pipeline.make(run_dir, redis_url, model, [*COMMON, *extra])
+
+
+def run_with_an_actor(pipeline: Pipeline, steps: int) -> None:
+    """The 2 ranks and one actor until the learner has made ``steps`` steps and exited."""
+    learner = start_ranks(pipeline, [f"run.steps={steps}"])
+    pipeline.start_actor(0)
+    assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
+
+
 def test_two_rank_hf_learner_publishes_to_an_actor_and_resumes(tmp_path, redis_server):
     model = qwen2_dir(tmp_path / "qwen2")
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    pipeline = Pipeline.make(
-        run_dir,
-        redis_server.url,
-        model,
-        [
-            "learner.model_impl=hf",
-            "learner.groups_per_step=2",
-            "learner.max_tokens_per_microbatch=256",
-            "learner.checkpoint_every=2",
-            "learner.group_timeout_s=120",
-            "actor.group_size=4",
-            "run.torch_threads=1",
-        ],
-    )
+    extra = [
+        "learner.model_impl=hf",
+        "learner.max_tokens_per_microbatch=256",
+        "learner.checkpoint_every=2",
+    ]
+    pipeline = ranks_pipeline(tmp_path, redis_server.url, model, extra)
     try:
-        learner = start_ranks(pipeline, ["run.steps=3"])
-        pipeline.start_actor(0)
-        assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
+        run_with_an_actor(pipeline, 3)
         first = pipeline.steps()
         assert [r["learner/step"] for r in first] == [1, 2, 3]
         assert first[-1]["learner/version"] == 3
@@ -97,25 +108,10 @@ def test_two_rank_learner_trains_and_publishes_the_eagle_head_an_actor_drafts_wi
     actor's engine drafts with the versions it loads."""
     model = warm_model(tmp_path / "model")
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    pipeline = Pipeline.make(
-        run_dir,
-        redis_server.url,
-        model,
-        [
-            "spec=eagle3",
-            "spec.k=3",
-            "learner.groups_per_step=2",
-            "learner.checkpoint_every=4",
-            "learner.group_timeout_s=120",
-            "actor.group_size=4",
-            "run.torch_threads=1",
-        ],
-    )
+    extra = ["spec=eagle3", "spec.k=3", "learner.checkpoint_every=4"]
+    pipeline = ranks_pipeline(tmp_path, redis_server.url, model, extra)
     try:
-        learner = start_ranks(pipeline, ["run.steps=4"])
-        pipeline.start_actor(0)
-        assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
+        run_with_an_actor(pipeline, 4)
     finally:
         pipeline.stop_all()
     steps = pipeline.steps()

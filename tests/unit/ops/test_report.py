@@ -38,6 +38,7 @@ def write_metrics(run_dir: Path, steps: int = 40, staleness_hist: bool = True) -
             "spec/acceptance_pos1": 0.8,
             "spec/acceptance_pos2": 0.5,
             "spec/acceptance_pos10": 0.1,
+            "spec/draft_acceptance": 0.4 + 0.2 * i / steps,
             "learner/wait_s": 1.0,
             "learner/train_s": 0.8,
             "learner/publish_s": 0.2,
@@ -74,6 +75,12 @@ def test_report_writes_png_and_figures(tmp_path):
     assert "0.23 → 0.68" in text  # acceptance, first → last 10% of steps
     assert "1,500" in text
     assert "| acceptance by draft position | 1: 0.80, 2: 0.50, 10: 0.10 |" in text
+    # The learner's measure of the draft on each batch before its update: 0.4 + 0.2 i / 40,
+    # steps 1-4 then 37-40.
+    learner_side = text.split("before its update (learner), first 10% → last 10% | ")[1]
+    before, after = (float(x) for x in learner_side.split(" |")[0].split(" → "))
+    assert before == pytest.approx(0.4 + 0.2 * 2.5 / 40, abs=1e-3)
+    assert after == pytest.approx(0.4 + 0.2 * 38.5 / 40, abs=1e-3)
     assert "| learner busy (train + publish) / idle (wait) | 50% / 50% |" in text
     first, last = (
         text.split("mean reward, first 10% of steps → last 10% | ")[1].split(" |")[0].split(" → ")
