@@ -17,8 +17,9 @@ model's own tensors untouched.
 
 The frozen policy's states the loss reads (the auxiliary states, kept in bf16, and the
 restricted target distribution: its top ``TARGET_TOP`` draft tokens and the rest's mass) come
-from one teacher-forced float32 forward per sequence after sampling, so training never runs the
-policy nor its LM head.
+from one teacher-forced forward per sequence after sampling (a bf16 copy of the policy, the
+``--sample-dtype``; the held-out samples' in float32, for the exact acceptance), so training
+never runs the policy nor its LM head.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from learner.prepare.draft_data import (
     pick_device,
     resolve_vocab,
     sample_for_warmup,
+    sampling_copy,
     save_into,
     train_draft,
     write_summary,
@@ -112,15 +114,20 @@ def teacher_states(
     batch: int,
     temperature: float | None = None,
     aux_dtype: torch.dtype = torch.float32,
+    forward: Transformer | None = None,
 ) -> list[HeadSample]:
     """The head's training records of ``samples``: one teacher-forced forward of the (float32)
     policy over each prompt + completion, ``batch`` sequences at a time (right-padded). The
     policy has its head already (its ``eagle_aux_layers`` are the states recorded). With
     ``temperature``: the restricted targets are cached (:func:`cache_targets`) and the states
     behind them dropped (training records); without, kept (held-out records). The auxiliary
-    states are kept in ``aux_dtype`` (bf16 halves the training records' memory)."""
+    states are kept in ``aux_dtype`` (bf16 halves the training records' memory). ``forward``: the
+    model whose forward records the states (the warm start's training records: a bf16 copy of
+    the policy, twice as fast on a CPU with bf16 instructions, and the dtype actors decode in);
+    default the policy itself. The targets are always computed in float32 from its states."""
     if not policy.args.has_eagle:
         raise ValueError("attach the EAGLE-3 head first: its inputs are what is recorded")
+    model = policy if forward is None else forward
     device, out = policy.lm_head.weight.device, []
     L = policy.args.num_hidden_layers
     started = time.perf_counter()
@@ -131,8 +138,8 @@ def teacher_states(
         for j, seq in enumerate(seqs):
             ids[j, : len(seq)] = torch.tensor(seq, device=device)
         aux: list[Tensor] = []
-        h = policy.model.norm(
-            policy.run_layers(policy.model.embed_tokens(ids), None, None, 0, L, aux=aux)
+        h = model.model.norm(
+            model.run_layers(model.model.embed_tokens(ids), None, None, 0, L, aux=aux)
         )
         cat = torch.cat(aux, dim=-1)
         for j, s in enumerate(part):
@@ -356,7 +363,9 @@ def warm_eagle(
     temperature, k = cfg.sampling.temperature, cfg.spec.k
     attach_eagle(policy, vocab_ids=data.vocab_ids, seed=cfg.run.seed)  # its inputs: what to record
     evaluation = teacher_states(policy, data.evaluation, opts.batch)
-    train = teacher_states(policy, data.train, opts.batch, temperature, torch.bfloat16)
+    fast = sampling_copy(policy, opts.sample_dtype)  # bf16 unless --sample-dtype float32
+    train = teacher_states(policy, data.train, opts.batch, temperature, torch.bfloat16, fast)
+    del fast
     before = acceptance_by_step(policy, evaluation, temperature, opts.batch, k)[1.0]
     log.info(
         "held-out acceptance by draft step before training %s, vocabulary coverage %.4f",
@@ -393,6 +402,7 @@ def warm_eagle(
         "acceptance_before": round(before[0], 4),
         "acceptance_after": round(after[1.0][0], 4),
         "draft_steps_trained": draft_steps,
+        "teacher_dtype": opts.sample_dtype,
         "step_decay": decay,
         "acceptance_before_by_step": [round(a, 4) for a in before],
         "acceptance_after_by_step": [round(a, 4) for a in after[1.0]],

@@ -5,6 +5,7 @@ loads back beside untouched model tensors, the command runs end to end, and bad 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -40,6 +41,23 @@ from testing.warm_draft import FAST, TINY, assert_draft_saved_beside_untouched_m
 EAGLE = ["spec.method=eagle3"]
 
 
+def _learner_terms(model, samples, steps: int, decay: float = 1.0):
+    """The learner's EAGLE-3 terms (``eagle_terms``, temperature 0.8) of each sample as one row
+    whose completion positions are the mask, summed: (KL, acceptance per step, positions per
+    step)."""
+    kl, accept, positions = 0.0, torch.zeros(steps), torch.zeros(steps)
+    for s in samples:
+        row = torch.tensor([s.prompt + s.completion])
+        sel = torch.zeros(1, row.shape[1] - 1, dtype=torch.bool)
+        sel[0, len(s.prompt) - 1 :] = True
+        taps: list[torch.Tensor] = []
+        with torch.no_grad():
+            h, _ = backbone(model, row, aux=taps)
+            step_kl, a, n = eagle_terms(model, row, taps, h, sel, 0.8, 0, steps, decay)
+        kl, accept, positions = kl + float(step_kl), accept + a, positions + n
+    return kl, accept, positions
+
+
 @pytest.mark.parametrize(("steps", "decay"), [(1, 1.0), (3, 0.8)])
 def test_records_and_loss_are_the_learners(steps, decay):
     model = random_model(vocab_size=11, num_hidden_layers=3)
@@ -62,16 +80,7 @@ def test_records_and_loss_are_the_learners(steps, decay):
             for j, (prenorm, rows) in enumerate(outs)
         )
     # The learner's step over the same rows: completion positions are its mask.
-    learner_kl, positions = 0.0, torch.zeros(steps)
-    for s in samples:
-        row = torch.tensor([s.prompt + s.completion])
-        sel = torch.zeros(1, row.shape[1] - 1, dtype=torch.bool)
-        sel[0, len(s.prompt) - 1 :] = True
-        taps: list[torch.Tensor] = []
-        with torch.no_grad():
-            h, _ = backbone(model, row, aux=taps)
-            kl, _, n = eagle_terms(model, row, taps, h, sel, 0.8, 0, steps, decay)
-        learner_kl, positions = learner_kl + float(kl), positions + n
+    learner_kl, _, positions = _learner_terms(model, samples, steps, decay)
     assert [o[0].shape[0] for o in outs] == positions.tolist()
     # Every completion token but the first of the one-token prompt's two (no head entry before
     # position 0); each later step loses one more position per row.
@@ -84,9 +93,17 @@ def test_records_and_loss_are_the_learners(steps, decay):
     with torch.no_grad():
         prenorm, rows = head_outputs(model, half, steps)[0]
         rounded = float(cached_kl_sum(model.eagle, half, rows, prenorm, 0.8))
-    assert rounded == pytest.approx(
-        float(cached_kl_sum(model.eagle, records, *outs[0][::-1], 0.8)), rel=2e-2
-    )
+    exact = float(cached_kl_sum(model.eagle, records, *outs[0][::-1], 0.8))
+    assert rounded == pytest.approx(exact, rel=2e-2)
+    # ... and records them with a bf16 copy of the policy: the same loss, rounded again.
+    fast = copy.deepcopy(model).to(torch.bfloat16)
+    copied = teacher_states(model, samples, 4, 0.8, torch.bfloat16, forward=fast)
+    assert [r.completion for r in copied] == [r.completion for r in records]
+    with torch.no_grad():
+        prenorm, rows = head_outputs(model, copied, steps)[0]
+        assert float(cached_kl_sum(model.eagle, copied, rows, prenorm, 0.8)) == pytest.approx(
+            exact, rel=5e-2
+        )
 
 
 def test_held_out_acceptance_by_step_and_sharpening_is_the_learners():
@@ -99,16 +116,7 @@ def test_held_out_acceptance_by_step_and_sharpening_is_the_learners():
     attach_eagle(model, vocab_ids=torch.tensor([0, 2, 3, 5, 8, 9]), seed=1)
     records = teacher_states(model, samples, batch=3)
     rates = acceptance_by_step(model, records, 0.8, 3, steps=3, sharpenings=(1.0, 0.5))
-    accept, positions = torch.zeros(3), torch.zeros(3)
-    for s in samples:
-        row = torch.tensor([s.prompt + s.completion])
-        sel = torch.zeros(1, row.shape[1] - 1, dtype=torch.bool)
-        sel[0, len(s.prompt) - 1 :] = True
-        taps: list[torch.Tensor] = []
-        with torch.no_grad():
-            h, _ = backbone(model, row, aux=taps)
-            _, a, n = eagle_terms(model, row, taps, h, sel, 0.8, 0, 3)
-        accept, positions = accept + a, positions + n
+    _, accept, positions = _learner_terms(model, samples, 3)
     assert rates[1.0] == pytest.approx((accept / positions).tolist(), rel=1e-4)
     assert rates[0.5] != pytest.approx(rates[1.0], rel=1e-3)  # sharpened q: another figure
     one = held_out_acceptance(model, records, 0.8, 3, chunk=2, step=2)  # the head as it drafts
