@@ -20,13 +20,12 @@ from common import metric_names as mn
 from common.model import Transformer
 from common.model_args import with_tied_head
 from common.policy_meta import model_args_from_meta
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from common.weights.fetch.feed import RedisWeightFeed, StallMeter, meter_loads, take
 from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
 from common.weights.host_cache import HostCache
-from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
+from testing.publishing import bf16_publisher
 from testing.shapes import QWEN25_05B, shape
 
 TIMEOUT_S = 600.0
@@ -147,16 +146,7 @@ def delivery_figures(url: str, client: redis.Redis, quick: bool) -> dict:
     model = cli.random_model(dtype=torch.bfloat16, **DELIVERY_SHAPES[mode])
     store = WeightWriter(client, run_id, keyframe_every=10, retention=3)
     uploaded: list[int] = []
-    publisher = Publisher(
-        store,
-        model,
-        CharTokenizer(BUILTIN_ALPHABET),
-        dtype=torch.bfloat16,
-        max_inflight=1,
-        upload="process",
-        latest_wins=True,
-        on_published=uploaded.append,
-    )
+    publisher = bf16_publisher(store, model, latest_wins=True, on_published=uploaded.append)
     publisher.publish(1)
     publisher.flush()
     model_bytes = store.manifest(1)["total_bytes"]

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
@@ -152,8 +153,11 @@ class DatasetTask:
                 raise FileNotFoundError(f"data set directory {path} does not exist")
         elif not path.is_file():
             raise FileNotFoundError(f"data set file {path} does not exist")
-        load = _LOADERS[format]
-        return load(path, split, self.prompt_key, self.answer_key, self.name, self.numeric_answers)
+        keys = (self.prompt_key, self.answer_key)
+        return [
+            _problem_from_record(record, where, *keys, self.name, self.numeric_answers)
+            for where, record in _LOADERS[format](path, split, keys)
+        ]
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
         """The next ``n`` problems of the epoch (each training problem once per epoch, in an
@@ -215,15 +219,11 @@ def dataset_format(path: Path, format: str) -> str:
     return found
 
 
-def _load_jsonl_problems(
-    path: Path,
-    split: str,
-    prompt_key: str,
-    answer_key: str,
-    id_prefix: str,
-    numeric_answers: bool,
-) -> list[Problem]:
-    problems: list[Problem] = []
+Records = Iterator[tuple[str, dict[str, Any]]]
+"""A data set's records, each with where it stands (``file:line``, ``file: row N``) for errors."""
+
+
+def _jsonl_records(path: Path, split: str, keys: tuple[str, str]) -> Records:
     with path.open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -235,22 +235,10 @@ def _load_jsonl_problems(
                 raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            problems.append(
-                _problem_from_record(
-                    record, where, prompt_key, answer_key, id_prefix, numeric_answers
-                )
-            )
-    return problems
+            yield where, record
 
 
-def _load_parquet_problems(
-    path: Path,
-    split: str,
-    prompt_key: str,
-    answer_key: str,
-    id_prefix: str,
-    numeric_answers: bool,
-) -> list[Problem]:
+def _parquet_records(path: Path, split: str, keys: tuple[str, str]) -> Records:
     # Imported here: only Parquet data sets need it.
     import pyarrow.parquet as pq
 
@@ -258,24 +246,12 @@ def _load_parquet_problems(
         schema = pq.read_schema(path)
     except Exception as err:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
         raise ValueError(f"{path}: not a readable Parquet file ({err})") from err
-    _require_columns(path, schema.names, prompt_key, answer_key)
+    _require_columns(path, schema.names, *keys)
     rows = pq.read_table(path).to_pylist()  # every column: a reward function gets the row
-    return [
-        _problem_from_record(
-            row, f"{path}: row {index}", prompt_key, answer_key, id_prefix, numeric_answers
-        )
-        for index, row in enumerate(rows)
-    ]
+    return ((f"{path}: row {index}", row) for index, row in enumerate(rows))
 
 
-def _load_datasets_problems(
-    path: Path,
-    split: str,
-    prompt_key: str,
-    answer_key: str,
-    id_prefix: str,
-    numeric_answers: bool,
-) -> list[Problem]:
+def _datasets_records(path: Path, split: str, keys: tuple[str, str]) -> Records:
     """An Arrow file (``datasets``' own format) or a ``save_to_disk`` directory, through
     ``datasets``; a ``DatasetDict`` directory gives its ``split``."""
     import datasets  # only these formats need it
@@ -294,13 +270,8 @@ def _load_datasets_problems(
                 f"{', '.join(map(repr, loaded))}"
             )
         loaded = loaded[split]
-    _require_columns(path, loaded.column_names, prompt_key, answer_key)
-    return [
-        _problem_from_record(
-            dict(row), f"{path}: row {index}", prompt_key, answer_key, id_prefix, numeric_answers
-        )
-        for index, row in enumerate(loaded)
-    ]
+    _require_columns(path, loaded.column_names, *keys)
+    return ((f"{path}: row {index}", dict(row)) for index, row in enumerate(loaded))
 
 
 def _require_columns(path: Path, columns: list[str], *keys: str) -> None:
@@ -315,10 +286,10 @@ def _require_columns(path: Path, columns: list[str], *keys: str) -> None:
 
 
 _LOADERS = {
-    "jsonl": _load_jsonl_problems,
-    "parquet": _load_parquet_problems,
-    "arrow": _load_datasets_problems,
-    "disk": _load_datasets_problems,
+    "jsonl": _jsonl_records,
+    "parquet": _parquet_records,
+    "arrow": _datasets_records,
+    "disk": _datasets_records,
 }
 
 _MISSING = object()

@@ -47,23 +47,24 @@ def _libc():
 
 
 @functools.cache
+def _int_function(name: str, *argtypes: type):
+    """The C library's function ``name`` (returning an int, taking ``argtypes``), or None where
+    it has none."""
+    fn = getattr(_libc(), name, None)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
+
+
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none."""
-    fn = getattr(_libc(), "malloc_trim", None)
-    if fn is None:
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return _int_function("malloc_trim", ctypes.c_size_t)
 
 
-@functools.cache
 def _mallopt():
     """glibc's ``mallopt``, or None where the C library has none."""
-    fn = getattr(_libc(), "mallopt", None)
-    if fn is None:
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+    return _int_function("mallopt", ctypes.c_int, ctypes.c_int)
 
 
 def trim() -> bool:

@@ -12,6 +12,10 @@ Hugging Face reader, which plans each rank's reads from the DTensor layout and s
 safetensors files. DCP's own sharded format would need a second copy of the weights for
 ``transformers`` and vLLM and a converter for one process; read this way, the files stay the
 ones both open, so any checkpoint, of either layout, resumes on one rank or on N.
+
+Every layout is read here, the sharded one's too (``export_checkpoint`` consolidates it for one
+process); ``learner/checkpoint_sharded.py`` writes that layout with what this module defines and
+is never imported by it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +38,7 @@ from common.eagle import EAGLE_FILE, EAGLE_PREFIX
 from common.link.protocol import DecodeLimits, TrajectoryGroup, decode, encode
 from common.model import CONFIG_FILE, DRAFT_FILE, DRAFT_PREFIX, write_weights
 from common.model_args import TIED_HEAD, config_ties_head
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, load_tokenizer
 from common.weights.format import raw_bytes, safetensors_layout
 from learner.policy import hf_config, load_policy, unwrap
 
@@ -43,6 +48,9 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINING_DIR = "training_state"
 GRAD_SLOT = "grad"
 """``name::grad``: a gradient held across learner steps (``learner/checkpoint_sharded.py``)."""
+SHARDS_DIR = "shards"
+FORMAT_KEY = "checkpoint_format"
+"""``trainer_state.json``'s record of the layout (``sharded`` or ``full``)."""
 
 
 def save_file(
@@ -65,6 +73,21 @@ def _training_file(checkpoint: Path, name: str) -> Path:
     in checkpoints of the older layout."""
     path = checkpoint / TRAINING_DIR / name
     return path if path.exists() or not (checkpoint / name).exists() else checkpoint / name
+
+
+def model_shards(checkpoint: Path) -> Path:
+    """A sharded checkpoint's model files (``learner/checkpoint_sharded.py``)."""
+    return checkpoint / TRAINING_DIR / SHARDS_DIR / "model"
+
+
+def optimizer_shards(checkpoint: Path) -> Path:
+    """A sharded checkpoint's optimizer files (``learner/checkpoint_sharded.py``)."""
+    return checkpoint / TRAINING_DIR / SHARDS_DIR / "optimizer"
+
+
+def is_sharded(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is in the sharded format (else the full one)."""
+    return model_shards(checkpoint).is_dir()
 
 
 PREFIX = "step_"
@@ -100,10 +123,27 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
         config=hf_config(model, next(model.parameters()).dtype),
         model=dict(model.state_dict()),
         optimizer=_optimizer_tensors(model, optimizer),
-        param_groups=[
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-        ],
+        param_groups=param_group_settings(optimizer),
     )
+
+
+def param_group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's hyper-parameters, group by group (without the parameter lists)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def untied_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's parameters and persistent buffers by HF name (as they are: DTensors under
+    FSDP, not detached), a tied LM head once."""
+    policy = unwrap(model)
+    unique = {name for name, _ in policy.named_parameters()}
+    tied = {name for name, _ in policy.named_parameters(remove_duplicate=False)} - unique
+    return {k: v for k, v in policy.state_dict(keep_vars=True).items() if k not in tied}
+
+
+def write_model_config(path: Path, config: dict[str, Any]) -> None:
+    """The model's ``config.json`` in ``path``."""
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_model(config: dict[str, Any], state: dict[str, torch.Tensor], path: Path) -> None:
@@ -116,7 +156,7 @@ def write_model(config: dict[str, Any], state: dict[str, torch.Tensor], path: Pa
         for name, t in state.items()
         if not (skip_head and name == TIED_HEAD)
     }
-    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    write_model_config(path, config)
     write_weights(tensors, path)  # a draft adapter's tensors in their own file
 
 
@@ -245,8 +285,6 @@ def load_checkpoint(
     """Model, optimizer tensors (by name), trainer state and optimizer hyper-parameters: the
     whole state, for one process. A sharded checkpoint (``learner/checkpoint_sharded.py``) is
     consolidated into a temporary full one first."""
-    from learner.checkpoint_sharded import export_checkpoint, is_sharded
-
     if is_sharded(path):
         with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
             return load_checkpoint(
@@ -256,6 +294,42 @@ def load_checkpoint(
     state, param_groups = read_trainer_state(path)
     tensors = load_file(str(_training_file(path, OPTIMIZER_FILE)), device=str(device))
     return model, tensors, state, param_groups
+
+
+def read_full(directory: Path) -> dict[str, torch.Tensor]:
+    """One process: the full tensors of the shard files in ``directory`` (every rank's rows)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(directory))
+    stored = reader.read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """A sharded checkpoint consolidated into a full one at ``out`` (one process, the whole state
+    in memory): ``model.safetensors`` that ``transformers`` and vLLM open, and the training state
+    one process resumes from (``out`` in a run's ``checkpoints/`` is resumed as any other)."""
+    if not (checkpoint / CONFIG_FILE).is_file():
+        raise ValueError(f"{checkpoint} is not a checkpoint (no config.json)")
+    if not is_sharded(checkpoint):
+        raise ValueError(f"{checkpoint} is not a sharded checkpoint (it opens as it is)")
+    config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    out.mkdir(mode=0o700, parents=True, exist_ok=False)
+    write_model(config, read_full(model_shards(checkpoint)), out)
+    load_tokenizer(checkpoint).save(out)
+    training = out / TRAINING_DIR
+    training.mkdir(mode=0o700, exist_ok=True)
+    save_file(read_full(optimizer_shards(checkpoint)), training / OPTIMIZER_FILE)
+    raw = json.loads((checkpoint / TRAINING_DIR / STATE_FILE).read_text())
+    raw[FORMAT_KEY] = "full"
+    (training / STATE_FILE).write_text(json.dumps(raw))
+    shutil.copyfile(checkpoint / TRAINING_DIR / PENDING_FILE, training / PENDING_FILE)
+    return out
 
 
 def _read_shards(directory: Path, targets: dict[str, torch.Tensor]) -> None:
@@ -281,12 +355,7 @@ def load_sharded_model(model: nn.Module, path: Path) -> None:
     """Collective: a sharded model's parameters and persistent buffers (allocated by
     ``learner.distributed.materialize``) from the model files of ``path``, a checkpoint or model
     directory; each rank reads its shards only."""
-    from learner.checkpoint_sharded import is_sharded, model_shards
-
-    policy = unwrap(model)
-    unique = {name for name, _ in policy.named_parameters()}
-    tied = {name for name, _ in policy.named_parameters(remove_duplicate=False)} - unique
-    targets = {k: v for k, v in policy.state_dict(keep_vars=True).items() if k not in tied}
+    targets = untied_state(model)
     if is_sharded(path):
         _read_shards(model_shards(path), targets)
         return
@@ -308,8 +377,6 @@ def load_sharded_optimizer(
     reading the rows of its shards (moments) and the whole of each scalar (``step``). Parameters
     the checkpoint has no state for start without, as AdamW does."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    from learner.checkpoint_sharded import is_sharded, optimizer_shards
 
     file = optimizer_shards(path) if is_sharded(path) else _training_file(path, OPTIMIZER_FILE)
     if not file.exists():

@@ -12,12 +12,14 @@ safetensors whose header records each tensor's offset in the full one, no pickle
 file. A tensor every rank holds whole (AdamW's ``step``, a buffer) is written by one rank. They
 sit under ``training_state/`` because vLLM and ``transformers`` load every ``*.safetensors`` at the
 top of a directory: a sharded checkpoint does not open in them as it is; ``export_checkpoint``
-(``python -m learner.checkpoint_sharded CHECKPOINT OUT``) consolidates it into a full one that
-does, and that also resumes on one process.
+(in ``learner/checkpoint.py``; ``python -m learner.checkpoint_sharded CHECKPOINT OUT``)
+consolidates it into a full one that does, and that also resumes on one process.
 
 A resume reads it with the reader every sharded resume uses (``load_sharded_model``,
 ``load_sharded_optimizer`` in ``learner/checkpoint.py``): each rank reads the rows of its shards,
 whatever the number of ranks that wrote them. One process resumes through ``export_checkpoint``.
+The layout's paths and files are ``learner/checkpoint.py``'s; this module only writes it (it
+imports that one, never the reverse).
 
 Atomic as the full format: all ranks write into rank 0's temporary dot directory; rank 0 writes
 the rest and renames it to ``step_N`` only once every rank's files are written (``dcp.save``
@@ -28,9 +30,6 @@ directory that ``latest_checkpoint`` ignores and the next save removes.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,42 +38,30 @@ from torch import nn
 
 from common.config.learner import LearnerConfig
 from common.link.protocol import TrajectoryGroup
-from common.tokenizer import Tokenizer, load_tokenizer
+from common.tokenizer import Tokenizer
 from learner.checkpoint import (
+    FORMAT_KEY,
     GRAD_SLOT,
-    OPTIMIZER_FILE,
-    PENDING_FILE,
-    STATE_FILE,
     TRAINING_DIR,
     TrainerState,
     commit,
-    save_file,
+    export_checkpoint,
+    model_shards,
+    optimizer_shards,
+    param_group_settings,
     temp_checkpoint,
-    write_model,
+    untied_state,
+    write_model_config,
     write_training_state,
 )
+from learner.checkpoint import is_sharded as is_sharded  # re-exported: callers import it here
 from learner.policy import hf_config, unwrap
 
-SHARDS_DIR = "shards"
 HELD_GRADIENTS_KEY = "eagle_pending"
 """A parameter group's count of learner steps whose gradients it holds (``learner/step.py``)."""
 FILE_BYTES = 512 * 1024 * 1024
 """About the largest file a rank writes (its rows of consecutive tensors; a larger tensor
 alone)."""
-FORMAT_KEY = "checkpoint_format"
-
-
-def model_shards(checkpoint: Path) -> Path:
-    return checkpoint / TRAINING_DIR / SHARDS_DIR / "model"
-
-
-def optimizer_shards(checkpoint: Path) -> Path:
-    return checkpoint / TRAINING_DIR / SHARDS_DIR / "optimizer"
-
-
-def is_sharded(checkpoint: Path) -> bool:
-    """Whether ``checkpoint`` is in the sharded format (else the full one)."""
-    return model_shards(checkpoint).is_dir()
 
 
 def use_sharded(lcfg: LearnerConfig, dist: Any) -> bool:
@@ -89,10 +76,7 @@ def use_sharded(lcfg: LearnerConfig, dist: Any) -> bool:
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's view of the model's state (DTensors under FSDP) by HF name, a tied LM head
     once (as ``load_sharded_model`` reads it)."""
-    policy = unwrap(model)
-    unique = {name for name, _ in policy.named_parameters()}
-    tied = {name for name, _ in policy.named_parameters(remove_duplicate=False)} - unique
-    return {k: v.detach() for k, v in policy.state_dict(keep_vars=True).items() if k not in tied}
+    return {k: v.detach() for k, v in untied_state(model).items()}
 
 
 def optimizer_tensors(
@@ -175,51 +159,14 @@ def save_sharded_checkpoint(
     policy = unwrap(model)
     write_model_config(tmp, hf_config(policy, next(policy.parameters()).dtype))
     tokenizer.save(tmp)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     write_training_state(
-        tmp / TRAINING_DIR, state, groups, pending, **{FORMAT_KEY: "sharded", "ranks": dist.world}
+        tmp / TRAINING_DIR,
+        state,
+        param_group_settings(optimizer),
+        pending,
+        **{FORMAT_KEY: "sharded", "ranks": dist.world},
     )
     return commit(tmp, final, keep)
-
-
-def write_model_config(path: Path, config: dict[str, Any]) -> None:
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def read_full(directory: Path) -> dict[str, torch.Tensor]:
-    """One process: the full tensors of the shard files in ``directory`` (every rank's rows)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    reader = HuggingFaceStorageReader(str(directory))
-    stored = reader.read_metadata().state_dict_metadata
-    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
-    return tensors
-
-
-def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    """A sharded checkpoint consolidated into a full one at ``out`` (one process, the whole state
-    in memory): ``model.safetensors`` that ``transformers`` and vLLM open, and the training state
-    one process resumes from (``out`` in a run's ``checkpoints/`` is resumed as any other)."""
-    if not (checkpoint / "config.json").is_file():
-        raise ValueError(f"{checkpoint} is not a checkpoint (no config.json)")
-    if not is_sharded(checkpoint):
-        raise ValueError(f"{checkpoint} is not a sharded checkpoint (it opens as it is)")
-    config = json.loads((checkpoint / "config.json").read_text())
-    out.mkdir(mode=0o700, parents=True, exist_ok=False)
-    write_model(config, read_full(model_shards(checkpoint)), out)
-    load_tokenizer(checkpoint).save(out)
-    training = out / TRAINING_DIR
-    training.mkdir(mode=0o700, exist_ok=True)
-    save_file(read_full(optimizer_shards(checkpoint)), training / OPTIMIZER_FILE)
-    raw = json.loads((checkpoint / TRAINING_DIR / STATE_FILE).read_text())
-    raw[FORMAT_KEY] = "full"
-    (training / STATE_FILE).write_text(json.dumps(raw))
-    shutil.copyfile(checkpoint / TRAINING_DIR / PENDING_FILE, training / PENDING_FILE)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

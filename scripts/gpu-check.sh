@@ -9,11 +9,6 @@
 #   bash scripts/gpu-check.sh --json PATH  # JSON: PATH
 #   bash scripts/gpu-check.sh --cpu        # the same code on tiny shapes on the CPU (CI)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [[ -x .venv/bin/python ]]; then
-    PY=.venv/bin/python
-else
-    PY=python3
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/repo-python.sh disable=SC1091  # cd to the repository root; sets PY
+source "$(dirname "$0")/repo-python.sh"
 exec "$PY" -m benchmarks.gpu_check "$@"

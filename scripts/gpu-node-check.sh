@@ -11,11 +11,6 @@
 # Exit status: 0 when every stage that ran passed, 1 when one failed, 2 on a refusal (fewer than
 # 2 GPUs without --cpu, bad arguments).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [[ -x .venv/bin/python ]]; then
-    PY=.venv/bin/python
-else
-    PY=python3
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/repo-python.sh disable=SC1091  # cd to the repository root; sets PY
+source "$(dirname "$0")/repo-python.sh"
 exec "$PY" -m benchmarks.gpu_check.node "$@"

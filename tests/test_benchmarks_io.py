@@ -100,6 +100,7 @@ def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> N
         "weight_scaling",
         "rollout_real",
         "eagle_rows",
+        "heldout_wording",
         "engines_eagle",
         "engines_real",
         "real_preset",

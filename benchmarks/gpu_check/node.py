@@ -38,23 +38,10 @@ import torch
 
 from benchmarks import cli
 from benchmarks.gpu_check.plan import ROOT, Run
+from testing.shapes import shape as llama_shape
 
-CPU_SHAPE = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-)
-GPU_SHAPE = dict(
-    vocab_size=32768,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-)
+CPU_SHAPE = llama_shape(97, 64, 128, 2, 2, 1)
+GPU_SHAPE = llama_shape(32768, 1024, 2816, 8, 16, 4)
 DEFAULTS = {"plane_mb": (1024.0, 32.0), "deadline_s": (60.0, 20.0)}  # (GPU, --cpu)
 CHILD_TIMEOUT_S = 300
 

@@ -13,20 +13,13 @@ import torch
 
 from benchmarks.gpu_check import ABSENT_ON_DEVICE
 from benchmarks.gpu_check.plan import CPU_PLAN
+from testing.scripts import assert_refused, run_script
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "scripts/gpu-check.sh", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_script("gpu-check.sh", *args, timeout=timeout)
 
 
 def test_cpu_mode_writes_sane_figures(tmp_path: Path) -> None:
@@ -95,8 +88,4 @@ def test_cpu_mode_writes_sane_figures(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_gpu_mode_refuses_a_machine_without_cuda(tmp_path: Path) -> None:
-    out = tmp_path / "gpu.json"
-    proc = _run("--json", str(out), timeout=120)
-    assert proc.returncode == 2
-    assert "no CUDA device here" in proc.stderr and "--cpu" in proc.stderr
-    assert not out.exists()
+    assert_refused("gpu-check.sh", tmp_path / "gpu.json", "no CUDA device here", timeout=120)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from testing.scripts import assert_refused, run_script
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,13 +24,7 @@ STAGES = ("fsdp", "plane", "plane_kill", "vllm_v1", "vllm_v2_async")
 
 
 def _run(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "scripts/gpu-node-check.sh", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_script("gpu-node-check.sh", *args, timeout=timeout)
 
 
 def test_cpu_mode_runs_every_stage(tmp_path: Path) -> None:
@@ -75,11 +71,7 @@ def test_cpu_mode_runs_every_stage(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
 def test_gpu_mode_refuses_fewer_than_two_gpus(tmp_path: Path) -> None:
-    out = tmp_path / "node.json"
-    proc = _run("--json", str(out), timeout=60)
-    assert proc.returncode == 2
-    assert "needs at least 2 GPUs" in proc.stderr and "--cpu" in proc.stderr
-    assert not out.exists()
+    assert_refused("gpu-node-check.sh", tmp_path / "node.json", "needs at least 2 GPUs", timeout=60)
 
 
 def test_script_parses_and_passes_shellcheck() -> None:

@@ -17,15 +17,14 @@ import torch
 from benchmarks import cli
 from benchmarks._procs import Children
 from common import metric_names as mn
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from common.weights.fetch.feed import RedisWeightFeed
 from common.weights.fetch.reader import WeightReader
 from common.weights.fetch.watcher import VersionWatcher
 from common.weights.format import weights_digest
 from common.weights.host_cache import HostCache
-from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
 from ops.redis_server import RedisServer
+from testing.publishing import bf16_publisher
 
 pytestmark = pytest.mark.integration
 
@@ -78,14 +77,7 @@ def run_node(url: str, client: redis.Redis, root: Path, plane: bool, versions: i
     store = WeightWriter(
         client, RUN, host_cache_dir=str(root) if plane else "", keyframe_every=5, retention=3
     )
-    publisher = Publisher(
-        store,
-        model,
-        CharTokenizer(BUILTIN_ALPHABET),
-        dtype=torch.bfloat16,
-        max_inflight=1,
-        upload="process",
-    )
+    publisher = bf16_publisher(store, model)
     try:
         with Children(TIMEOUT_S, join_s=30.0) as children:
             holds = children.ctx.Array("i", [-1] * 2)

@@ -33,6 +33,7 @@ from common.weights.publish.upload import Snapshot
 from common.weights.publish.writer import WeightWriter
 from ops.redis_server import find_free_port
 from testing.models import random_model
+from testing.publishing import bf16_publisher
 
 pytestmark = pytest.mark.integration
 
@@ -208,16 +209,8 @@ def publishing(
     """A tiny policy and its publisher as the learner wires them: bf16 versions uploaded from
     shared memory, latest wins, each snapshot lent to the sender."""
     m = random_model(16, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
-    pub = Publisher(
-        store,
-        m,
-        CharTokenizer("abc"),
-        dtype=torch.bfloat16,
-        max_inflight=1,
-        upload="process",
-        latest_wins=True,
-        on_snapshot=sender.take,
-        **kwargs,
+    pub = bf16_publisher(
+        store, m, CharTokenizer("abc"), latest_wins=True, on_snapshot=sender.take, **kwargs
     )
     return m, pub
 

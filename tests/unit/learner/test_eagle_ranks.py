@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from common import metric_names as mn
@@ -23,16 +22,13 @@ from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.distributed import (
     full_optimizer_state,
-    init_from_env,
     load_optimizer_state,
-    local_rank_env,
     shard,
-    shutdown,
     stream_full_state,
 )
 from learner.step import draft_acceptance_key, eagle_group, make_optimizer, train_step
 from learner.wiring import attach_eagle_head
-from ops.redis_server import find_free_port
+from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import tiny_model
 
@@ -63,10 +59,7 @@ def _train(model, optimizer, dist=None) -> list[dict[str, float]]:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(local_rank_env(rank, world, port))
-    torch.set_num_threads(1)
-    ctx = init_from_env(timeout_s=120)
-    try:
+    with group_rank(rank, world, port) as ctx:
         policy = _policy()
         attach_eagle_head(policy, SPEC, ctx)  # kept: no refusal with ranks any more
         module = shard(policy, "fp32")
@@ -92,14 +85,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 json.dumps({"metrics": metrics, "resumed_group": resumed})
             )
         ctx.barrier()
-    finally:
-        shutdown()
 
 
 def test_two_ranks_train_and_publish_the_head_as_one_process_and_an_actor_drafts_with_it(
     tmp_path,
 ):
-    mp.spawn(_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_worker, str(tmp_path))
     published = load_file(str(tmp_path / "published.safetensors"))
     report = json.loads((tmp_path / "report.json").read_text())
 

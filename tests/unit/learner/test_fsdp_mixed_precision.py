@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -32,14 +31,11 @@ from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.distributed import (
     full_model_state,
-    init_from_env,
-    local_rank_env,
     mixed_precision,
     shard,
-    shutdown,
 )
 from learner.step import train_step
-from ops.redis_server import find_free_port
+from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import tiny_model
 
@@ -96,13 +92,10 @@ def _sharded_step(precision: str, ctx, seen: dict[str, set[str]]) -> dict[str, t
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(local_rank_env(rank, world, port))
-    torch.set_num_threads(1)
-    ctx = init_from_env(timeout_s=120)
-    seen: dict[str, set[str]] = {}
-    dist.all_gather_single = _record(seen, "all_gather", dist.all_gather_single)
-    dist.reduce_scatter_single = _record(seen, "reduce_scatter", dist.reduce_scatter_single)
-    try:
+    with group_rank(rank, world, port) as ctx:
+        seen: dict[str, set[str]] = {}
+        dist.all_gather_single = _record(seen, "all_gather", dist.all_gather_single)
+        dist.reduce_scatter_single = _record(seen, "reduce_scatter", dist.reduce_scatter_single)
         report = {}
         for precision in PRECISIONS:
             seen.clear()
@@ -113,8 +106,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             Path(out, "dtypes.json").write_text(json.dumps(report))
         ctx.barrier()
-    finally:
-        shutdown()
 
 
 def test_policy_by_precision():
@@ -127,7 +118,7 @@ def test_policy_by_precision():
 
 
 def test_bf16_mixed_gathers_and_computes_in_bf16_and_reduces_in_fp32(tmp_path):
-    mp.spawn(_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2)
+    spawn_ranks(_worker, str(tmp_path))
     seen = json.loads((tmp_path / "dtypes.json").read_text())
     fp32, bf16 = "torch.float32", "torch.bfloat16"
     assert seen["bf16-mixed"] == {

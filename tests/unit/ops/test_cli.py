@@ -12,6 +12,7 @@ import zmq
 
 from ops.cli import USAGE, main
 from ops.processes import ROOT, child_env
+from testing.shapes import shape
 
 
 def test_no_command_and_help_print_the_usage(capsys):
@@ -90,14 +91,7 @@ def _model_dir(path, **changes):
     Llama the built-in model computes, with ``changes`` on top."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=128,
-    ).to_dict()
+    config = transformers.LlamaConfig(**shape(128, 64, 128, 4, 2, 2)).to_dict()
     path.mkdir()
     (path / "config.json").write_text(
         json.dumps({**config, "architectures": ["LlamaForCausalLM"], **changes})
