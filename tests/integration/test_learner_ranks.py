@@ -109,14 +109,14 @@ def test_two_rank_learner_trains_and_publishes_the_eagle_head_an_actor_drafts_wi
     model = warm_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     # Staleness 0: every step after the first trains groups the head of a published version drafted.
-    extra = ["spec=eagle3", "spec.k=3", "learner.checkpoint_every=4", "learner.max_staleness=0"]
+    extra = ["spec=eagle3", "spec.k=3", "learner.checkpoint_every=3", "learner.max_staleness=0"]
     pipeline = ranks_pipeline(tmp_path, redis_server.url, model, extra)
     try:
-        run_with_an_actor(pipeline, 4)
+        run_with_an_actor(pipeline, 6)
     finally:
         pipeline.stop_all()
     steps = pipeline.steps()
-    assert [r["learner/step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["learner/step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert all(0.0 <= r[mn.SPEC_DRAFT_ACCEPTANCE] <= 1.0 for r in steps)
     assert all(r[mn.SPEC_EAGLE_KL] > 0 for r in steps)
     # The actor drafted with the head of a published version (0 = the model's own, untrained).
