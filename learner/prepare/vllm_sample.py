@@ -2,8 +2,8 @@
 serves the model (``specrl warm-draft --sampler``): on the 2-core CPU machine it decodes the
 ``smollm2-135m`` preset's prompts 2.4x faster than the torch sampler (466 against 197 tokens/s,
 64 prompts x 2, one run each). The head's training records are recomputed from the tokens by one
-teacher-forced forward of the float32 policy (``eagle_warmup.teacher_states``), so only the
-tokens are taken from vLLM; the draft adapter's warm start reads the sampler's own states and
+teacher-forced forward of the policy (``eagle_warmup.teacher_states``: a bf16 copy for the
+training records, float32 for the held-out ones), so only the tokens are taken from vLLM; the draft adapter's warm start reads the sampler's own states and
 keeps the torch sampler.
 
 vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager on CPU with a small KV
