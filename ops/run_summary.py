@@ -9,6 +9,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def first_last_tenth(values: list[float]) -> tuple[float, float]:
+    """The mean of the first and of the last 10% of ``values`` (at least one each)."""
+    tenth = max(1, len(values) // 10)
+    return _mean(values[:tenth]), _mean(values[-tenth:])
+
+
 def step_rows(rows: list[dict]) -> list[dict]:
     """The records of optimizer steps (not events such as ``learner_exit``)."""
     return [r for r in rows if mn.LEARNER_STEP in r and mn.LEARNER_REWARD_MEAN in r]
@@ -45,16 +51,14 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
     summary: dict = {"wall_s": round(wall_s, 1), "steps": len(steps)}
     if not steps:
         return summary
-    tenth = max(1, len(steps) // 10)
-    first = [r[mn.LEARNER_REWARD_MEAN] for r in steps[:tenth]]
-    last = [r[mn.LEARNER_REWARD_MEAN] for r in steps[-tenth:]]
+    first, last = first_last_tenth([r[mn.LEARNER_REWARD_MEAN] for r in steps])
     final = steps[-1]
     learner_wall = max(learner_wall_s(steps), 1e-9)
     summary.update(
         {
-            "reward_first_10pct": _mean(first),
-            "reward_last_10pct": _mean(last),
-            "reward_gain": _mean(last) - _mean(first),
+            "reward_first_10pct": first,
+            "reward_last_10pct": last,
+            "reward_gain": last - first,
             "first_version": steps[0][mn.LEARNER_VERSION],
             "final_version": final[mn.LEARNER_VERSION],
             "groups_trained": sum(r.get(mn.LEARNER_GROUPS, 0) for r in steps),
@@ -81,7 +85,7 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
         r[mn.SPEC_ACCEPTANCE_RATE] for r in steps if r.get(mn.SPEC_ACCEPTANCE_RATE) is not None
     ]
     if accepted:
-        tenth_a = max(1, len(accepted) // 10)
+        first_a, last_a = first_last_tenth(accepted)
         lengths = [
             r[mn.SPEC_MEAN_ACCEPTED_LEN]
             for r in steps
@@ -90,8 +94,8 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
         summary.update(
             {
                 "spec_acceptance_rate": _mean(accepted),
-                "spec_acceptance_first_10pct": _mean(accepted[:tenth_a]),
-                "spec_acceptance_last_10pct": _mean(accepted[-tenth_a:]),
+                "spec_acceptance_first_10pct": first_a,
+                "spec_acceptance_last_10pct": last_a,
                 "spec_mean_accepted_len": _mean(lengths),
             }
         )
@@ -99,9 +103,9 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
     # before the draft's update (the draft as the actors drafted with it).
     learner_side = [r[mn.SPEC_DRAFT_ACCEPTANCE] for r in steps if mn.SPEC_DRAFT_ACCEPTANCE in r]
     if learner_side:
-        tenth_d = max(1, len(learner_side) // 10)
-        summary["draft_acceptance_first_10pct"] = _mean(learner_side[:tenth_d])
-        summary["draft_acceptance_last_10pct"] = _mean(learner_side[-tenth_d:])
+        first_d, last_d = first_last_tenth(learner_side)
+        summary["draft_acceptance_first_10pct"] = first_d
+        summary["draft_acceptance_last_10pct"] = last_d
     salvaged = [
         r[mn.VERIFY_SALVAGED_FRAC] for r in steps if r.get(mn.VERIFY_SALVAGED_FRAC) is not None
     ]
