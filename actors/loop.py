@@ -72,8 +72,11 @@ def make_groups(
             )
             for r, outcome in zip(completions, outcomes, strict=True)
         ]
-        # A group counts as its oldest token's version: that is what its staleness is about.
-        versions = [int(c.token_versions.min()) for c in scored if len(c.token_ids)]
+        # A group counts as its oldest sampled token's version: that is what its staleness is
+        # about (an episode's environment tokens, version -1, were not sampled by any policy).
+        versions = [
+            int(v.min()) for c in scored if (v := c.token_versions[c.token_versions >= 0]).size
+        ]
         groups.append(
             TrajectoryGroup(
                 actor_id="",

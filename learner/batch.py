@@ -1,6 +1,11 @@
 """Collation of trajectory groups into padded training tensors, with the reward-side algorithm
 options: DAPO's overlong handling (``mask``, ``penalty``), Dr.GRPO's advantages without the std
-division, and the no-signal test of dynamic sampling."""
+division, and the no-signal test of dynamic sampling.
+
+Only sampled tokens are trained: a multi-turn episode (protocol v2) carries environment and
+glue tokens with version -1 in its token stream; they are context (input ids) but never
+targets of the loss, and never counted as the completion's length. A single-turn completion's
+tokens are all sampled, so for it nothing differs from training every completion token."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 
 from common.config.field_types import OverlongMode
 from common.config.learner import LearnerConfig
-from common.link.protocol import TrajectoryGroup
+from common.link.protocol import Completion, TrajectoryGroup
 from learner.loss import grpo_advantages
 
 
@@ -23,7 +28,7 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [B, S] int64
     targets: torch.Tensor  # [B, S-1] int64, input_ids shifted left
-    mask: torch.Tensor  # [B, S-1] float32, 1 where targets is a generated token
+    mask: torch.Tensor  # [B, S-1] float32, 1 where targets is a sampled token
     behaviour_logprobs: torch.Tensor  # [B, S-1] float32, 0 where mask is 0
     advantages: torch.Tensor  # [B] float32
     rewards: torch.Tensor  # [N, G] float32
@@ -71,13 +76,25 @@ class RewardShaping:
         return (limit - buffer - length) / buffer * self.penalty
 
 
+def sampled(completion: Completion) -> np.ndarray:
+    """[T] bool: which tokens of ``completion`` the policy sampled (version >= 0), the ones the
+    loss trains; the others (version -1) are an episode's environment and glue tokens."""
+    return completion.token_versions >= 0
+
+
+def sampled_count(completion: Completion) -> int:
+    """The completion's length as the algorithms count it: its sampled tokens."""
+    return int(np.count_nonzero(sampled(completion)))
+
+
 def shaped_rewards(
     groups: Sequence[TrajectoryGroup], shaping: RewardShaping | None = None
 ) -> torch.Tensor:
-    """Rewards [N, G], float32, with the overlong penalty when ``shaping`` asks for it."""
+    """Rewards [N, G], float32, with the overlong penalty when ``shaping`` asks for it (on the
+    sampled tokens' count: an episode's environment tokens are not the policy's length)."""
     shaping = shaping or RewardShaping()
     rows = [
-        [c.reward + shaping.length_penalty(len(c.token_ids)) for c in g.completions] for g in groups
+        [c.reward + shaping.length_penalty(sampled_count(c)) for c in g.completions] for g in groups
     ]
     return torch.tensor(rows, dtype=torch.float32)
 
@@ -116,10 +133,10 @@ def collate(
         p, t = len(prompt), len(completion.token_ids)
         input_ids[i, :p] = torch.from_numpy(prompt.astype("int64"))
         input_ids[i, p : p + t] = torch.from_numpy(completion.token_ids.astype("int64"))
-        # Token p + k is predicted at index p + k - 1. overlong=mask: an unfinished completion
-        # (it hit the length limit) stays out of the loss.
+        # Token p + k is predicted at index p + k - 1, and trained where it was sampled.
+        # overlong=mask: an unfinished completion (it hit a limit) stays out of the loss.
         if shaping.overlong != "mask" or completion.finished:
-            mask[i, p - 1 : p - 1 + t] = 1.0
+            mask[i, p - 1 : p - 1 + t] = torch.from_numpy(sampled(completion).astype(np.float32))
         behaviour[i, p - 1 : p - 1 + t] = torch.from_numpy(completion.behaviour_logprobs)
     staleness = torch.tensor([learner_version - g.version for g in groups], dtype=torch.long)
     return TrainBatch(

@@ -184,7 +184,7 @@ def train_step(
     module.train()
     set_activation_checkpointing(module.policy, cfg.activation_checkpointing)
     world = dist.world if dist is not None else 1
-    n_valid = batch.mask.sum()  # completion tokens of the global batch (every rank has it all)
+    n_valid = batch.mask.sum()  # trained (sampled) tokens of the global batch (all on every rank)
     n_seqs = (batch.mask.sum(dim=-1) > 0).sum().float()  # and its sequences
     # The draft's loss only with spec.aux_coef > 0 (backbone checks exit_layer): the adapter's
     # when the policy has one, else the early exit's co-training loss.
@@ -442,7 +442,7 @@ class _StepTerms:
         cfg, sampling = self.cfg, self.sampling
         aux: list[torch.Tensor] | None = [] if self.eagle_coef > 0 else None
         h, h_exit = backbone(policy, mb.input_ids, self.exit_layer, raw_exit=self.adapter, aux=aux)
-        sel = mb.mask > 0  # [b, s-1]: completion positions, the only ones the loss reads
+        sel = mb.mask > 0  # [b, s-1]: sampled completion positions, the only ones the loss reads
         h_sel = h[:, :-1][sel]  # [N, H]
         logprobs = chosen_logprobs(
             policy.lm_head,

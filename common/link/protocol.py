@@ -2,6 +2,7 @@
 
 One module holds the contract between actors and learner (frames, what ``decode`` checks:
 docs/design.md §5.1); nothing else encodes or decodes frames, and no pickle is used anywhere.
+The value rules of v2 groups (multi-turn episodes) live in ``common.link.episode_checks``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from typing import Any, Final
 import msgpack
 import numpy as np
 
+from common.link.episode_checks import episode_refusal, uses_v2
+
 PROTOCOL_VERSION: Final[int] = 1
+"""The version of acks, heartbeats and every group that uses no v2 field (single-turn)."""
+EPISODE_PROTOCOL_VERSION: Final[int] = 2
+"""The version of a group with an episode field (a -1 token version, turn_starts, turn_rewards,
+stop), and only of those: single-turn frames, WALs and checkpoints keep their v1 bytes."""
 
 # float32 log-softmax can round a probability-1 token to a tiny positive log-prob; anything
 # above this is not a log-probability and means a producer bug.
@@ -35,15 +42,20 @@ MSG_HEARTBEAT: Final[str] = "heartbeat"
 #                   deeper than the decoder's stack (a valid frame nests 4 deep)
 #   not_msgpack     undecodable, truncated or trailing bytes
 #   not_map         the top-level value is not a map
-#   wrong_version   ``"v"`` missing or not PROTOCOL_VERSION
+#   wrong_version   ``"v"`` missing or not 1 or 2; 2 on an ack, a heartbeat or a group that
+#                   uses no v2 field (each message has one encoding)
 #   wrong_type      ``"type"`` missing or unknown
-#   bad_field       missing/extra key, wrong value type, array bytes not a multiple of the item
-#                   size, ext types, invalid UTF-8, a group without completions
-#   length_mismatch token_ids / behaviour_logprobs / token_versions of one completion disagree
+#   bad_field       missing/extra key (a v2 field in a v1 frame), wrong value type, array bytes
+#                   not a multiple of the item size, ext types, invalid UTF-8, a group without
+#                   completions; v2: a first/last token not sampled, bad turn_starts, an unknown
+#                   stop, a group version not its oldest sampled token's (episode_checks)
+#   length_mismatch token_ids / behaviour_logprobs / token_versions of one completion disagree,
+#                   or (v2) turn_starts / turn_rewards
 #   out_of_vocab    a token id outside [0, vocab_size)
-#   non_finite      NaN or inf in a log-prob, reward, stat or timestamp
-#   out_of_range    a seq/version/token version outside [0, INT64_MAX], or a log-prob above
-#                   LOGPROB_TOLERANCE
+#   non_finite      NaN or inf in a log-prob, reward, turn reward, stat or timestamp
+#   out_of_range    a seq/version outside [0, INT64_MAX], a token version below 0 (v1) or -1
+#                   (v2), a log-prob above LOGPROB_TOLERANCE, or (v2) a not-sampled token's
+#                   log-prob other than 0.0
 PROTOCOL_ERROR_REASONS: Final[tuple[str, ...]] = (
     "oversize",
     "not_msgpack",
@@ -78,6 +90,8 @@ class DecodeLimits:
     max_completions: int = 1024
     max_tokens: int = 65536
     """Most tokens in one sequence (the prompt, or one completion)."""
+    max_turns: int = 256
+    """Most turns of one episode (v2 ``turn_starts`` / ``turn_rewards`` items)."""
     max_str_len: int = 256
     """Longest string (ids, stat names) in characters; also bounds map keys."""
     max_ack_seqs: int = 4096
@@ -94,11 +108,11 @@ class DecodeLimits:
 
     @property
     def max_objects(self) -> int:
-        """Most container elements (array items + map entries) a valid frame can hold: a group
-        (9 keys, its completions of 5 keys each, its stats), an ack (its seqs, refused seqs
-        included) or a heartbeat. The decoder stops as soon as a frame exceeds it, so decoding
-        time and memory are bounded by what a valid frame holds, not by the frame's size."""
-        return 32 + 6 * self.max_completions + self.max_stats_entries + 2 * self.max_ack_seqs
+        """Most container elements (items + entries, +1 per container) a valid frame holds: a
+        group (9 keys, 10 per completion: its array item, map and up to 8 keys (5 in v1), its
+        stats), an ack (its seqs, refused seqs included) or a heartbeat. The decoder stops as
+        soon as a frame exceeds it: decoding is bounded by what a valid frame holds."""
+        return 32 + 10 * self.max_completions + self.max_stats_entries + 2 * self.max_ack_seqs
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
@@ -106,7 +120,8 @@ class DecodeLimits:
         # Field names such as "behaviour_logprobs" are strings too and must survive the bound.
         if self.max_str_len < 32:
             raise ValueError(f"max_str_len must be >= 32, got {self.max_str_len}")
-        for name in ("max_frame_bytes", "max_completions", "max_tokens", "max_ack_seqs"):
+        positive = ("max_frame_bytes", "max_completions", "max_tokens", "max_turns", "max_ack_seqs")
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_stats_entries < 0:
@@ -122,6 +137,7 @@ _ENCODE_LIMITS: Final = DecodeLimits(
     max_frame_bytes=2**62,
     max_completions=2**31,
     max_tokens=2**31,
+    max_turns=2**31,
     max_str_len=2**31,
     max_ack_seqs=2**31,
     max_stats_entries=2**31,
@@ -130,13 +146,17 @@ _ENCODE_LIMITS: Final = DecodeLimits(
 
 @dataclass(eq=False)
 class Completion:
-    """One sampled continuation of a prompt (arrays compare by content in tests, not ``==``)."""
+    """One continuation of a prompt, or a multi-turn episode (v2: ``common.link.episode_checks``);
+    arrays compare by content in tests, not ``==``."""
 
-    token_ids: np.ndarray  # [T] int32, generated tokens only (prompt excluded)
+    token_ids: np.ndarray  # [T] int32, everything after the prompt (prompt excluded)
     behaviour_logprobs: np.ndarray  # [T] float32, log-prob under the processed sampling dist.
-    token_versions: np.ndarray  # [T] int32, policy version that produced each token
+    token_versions: np.ndarray  # [T] int32, policy version of each token; -1: not sampled (v2)
     reward: float
-    finished: bool  # True: ended with EOS; False: hit the length limit
+    finished: bool  # True: ended with EOS (v2: stop eos/env_done); False: hit a limit
+    turn_starts: np.ndarray | None = None  # [S] int32 (v2): first token of each model turn
+    turn_rewards: np.ndarray | None = None  # [S] float32 (v2): env reward after each turn
+    stop: str | None = None  # v2: why the episode ended, one of episode_checks.STOP_REASONS
 
 
 @dataclass(eq=False)
@@ -147,7 +167,7 @@ class TrajectoryGroup:
     seq: int  # per-actor sequence number; (actor_id, seq) is the dedupe key
     prompt_id: str
     prompt_ids: np.ndarray  # [P] int32
-    version: int  # policy version the group counts as (min over its tokens' versions)
+    version: int  # policy version the group counts as (min over its sampled tokens' versions)
     completions: list[Completion]
     stats: dict[str, float] = field(default_factory=dict)  # actor-side numbers, free-form
 
@@ -183,6 +203,7 @@ _GROUP_KEYS: Final = frozenset(
 _COMPLETION_KEYS: Final = frozenset(
     {"token_ids", "behaviour_logprobs", "token_versions", "reward", "finished"}
 )
+_EPISODE_KEYS: Final = frozenset({"turn_starts", "turn_rewards", "stop"})  # v2, each optional
 _ACK_KEYS: Final = frozenset({"v", "type", "actor_id", "seqs"})
 _ACK_KEYS_REFUSED: Final = _ACK_KEYS | {"refused"}
 _HEARTBEAT_KEYS: Final = frozenset({"v", "type", "actor_id", "version", "stats", "sent_at"})
@@ -203,31 +224,43 @@ def _stats_to_wire(stats: dict[str, float]) -> dict[str, float]:
     return {k: float(stats[k]) for k in sorted(stats)}
 
 
-def _envelope(kind: str, actor_id: str) -> dict[str, Any]:
+def _envelope(kind: str, actor_id: str, version: int = PROTOCOL_VERSION) -> dict[str, Any]:
     """The keys every frame starts with."""
-    return {"v": PROTOCOL_VERSION, "type": kind, "actor_id": actor_id}
+    return {"v": version, "type": kind, "actor_id": actor_id}
+
+
+def _completion_to_wire(c: Completion) -> dict[str, Any]:
+    """A completion's map: the v1 keys, then each episode field that is set, in a fixed order
+    (canonical bytes)."""
+    wire: dict[str, Any] = {
+        "token_ids": _pack_array(c.token_ids, _TOKEN_DTYPE, "token_ids"),
+        "behaviour_logprobs": _pack_array(
+            c.behaviour_logprobs, _LOGPROB_DTYPE, "behaviour_logprobs"
+        ),
+        "token_versions": _pack_array(c.token_versions, _TOKEN_DTYPE, "token_versions"),
+        "reward": float(c.reward),
+        "finished": bool(c.finished),
+    }
+    if c.turn_starts is not None:
+        wire["turn_starts"] = _pack_array(c.turn_starts, _TOKEN_DTYPE, "turn_starts")
+    if c.turn_rewards is not None:
+        wire["turn_rewards"] = _pack_array(c.turn_rewards, _LOGPROB_DTYPE, "turn_rewards")
+    if c.stop is not None:
+        wire["stop"] = c.stop
+    return wire
 
 
 def _to_wire(msg: Message) -> dict[str, Any]:
     if isinstance(msg, TrajectoryGroup):
+        episode = any(uses_v2(c) for c in msg.completions)
+        version = EPISODE_PROTOCOL_VERSION if episode else PROTOCOL_VERSION
         return {
-            **_envelope(MSG_GROUP, msg.actor_id),
+            **_envelope(MSG_GROUP, msg.actor_id, version),
             "seq": int(msg.seq),
             "prompt_id": msg.prompt_id,
             "prompt_ids": _pack_array(msg.prompt_ids, _TOKEN_DTYPE, "prompt_ids"),
             "version": int(msg.version),
-            "completions": [
-                {
-                    "token_ids": _pack_array(c.token_ids, _TOKEN_DTYPE, "token_ids"),
-                    "behaviour_logprobs": _pack_array(
-                        c.behaviour_logprobs, _LOGPROB_DTYPE, "behaviour_logprobs"
-                    ),
-                    "token_versions": _pack_array(c.token_versions, _TOKEN_DTYPE, "token_versions"),
-                    "reward": float(c.reward),
-                    "finished": bool(c.finished),
-                }
-                for c in msg.completions
-            ],
+            "completions": [_completion_to_wire(c) for c in msg.completions],
             "stats": _stats_to_wire(msg.stats),
         }
     if isinstance(msg, Ack):
@@ -320,11 +353,14 @@ def _unpack(frame: bytes, limits: DecodeLimits) -> Any:
         raise ProtocolError("not_msgpack", f"{type(e).__name__}: {text}") from e
 
 
-def _check_keys(obj: dict[str, Any], expected: frozenset[str], what: str) -> None:
+def _check_keys(
+    obj: dict[str, Any], expected: frozenset[str], what: str, optional: frozenset[str] = frozenset()
+) -> None:
+    """``obj`` has every key of ``expected``, and others only from ``optional``."""
     keys = obj.keys()
-    if keys != expected:
+    if keys != expected and not (keys >= expected and keys - expected <= optional):
         missing = sorted(expected - keys)
-        extra = sorted(str(k) for k in keys - expected)
+        extra = sorted(str(k) for k in keys - expected - optional)
         raise ProtocolError("bad_field", f"{what}: missing {missing}, extra {extra}")
 
 
@@ -362,7 +398,10 @@ def _get_finite_float(obj: dict[str, Any], key: str) -> float:
 _NATIVE = {dt: dt.newbyteorder("=") for dt in (_TOKEN_DTYPE, _LOGPROB_DTYPE)}
 
 
-def _get_array(obj: dict[str, Any], key: str, dtype: np.dtype, limits: DecodeLimits) -> np.ndarray:
+def _get_array(
+    obj: dict[str, Any], key: str, dtype: np.dtype, limits: DecodeLimits, max_items: int = 0
+) -> np.ndarray:
+    """The array in bin ``key``, of at most ``max_items`` (0: ``limits.max_tokens``) items."""
     value = obj[key]
     if type(value) is not bytes:
         raise ProtocolError("bad_field", f"{key} must be bin, got {type(value).__name__}")
@@ -371,8 +410,9 @@ def _get_array(obj: dict[str, Any], key: str, dtype: np.dtype, limits: DecodeLim
             "bad_field", f"{key} has {len(value)} bytes, not a multiple of {dtype.itemsize}"
         )
     count = len(value) // dtype.itemsize
-    if count > limits.max_tokens:
-        raise ProtocolError("oversize", f"{key} has {count} > {limits.max_tokens} items")
+    bound = max_items or limits.max_tokens
+    if count > bound:
+        raise ProtocolError("oversize", f"{key} has {count} > {bound} items")
     # A copy: a writable, native-order array (frombuffer alone is a read-only view).
     return np.frombuffer(value, dtype=dtype).astype(_NATIVE[dtype])
 
@@ -401,12 +441,12 @@ def _check_token_ids(ids: np.ndarray, key: str, limits: DecodeLimits) -> None:
         )
 
 
-def _completion_from_wire(obj: Any, limits: DecodeLimits) -> Completion:
+def _completion_from_wire(obj: Any, limits: DecodeLimits, v2: bool) -> Completion:
     """Structure only (types, keys, lengths); the values are checked per group, vectorised, by
-    ``_check_completion_values``."""
+    ``_check_completion_values``. The episode fields are accepted in a v2 frame only."""
     if type(obj) is not dict:
         raise ProtocolError("bad_field", f"completion must be a map, got {type(obj).__name__}")
-    _check_keys(obj, _COMPLETION_KEYS, "completion")
+    _check_keys(obj, _COMPLETION_KEYS, "completion", _EPISODE_KEYS if v2 else frozenset())
     token_ids = _get_array(obj, "token_ids", _TOKEN_DTYPE, limits)  # [T]
     logprobs = _get_array(obj, "behaviour_logprobs", _LOGPROB_DTYPE, limits)  # [T]
     token_versions = _get_array(obj, "token_versions", _TOKEN_DTYPE, limits)  # [T]
@@ -419,18 +459,29 @@ def _completion_from_wire(obj: Any, limits: DecodeLimits) -> Completion:
     finished = obj["finished"]
     if type(finished) is not bool:
         raise ProtocolError("bad_field", f"finished must be bool, got {type(finished).__name__}")
+    turns = {  # the v2 turn arrays present
+        key: _get_array(obj, key, dtype, limits, limits.max_turns)
+        for key, dtype in (("turn_starts", _TOKEN_DTYPE), ("turn_rewards", _LOGPROB_DTYPE))
+        if key in obj
+    }
     return Completion(
         token_ids=token_ids,
         behaviour_logprobs=logprobs,
         token_versions=token_versions,
         reward=_get_finite_float(obj, "reward"),
         finished=finished,
+        turn_starts=turns.get("turn_starts"),
+        turn_rewards=turns.get("turn_rewards"),
+        stop=_get_str(obj, "stop", limits) if "stop" in obj else None,
     )
 
 
-def _check_completion_values(completions: list[Completion], limits: DecodeLimits) -> None:
-    """Token ids in the vocabulary, log-probs finite and <= 0, versions >= 0, for all the
-    completions of a group at once (one reduction per check instead of one per completion)."""
+def _check_completion_values(
+    completions: list[Completion], limits: DecodeLimits, group_version: int, v2: bool
+) -> None:
+    """Token ids in the vocabulary, log-probs finite and <= 0, versions >= 0 (v1) or the v2
+    rules (``episode_checks.episode_refusal``), for all the completions of a group at once (one
+    reduction per check instead of one per completion)."""
     if len(completions) == 1:
         ids, logprobs, versions = (
             completions[0].token_ids,
@@ -446,17 +497,14 @@ def _check_completion_values(completions: list[Completion], limits: DecodeLimits
         raise ProtocolError("non_finite", "behaviour_logprobs")
     if logprobs.size and float(logprobs.max()) > LOGPROB_TOLERANCE:
         raise ProtocolError("out_of_range", f"behaviour_logprobs max {float(logprobs.max())} > 0")
-    if versions.size and int(versions.min()) < 0:
+    if v2:
+        if (refusal := episode_refusal(completions, group_version)) is not None:
+            raise ProtocolError(*refusal)
+    elif versions.size and int(versions.min()) < 0:
         raise ProtocolError("out_of_range", "token_versions must be >= 0")
 
 
-def _completions_from_wire(objs: list[Any], limits: DecodeLimits) -> list[Completion]:
-    completions = [_completion_from_wire(c, limits) for c in objs]
-    _check_completion_values(completions, limits)
-    return completions
-
-
-def _group_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> TrajectoryGroup:
+def _group_from_wire(obj: dict[str, Any], limits: DecodeLimits, v2: bool) -> TrajectoryGroup:
     _check_keys(obj, _GROUP_KEYS, "group")
     prompt_ids = _get_array(obj, "prompt_ids", _TOKEN_DTYPE, limits)  # [P]
     _check_token_ids(prompt_ids, "prompt_ids", limits)
@@ -472,13 +520,16 @@ def _group_from_wire(obj: dict[str, Any], limits: DecodeLimits) -> TrajectoryGro
         raise ProtocolError(
             "oversize", f"{len(completions)} > {limits.max_completions} completions"
         )
+    version = _get_nonneg_int(obj, "version")
+    parsed = [_completion_from_wire(c, limits, v2) for c in completions]
+    _check_completion_values(parsed, limits, version, v2)
     return TrajectoryGroup(
         actor_id=_get_str(obj, "actor_id", limits),
         seq=_get_nonneg_int(obj, "seq"),
         prompt_id=_get_str(obj, "prompt_id", limits),
         prompt_ids=prompt_ids,
-        version=_get_nonneg_int(obj, "version"),
-        completions=_completions_from_wire(completions, limits),
+        version=version,
+        completions=parsed,
         stats=_get_stats(obj, limits),
     )
 
@@ -525,11 +576,14 @@ def _from_wire(obj: Any, limits: DecodeLimits) -> Message:
     if type(obj) is not dict:
         raise ProtocolError("not_map", f"top level is {type(obj).__name__}")
     version = obj.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError("wrong_version", f"v={version!r}, expected {PROTOCOL_VERSION}")
+    known = (PROTOCOL_VERSION, EPISODE_PROTOCOL_VERSION)
+    if type(version) is not int or version not in known:
+        raise ProtocolError("wrong_version", f"v={version!r}, expected one of {known}")
     kind = obj.get("type")
     if kind == MSG_GROUP:
-        return _group_from_wire(obj, limits)
+        return _group_from_wire(obj, limits, version == EPISODE_PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION and kind in (MSG_ACK, MSG_HEARTBEAT):
+        raise ProtocolError("wrong_version", f"{kind} frames are v{PROTOCOL_VERSION}")
     if kind == MSG_ACK:
         return _ack_from_wire(obj, limits)
     if kind == MSG_HEARTBEAT:

@@ -12,7 +12,8 @@ vocabulary, finite float64 numbers, int64 seqs and versions). Admission checks t
   within ``max_abs_reward`` (a 1e300 reward is a finite float64, an inf float32, and NaN in every
   weight one step later);
 - ``version_ahead``: neither the group's version nor any token's is newer than the learner's
-  latest version (a negative staleness is a producer bug or a forgery, never data).
+  latest version (a negative staleness is a producer bug or a forgery, never data); an
+  episode's not-sampled tokens (version -1, protocol v2) never count as newer.
 
 The same check runs on groups replayed from the write-ahead log and carried in a checkpoint, so
 a group that an older learner accepted and this one refuses is skipped and counted instead of
@@ -96,10 +97,11 @@ class Admission:
 
 
 def wire_limits(
-    vocab_size: int, admission: Admission, max_frame_bytes: int
+    vocab_size: int, admission: Admission, max_frame_bytes: int, max_turns: int = 0
 ) -> tuple[DecodeLimits, int]:
     """Decode limits for the learner's socket, derived from what a valid group of this run can
-    hold, and the largest frame its socket reads (``max_frame_bytes``).
+    hold, and the largest frame its socket reads (``max_frame_bytes``). ``max_turns``: the most
+    turns of a multi-turn episode (protocol v2; 0: ``DecodeLimits``'s default).
 
     Both the token and the completion bounds are twice the admitted ones, so a group that is a
     little too long or too large (a misconfigured actor) still decodes and is *refused* (acked,
@@ -110,10 +112,12 @@ def wire_limits(
     max_tokens = 2 * admission.max_seq_tokens
     max_completions = 2 * admission.group_size
     base = DecodeLimits(vocab_size=vocab_size)
-    # Token ids, behaviour log-probs and token versions are 4 bytes each per token; keys, the
-    # reward and msgpack headers are under 256 bytes per completion; stats are bounded by count
-    # and string length.
-    per_completion = 12 * max_tokens + 256
+    max_turns = max_turns or base.max_turns
+    # Token ids, behaviour log-probs and token versions are 4 bytes each per token; an episode's
+    # turn starts and turn rewards 4 bytes each per turn (a turn starts at a token, so there
+    # are at most max_tokens); keys, the reward, the stop reason and msgpack headers are under
+    # 256 bytes per completion; stats are bounded by count and string length.
+    per_completion = 12 * max_tokens + 8 * min(max_turns, max_tokens) + 256
     stats = base.max_stats_entries * (base.max_str_len + 16)
     valid = 4096 + 4 * max_tokens + max_completions * per_completion + stats
     frame_bytes = max(4096, min(max_frame_bytes, valid))
@@ -122,6 +126,7 @@ def wire_limits(
         max_frame_bytes=frame_bytes,
         max_completions=max_completions,
         max_tokens=max_tokens,
+        max_turns=max_turns,
         socket_frame_bytes=max(frame_bytes, max_frame_bytes),
     )
     return limits, limits.socket_bytes
