@@ -200,6 +200,21 @@ RECEIVER_REFUSED = "receiver/refused"
 RECEIVER_REFUSED_PREFIX = "receiver/refused/"
 RECEIVER_UNAUTHENTICATED = "receiver/unauthenticated"
 
+# Multi-turn episodes (actors/episodes; the runner is not wired into the actor yet): per batch,
+# model turns per episode, the share of an episode's completion tokens the environment wrote,
+# episodes by why they stopped (``env/stop/<reason>``) and environment failures by kind
+# (``env/failures/<crashed|timeout|invalid|raised>``), malformed actions, observations cut by
+# ``env.max_obs_chars``/``max_obs_tokens``, seconds in environment steps, and the share of the
+# decode loop's time it had no row to decode while environments answered.
+ENV_TURNS_MEAN = "env/turns_mean"
+ENV_TOKEN_FRAC = "env/env_token_frac"
+ENV_STOP_PREFIX = "env/stop/"
+ENV_FAILURES_PREFIX = "env/failures/"
+ENV_MALFORMED_ACTIONS = "env/malformed_actions"
+ENV_OBS_TRUNCATED = "env/obs_truncated"
+ENV_STEP_S = "env/step_s"
+ENV_DECODE_IDLE_FRAC = "env/decode_idle_frac"
+
 ALL = frozenset(
     value
     for name, value in dict(globals()).items()

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
-from common.config.checks import require
+from common.config.checks import check_env_bounds, require
+from common.config.env import EnvConfig
 from common.config.learner import LearnerConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
 from common.config.run import (
@@ -48,6 +49,7 @@ class SpecRLConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         self.spec = self.spec.for_engine(self.engine.name)  # spec.method=auto, per engine
@@ -96,6 +98,7 @@ class SpecRLConfig:
             f"task={self.task.name} needs model.path=HF_DIR or a real-model preset "
             "(model=smollm2-135m); the built-in tiny model only knows built-in tasks",
         )
+        check_env_bounds(self.env, self.learner, self.engine)
 
 
 def config_dir() -> Path:

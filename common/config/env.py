@@ -1,0 +1,133 @@
+"""The ``env`` section: multi-turn episodes against an environment (``env.name``), the budgets of
+a turn and of an episode, how observations are capped and rendered, and what an environment
+failure costs. Empty ``env.name``: single-turn, as before (every other field is then unused).
+
+The turn loop itself is not wired into the actor yet: the section is validated and documented so
+that the chat bridge (``common/chat_bridge.py``) and the environment interface
+(``actors/episodes``) read typed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config.checks import require, require_at_least, require_choice, require_positive
+
+TURN_LENGTH_MODES = ("close", "end")
+"""``env.turn_length``: a turn cut by ``env.max_turn_tokens`` gets the end-of-turn token(s) as
+environment tokens and the episode goes on (``close``), or the episode ends (``end``)."""
+OBS_ROLES = ("user", "tool")
+"""``env.obs_role``: the chat role a text observation is rendered in."""
+ENV_FAILURE_MODES = ("drop_group", "zero")
+"""``env.on_failure``: an episode whose environment crashed, hung or answered garbage drops its
+whole group, or keeps its sampled tokens and gets ``env.failure_reward``."""
+CHECK_BRIDGE_MODES = ("first", "always", "off")
+"""``env.check_bridge``: probe the chat bridge against full re-renders once at start, at every
+bridge (debugging), or not at all."""
+BUILTIN_ENVS = ("lookup",)
+"""``env.name`` values that name a built-in environment (``actors/episodes/builtin.py``)."""
+
+
+def env_spec_refusal(spec: str) -> str | None:
+    """Why ``spec`` cannot name an environment (the form only), or None: a built-in name, or
+    ``<module or file.py>:<Class>``."""
+    if spec in BUILTIN_ENVS:
+        return None
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        return (
+            f"env.name={spec!r}: expected a built-in environment ({', '.join(BUILTIN_ENVS)}) or "
+            "<module or file.py>:<Class>, e.g. my_envs:GuessNumber or envs/guess.py:GuessNumber"
+        )
+    if not name.isidentifier():
+        return f"env.name={spec!r}: {name!r} is not a class name"
+    if not target.endswith(".py") and not all(p.isidentifier() for p in target.split(".")):
+        return f"env.name={spec!r}: {target!r} is neither a .py file nor a dotted module name"
+    return None
+
+
+@dataclass
+class EnvConfig:
+    name: str = ""
+    """The environment of multi-turn episodes: ``""`` (single-turn, no environment), a built-in
+    (``lookup``), or ``<module>:<Class>`` / ``<file.py>:<Class>`` (your Gymnasium-shaped text
+    environment: ``reset(*, seed, options)``, ``step(action)``, sync or async)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = 8
+    """Model turns per episode, at most."""
+    max_turn_tokens: int = 64
+    """Tokens one model turn may sample."""
+    max_total_tokens: int = 2048
+    """Prompt + every turn + every observation of one episode, at most."""
+    max_obs_tokens: int = 512
+    """Tokens of one environment step's observation content; longer: the head is kept and a
+    truncation marker appended."""
+    max_obs_chars: int = 16384
+    """Characters of one observation message, capped before tokenising: the head is kept and
+    ``…[truncated N chars]`` appended."""
+    turn_length: str = "close"
+    """A turn cut by ``env.max_turn_tokens``: ``close`` (the end-of-turn token(s) are appended as
+    environment tokens and the episode goes on) or ``end`` (the episode ends unfinished)."""
+    obs_role: str = "user"
+    """Chat role a text observation is rendered in: ``user`` or ``tool``."""
+    workers: int = 2
+    """Worker processes that run the environment; 0: in the actor's process (built-ins)."""
+    step_timeout_s: float = 30.0
+    """An environment ``step`` still running after this long fails its episode (``timeout``)."""
+    reset_timeout_s: float = 60.0
+    """An environment ``reset`` still running after this long fails its episode (``timeout``)."""
+    episode_timeout_s: float = 600.0
+    """An episode still running after this long fails (``timeout``)."""
+    on_failure: str = "drop_group"
+    """An episode whose environment crashed, hung, raised or returned something invalid:
+    ``drop_group`` (its group is not sent, counted) or ``zero`` (it keeps its sampled tokens and
+    gets ``env.failure_reward``, counted)."""
+    failure_reward: float = 0.0
+    """``env.on_failure=zero``: the reward of a failed episode."""
+    check_bridge: str = "first"
+    """Probe the chat template's turn-by-turn bridge against full re-renders: ``first`` (once
+    at start; a template that rewrites history stops the actor), ``always`` (also every
+    bridge, for debugging) or ``off``."""
+
+    def __post_init__(self) -> None:
+        if self.name:
+            refusal = env_spec_refusal(self.name)
+            require(refusal is None, str(refusal))
+        require(
+            all(isinstance(k, str) for k in self.kwargs),
+            f"env.kwargs must map names to values, got {dict(self.kwargs)!r}",
+        )
+        require_at_least("env", self, max_turns=1, max_turn_tokens=1, workers=0)
+        require_at_least("env", self, max_obs_tokens=1, max_obs_chars=1)
+        require(
+            self.max_turn_tokens <= self.max_total_tokens,
+            f"env.max_turn_tokens={self.max_turn_tokens} must be <= "
+            f"env.max_total_tokens={self.max_total_tokens}",
+        )
+        require(
+            self.max_obs_tokens < self.max_total_tokens,
+            f"env.max_obs_tokens={self.max_obs_tokens} must be below "
+            f"env.max_total_tokens={self.max_total_tokens}",
+        )
+        require_choice("env.turn_length", self.turn_length, TURN_LENGTH_MODES)
+        require_choice("env.obs_role", self.obs_role, OBS_ROLES)
+        require_choice("env.on_failure", self.on_failure, ENV_FAILURE_MODES)
+        require_choice("env.check_bridge", self.check_bridge, CHECK_BRIDGE_MODES)
+        require_positive("env", self, "step_timeout_s", "reset_timeout_s", "episode_timeout_s")
+        require(
+            self.step_timeout_s <= self.episode_timeout_s
+            and self.reset_timeout_s <= self.episode_timeout_s,
+            f"env.step_timeout_s={self.step_timeout_s} and env.reset_timeout_s="
+            f"{self.reset_timeout_s} must be <= env.episode_timeout_s={self.episode_timeout_s}",
+        )
+        require(
+            self.failure_reward == self.failure_reward and abs(self.failure_reward) < float("inf"),
+            f"env.failure_reward must be a finite number, got {self.failure_reward}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether episodes are multi-turn (an environment is named)."""
+        return bool(self.name)
