@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from common.config import SpecRLConfig, load_config
 from common.config.actor import ActorConfig
 from common.config.gpu_profile import UnusualLearningRate
+from common.config.memory_fit import FitError
 from common.config.run import RunConfig, is_loopback_host
-from common.gpu_start import Role, prepare
+from common.process_start import Role, check_saved, prepare, remember
 
 PUBLISH_HOST_ENV = "SPECRL_PUBLISH_HOST"
 """The host interface the compose files publish the learner's and Redis' ports on (Docker's
@@ -98,23 +99,31 @@ def run_main(
 ) -> int:
     """A process entry point: ``run(cfg)`` on the config of ``argv`` (default: the command line);
     exit status 0 (help printed, or ``run`` returned). ``description`` heads the help (an entry
-    module passes its docstring). ``role`` (``learner``, ``actor``): on CUDA, the GPU profile's
-    defaults first (:func:`common.gpu_start.prepare`; nothing without CUDA). Run from its own
-    command line, the process first makes itself non-dumpable (:func:`make_non_dumpable`) and
-    creates what it writes (the run directory, checkpoints, logs) for its user alone (umask 077,
-    as ``specrl run`` does for its children)."""
+    module passes its docstring). ``role`` (``learner``, ``actor``): the resolve step
+    (:func:`common.process_start.prepare`) runs once: here for an actor, in ``setup`` for the
+    learner (which needs its memory first); a config it refuses (an unusual learning rate, a
+    learner that cannot fit) exits with the reason; when ``run`` returns, the config is checked
+    against the resolved one saved in the run directory. Run from its own command line, the
+    process first makes itself non-dumpable (:func:`make_non_dumpable`) and creates what it
+    writes (the run directory, checkpoints, logs) for its user alone (umask 077, as ``specrl
+    run`` does for its children)."""
     if role is not None and argv is None:  # the learner's or an actor's own process
         make_non_dumpable()
         os.umask(0o077)
     overrides = sys.argv[1:] if argv is None else argv
     cfg = parse(overrides, prog, description or "")
-    if cfg is not None:
-        if role is not None:
-            try:
-                prepare(cfg, overrides, role)
-            except UnusualLearningRate as e:
-                raise SystemExit(f"{prog}: invalid configuration: {e}") from e
+    if cfg is None:
+        return 0
+    try:
+        if role == "actor":
+            prepare(cfg, overrides, role)
+        elif role == "learner":
+            remember(overrides)
         run(cfg)
+    except (UnusualLearningRate, FitError) as e:
+        raise SystemExit(f"{prog}: invalid configuration: {e}") from e
+    if role is not None:
+        check_saved(cfg, role)
     return 0
 
 

@@ -23,6 +23,7 @@ from common.link.receive.wal import WalWriter
 from common.link.transport import DEFAULT_HWM
 from common.model import attach_draft
 from common.model_args import Layout
+from common.process_start import prepare
 from common.tokenizer import Tokenizer, load_tokenizer
 from learner.batch import RewardShaping, TrainBatch, has_signal
 from learner.checkpoint import (
@@ -53,7 +54,7 @@ from learner.policy import (
     set_activation_checkpointing,
     unwrap,
 )
-from learner.prepare.fit_check import fit_learner
+from learner.prepare.fit_check import memory_facts
 from learner.prepare.warm_start import ensure_model
 from learner.step import make_optimizer, train_step, warm_up_lr
 
@@ -103,8 +104,10 @@ def setup(
         model_dir = ensure_model(cfg)
         if dist is not None and dist.is_main:
             dist.barrier()
-    # Memory settings that fit the device (learner.profile), or a refusal: before any model.
-    fit_learner(cfg, model_dir, device, dist)
+    # The resolve step, once, now that the memory is known: the GPU profile, the precision
+    # fallback and the memory settings that fit the device (learner.profile), or a refusal;
+    # before any model is built.
+    prepare(cfg, None, "learner", memory_facts(cfg, model_dir, device, dist))
     dtype = param_dtype(lcfg.precision)
     opt_tensors, param_groups = {}, []
     if ckpt is not None and dist is None:

@@ -212,6 +212,7 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
                     f"learner address {address!r}: port {port} is taken (another specrl run? "
                     "leave learner.address unset and a free port is picked)"
                 )
+    preflight_resolve(cfg, overrides)
     port = cfg.learner.metrics_port
     if (
         _given(overrides, "learner.metrics_port")
@@ -222,6 +223,31 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
             f"learner.metrics_port={port}: the port is taken "
             "(leave it unset and a free port is picked, or -1 turns /metrics off)"
         )
+
+
+def preflight_resolve(cfg: SpecRLConfig, overrides: list[str]) -> None:
+    """The resolve step each process will run (``common/config/resolve.py``), on this host's
+    facts, so a config it refuses (an unusual learning rate, a learner that cannot fit its
+    device) stops the run here. The learner's memory is checked where its model directory is
+    already there (``model.path``, a built preset); ``specrl run`` starts one learner rank."""
+    import torch
+
+    from common.config.gpu_profile import UnusualLearningRate
+    from common.config.memory_fit import FitError
+    from common.config.resolve import resolve
+    from common.process_start import gather_facts
+    from learner.prepare.fit_check import memory_facts
+
+    memory = None
+    model_dir = Path(cfg.model.path) if cfg.model.path else None
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        memory = memory_facts(cfg, model_dir, device)
+    for role in ("learner", "actor"):
+        try:
+            resolve(cfg, gather_facts(cfg, role, memory if role == "learner" else None), overrides)
+        except (UnusualLearningRate, FitError, ValueError) as e:
+            raise PreflightError(f"{role}: {e}") from e
 
 
 def assign_ports(cfg: SpecRLConfig, overrides: list[str], run_dir: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """``specrl plan``: memory per GPU of the learner and of an actor, estimated from an HF config.
 
-Learner: :func:`learner.prepare.fit_check.learner_plan`, the estimate the learner itself checks at
+Learner: :func:`common.config.memory_fit.learner_plan`, the estimate the learner itself checks at
 start (``learner.profile``); its docstring gives the formulas. ``--memory-gib M`` also prints
 the settings ``learner.profile=auto`` picks on devices of M GiB, or why nothing fits.
 
@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 from common.config import SpecRLConfig
+from common.config.memory_fit import FitError, GiB, Shape, Workload, choose, describe, learner_plan
 from common.config.modes import ENGINE_NAMES, PRECISIONS
 from common.model_args import HFLayout, layout_from_hf_config
-from learner.prepare.fit_check import FitError, GiB, Shape, Workload, choose, describe, learner_plan
 
 __all__ = ["Shape", "actor_plan", "learner_plan", "main"]
 

@@ -22,7 +22,7 @@ real-model preset) the learner and each actor on a GPU start instead from:
 
 :func:`gpu_profile` is a pure function of (the model's ``config.json``, its
 ``generation_config.json``, the devices, the task's facts, the run's config, the keys the user
-set), so a CPU tests it; ``common/gpu_start.py`` gathers those at start, applies the result and
+set), so a CPU tests it; ``common/process_start.py`` gathers those at start, resolves (``common/config/resolve.py``) and
 logs it as a table of ``setting = value (why)``. Without CUDA it is never called.
 
 A key the user set (:func:`explicit_keys`: named on the command line, or composed to a value

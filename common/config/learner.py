@@ -224,7 +224,7 @@ class LearnerConfig:
     """Recompute each decoder layer in backward instead of keeping its activations."""
     profile: LearnerProfile = "auto"
     """The four settings above against the device's memory, estimated at start from the model's
-    config with ``specrl plan``'s formulas (``learner/prepare/fit_check.py``). ``auto``: kept when they
+    config with ``specrl plan``'s formulas (``common/config/memory_fit.py``). ``auto``: kept when they
     fit, else those still at their defaults become more frugal (a micro-batch budget,
     bf16-mixed, activation checkpointing, smaller budgets and log-prob chunks) until they fit;
     ``manual``: as given. Both refuse to start, with the estimate, when nothing fits. ``off``:

@@ -1,4 +1,4 @@
-"""The GPU profile (common/config/gpu_profile.py) and its start-up path (common/gpu_start.py):
+"""The GPU profile (common/config/gpu_profile.py) and its start-up path (common/process_start.py, the resolve step):
 the defaults it picks for a header-only Qwen2.5-7B and a 135M model on an H100, a user's value
 kept, an unusual learning rate refused or warned about, and nothing changed without CUDA."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import gpu_start
+from common import process_start
 from common.config import SpecRLConfig, load_config, to_yaml
 from common.config.gpu_profile import (
     Devices,
@@ -227,7 +227,7 @@ def test_cpu_start_changes_nothing(tmp_path, monkeypatch):
     not, learner or actor, and no file of the model read."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     read = []
-    monkeypatch.setattr(gpu_start, "read_json", lambda p: read.append(p))
+    monkeypatch.setattr(process_start, "read_json", lambda p: read.append(p))
     args = [f"model.path={qwen_dir(tmp_path)}", "engine=vllm", "learner.lr=3e-4"]
     for role in ("learner", "actor"):
         seen: list[SpecRLConfig] = []
@@ -236,20 +236,31 @@ def test_cpu_start_changes_nothing(tmp_path, monkeypatch):
     assert read == []
     tiny = load_config([])
     before = to_yaml(tiny)
-    assert gpu_start.prepare(tiny, [], "learner") is None
+    assert process_start.prepare(tiny, [], "learner").profile is None
     assert to_yaml(tiny) == before
 
 
 def on_an_h100(monkeypatch) -> None:
-    monkeypatch.setattr(gpu_start, "describe_devices", lambda cfg, role: H100)
-    monkeypatch.setattr(gpu_start, "task_facts", lambda cfg, model_dir: MATH_LIKE)
+    monkeypatch.setattr(process_start, "describe_devices", lambda cfg, role: H100)
+    monkeypatch.setattr(process_start, "task_facts", lambda cfg, model_dir: MATH_LIKE)
+
+
+def learner_run(seen: list[SpecRLConfig]):
+    """The learner's run as far as the resolve step: ``setup`` resolves once its memory is
+    known (here: none, as with ``learner.profile=off``), with the command line run_main kept."""
+
+    def run(cfg: SpecRLConfig) -> None:
+        process_start.prepare(cfg, None, "learner")
+        seen.append(cfg)
+
+    return run
 
 
 def test_gpu_start_applies_each_roles_sections(tmp_path, monkeypatch, capsys):
     on_an_h100(monkeypatch)
     args = [f"model.path={qwen_dir(tmp_path)}", "engine=vllm", "learner.precision=fp32"]
     seen: list[SpecRLConfig] = []
-    run_main(args, "specrl-learner", "", seen.append, role="learner")
+    run_main(args, "specrl-learner", "", learner_run(seen), role="learner")
     run_main(args, "specrl-actor", "", seen.append, role="actor")
     learner, actor = seen
     assert (learner.learner.lr, learner.learner.precision) == (1e-6, "fp32")  # fp32: yours
@@ -265,9 +276,9 @@ def test_gpu_start_applies_each_roles_sections(tmp_path, monkeypatch, capsys):
     assert "learner.lr              = 1e-06 (7.62B parameters" in logged
     refused = [f"model.path={qwen_dir(tmp_path / 'again')}", "learner.lr=3e-4"]
     with pytest.raises(SystemExit, match=r"specrl-learner: invalid configuration: learner.lr="):
-        run_main(refused, "specrl-learner", "", seen.append, role="learner")
+        run_main(refused, "specrl-learner", "", learner_run(seen), role="learner")
     off = [*refused, "run.gpu_profile=false"]
-    run_main(off, "specrl-learner", "", seen.append, role="learner")
+    run_main(off, "specrl-learner", "", learner_run(seen), role="learner")
     assert seen[-1].learner.lr == 3e-4
 
 
@@ -275,22 +286,22 @@ def test_each_process_logs_the_warnings_of_its_sections(tmp_path, monkeypatch, c
     """The learner of the compose recipe has engine=torch in its config (ACTOR_ARGS set
     engine=vllm for the actors only): the torch engine's EOS warning is not its to log."""
     on_an_h100(monkeypatch)
-    caplog.set_level(logging.WARNING, logger="common.gpu_start")
+    caplog.set_level(logging.WARNING, logger="common.process_start")
     args = [f"model.path={qwen_dir(tmp_path)}"]
-    gpu_start.prepare(load_config(args), args, "learner")
+    process_start.prepare(load_config(args), args, "learner")
     assert "engine=torch stops on" not in caplog.text
-    gpu_start.prepare(load_config(args), args, "actor")
+    process_start.prepare(load_config(args), args, "actor")
     assert "engine=torch stops on the tokenizer's EOS only" in caplog.text
 
 
 def test_a_gpu_node_on_the_tiny_model_says_what_it_runs(monkeypatch, caplog):
     on_an_h100(monkeypatch)
-    caplog.set_level(logging.WARNING, logger="common.gpu_start")
+    caplog.set_level(logging.WARNING, logger="common.process_start")
     cfg = load_config([])
     before = to_yaml(cfg)
-    assert gpu_start.prepare(cfg, [], "actor") is None
+    assert process_start.prepare(cfg, [], "actor").profile is None
     assert not caplog.records  # said once, by the learner
-    assert gpu_start.prepare(cfg, [], "learner") is None
+    assert process_start.prepare(cfg, [], "learner").profile is None
     [record] = caplog.records
     for part in ("built-in tiny model", "torch engine", "one GPU", "compose_gpu.py", "--model-dir"):
         assert part in record.message
@@ -309,13 +320,13 @@ def test_task_facts_tokenize_the_longest_prompts_as_the_actors_do(tmp_path):
     prompts = ["Tom has 3 apples.", "A train travels 60 miles in 2 hours. " * 6, "Mia reads."]
     data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
     cfg = load_config(["task=dataset", f"task.path={data}", f"model.path={model}"])
-    facts = gpu_start.task_facts(cfg, model)
+    facts = process_start.task_facts(cfg, model)
     encode = prompt_encoder(HFTokenizer(model), "auto", "", dataset=True)
     assert facts.max_prompt_tokens == max(len(encode(p)) for p in prompts)
     assert facts.max_prompt_tokens > len(encode(prompts[0])) + 20  # the chat template counted
     assert facts.max_new_tokens == 256  # the data set task's default
     missing = replace(cfg.task, path=str(tmp_path / "gone.jsonl"))
-    assert gpu_start.task_facts(replace(cfg, task=missing), model).max_prompt_tokens == 0
+    assert process_start.task_facts(replace(cfg, task=missing), model).max_prompt_tokens == 0
 
 
 def test_learning_rate_warm_up_ramps_the_policy_group_only():

@@ -12,10 +12,7 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.tasks import task_from_config
-from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
-from learner.distributed import DistContext
-from learner.prepare.fit_check import (
+from common.config.memory_fit import (
     USABLE_FRACTION,
     FitError,
     GiB,
@@ -24,11 +21,14 @@ from learner.prepare.fit_check import (
     Workload,
     choose,
     estimate,
-    fit_learner,
-    host_available,
     learner_plan,
     user_set,
 )
+from common.process_start import prepare
+from common.tasks import task_from_config
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from learner.distributed import DistContext
+from learner.prepare.fit_check import host_available, memory_facts
 from learner.prepare.warm_start import tiny_model_args
 from ops.cli import main as cli_main
 
@@ -104,8 +104,12 @@ def test_auto_fits_7b_on_four_80gib_devices_and_the_learner_takes_the_settings(t
     # At start (rank 0 of 4; the memory is given, so no collective runs): the learner's config
     # now holds the picked settings, which setup() and every train_step read.
     rank0 = DistContext(rank=0, world=4, local_rank=0, device=CPU)
-    assert fit_learner(cfg, qwen_dir(tmp_path), CPU, rank0) is not None
+    memory = memory_facts(cfg, qwen_dir(tmp_path), CPU, rank0)
+    assert memory is not None and memory.ranks == 4
+    resolution = prepare(cfg, [], "learner", memory)
     assert Profile.of(cfg.learner) == fit.profile
+    assert {c.layer for c in resolution.changes} == {"memory"}
+    assert "learner memory (profile auto, changed to fit)" in resolution.notes[0]
 
 
 def test_tiny_default_is_unchanged(tmp_path):
@@ -115,15 +119,17 @@ def test_tiny_default_is_unchanged(tmp_path):
     args = tiny_model_args(cfg, tokenizer, task_from_config(cfg.task))
     (tmp_path / "config.json").write_text(json.dumps(args.to_hf_config()))
     assert (host_available() or 0) > 0
-    fit = fit_learner(cfg, tmp_path, CPU)  # measured: this host's available RAM
-    assert fit is not None and fit.available > 0
+    memory = memory_facts(cfg, tmp_path, CPU)  # measured: this host's available RAM
+    assert memory is not None and memory.available > 0
+    assert [c for c in prepare(cfg, [], "learner", memory).changes if c.layer == "memory"] == []
     assert cfg.learner == before
+    fit = choose(memory.shape, Workload.of(cfg, memory.shape, 1), cfg.learner, memory.available)
     assert fit.profile == Profile("fp32", 0, False, 1024)
     # Its worst-case whole batch (128 rows of the model's 128-token context) needs well under
     # 1 GiB: nothing changes there either.
     assert fit.plan["total"] < 0.5 * GiB
     cfg.learner.device_memory_gib = 1
-    assert fit_learner(cfg, tmp_path, CPU).profile == Profile.of(before)
+    prepare(cfg, [], "learner", memory_facts(cfg, tmp_path, CPU))
     assert Profile.of(cfg.learner) == Profile.of(before)
 
 
@@ -155,7 +161,7 @@ def test_user_settings_are_kept(tmp_path):
         choose(SHAPE, Workload.of(cfg, SHAPE, 4), cfg.learner, 80 * GiB)
     # off: no estimate, nothing changed (even on a device of 1 GiB).
     cfg = load_config(["learner.profile=off", "learner.device_memory_gib=1"])
-    assert fit_learner(cfg, qwen_dir(tmp_path), CPU) is None
+    assert memory_facts(cfg, qwen_dir(tmp_path), CPU) is None
     assert Profile.of(cfg.learner) == Profile("fp32", 0, False, 1024)
 
 

@@ -8,14 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from common import metric_names as mn
 from common.config import load_config
-from common.model_args import ModelArgs
-from learner.batch import collate
-from learner.microbatch import plan_microbatches, row_lengths
-from learner.prepare.fit_check import (
+from common.config.memory_fit import (
     USABLE_FRACTION,
     GiB,
     Profile,
@@ -25,7 +23,11 @@ from learner.prepare.fit_check import (
     ladder,
     user_set,
 )
+from common.model_args import ModelArgs
+from learner.batch import collate
+from learner.microbatch import plan_microbatches, row_lengths
 from learner.wiring import setup, train_on
+from ops.launcher import PreflightError, preflight
 from testing.groups import make_groups
 from testing.own_model import build_model
 from testing.shapes import QWEN25_7B
@@ -58,12 +60,27 @@ def test_learner_entry_point_refuses_before_building_the_model(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0
-    assert "FitError: the learner does not fit in device memory" in proc.stderr, proc.stderr
+    assert "specrl-learner: invalid configuration: the learner does not fit in device memory" in (
+        proc.stderr
+    ), proc.stderr
     assert "16.0 GiB available (learner.device_memory_gib), 14.4 GiB usable" in proc.stderr
     assert "weights 28.4 + gradients 28.4 + AdamW 56.7" in proc.stderr
     assert "load_policy" not in proc.stderr and "safetensors" not in proc.stderr
     assert sorted(p.name for p in model.iterdir()) == ["config.json"]
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_specrl_runs_preflight_refuses_with_the_same_resolve_step(tmp_path):
+    """``specrl run`` resolves each process's config on its own host first (the same function
+    the learner calls at start): the 7.6B config on a 16 GiB device stops the run there."""
+    model = tmp_path / "qwen7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN_7B.to_hf_config()))
+    overrides = [f"model.path={model}", "learner.device_memory_gib=16"]
+    with pytest.raises(PreflightError, match=r"learner: the learner does not fit in device memory"):
+        preflight(load_config(overrides), overrides)
+    fits = [f"model.path={model}", "learner.device_memory_gib=4096"]
+    preflight(load_config(fits), fits)
 
 
 def test_setup_trains_with_the_settings_auto_picked(tmp_path):
