@@ -249,6 +249,12 @@ class NgramDrafter:
     the row's own latest occurrence, else the other rows of its prompt in row-id order (each its
     latest occurrence), else the history. :meth:`propose` applies the same rule to contexts
     indexed from scratch (``tests/unit/actors`` checks that both give the same drafts).
+
+    The key rows and history are found under is the prompt's (``generate``) or the task's
+    (``serve``: a turn's ``draft_key``, since siblings' histories differ after their first turn;
+    a turn's context is the episode's whole history, so an environment's output, a tool's
+    answer, is a draft source too). ``serve`` never begins a new call: it drops each row when
+    its turn is delivered (:meth:`drop_row`) and remembers each episode once, when it ends.
     """
 
     history_prompts = 4096  # prompts whose earlier completions are kept (LRU)
@@ -305,6 +311,20 @@ class NgramDrafter:
             insort(group, row)
         self._rows[row] = (prompt_key, [], {})
         self.extend(row, context)
+
+    def drop_row(self, row: int) -> None:
+        """Stop following row ``row`` (its turn is over): it drafts and is drafted from no more."""
+        held = self._rows.pop(row, None)
+        if held is None:
+            return
+        group = self._groups[held[0]]
+        group.remove(row)
+        if not group:
+            del self._groups[held[0]]
+
+    def rows(self) -> int:
+        """How many rows are followed."""
+        return len(self._rows)
 
     def extend(self, row: int, tokens: Sequence[int]) -> None:
         """Append tokens to a row: each gives a successor to the n-grams that end before it."""

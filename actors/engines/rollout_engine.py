@@ -12,6 +12,8 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 import torch
 
+from actors.engines.turns import TurnCallback, TurnSource
+
 
 @dataclass
 class Rollout:
@@ -78,6 +80,21 @@ class RolloutEngine(Protocol):
         done: as soon as they are (continuous batching), or at the latest before returning."""
         ...
 
+    def serve(
+        self,
+        source: TurnSource,
+        weight_source: WeightSource | None = None,
+        on_turn: TurnCallback | None = None,
+    ) -> None:
+        """Answer the turn requests of multi-turn episodes (:mod:`actors.engines.turns`) until
+        ``source`` is closed and every turn taken is done, on the calling thread (the decode
+        thread). Requests join the batch between decoding steps; ``on_turn(result)`` is called
+        once per request, when its turn is final (verified, if weights changed while it was in
+        flight), and must not block. ``weight_source`` is polled between steps, and while no
+        turn is in flight (every episode waiting on its environment). The torch engine
+        implements it; the vLLM engine raises ``NotImplementedError`` (a later issue)."""
+        ...
+
     def stats(self, reset: bool = True) -> dict[str, float]:
         """Counters since the last reset (namespaced, e.g. ``actor/tokens_per_s``); resets them
         unless ``reset`` is False (a mid-call read, e.g. from ``on_group``)."""
@@ -101,6 +118,18 @@ class EngineBase(ABC):
     @abstractmethod
     def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
         """The engine's own :meth:`generate`."""
+
+    def serve(
+        self,
+        source: TurnSource,
+        weight_source: WeightSource | None = None,
+        on_turn: TurnCallback | None = None,
+    ) -> None:
+        """See :meth:`RolloutEngine.serve`; an engine without a turn-request stream refuses."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no turn-request stream (serve) yet: multi-turn episodes "
+            f"run on the torch engine (engine.name=torch)"
+        )
 
     @contextmanager
     def greedy(self) -> Iterator[None]:

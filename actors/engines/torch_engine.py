@@ -1,6 +1,8 @@
 """Rollout engine on the repository's own transformer: continuous batching over a paged KV cache
 (docs/design.md §2.4), plain or self-speculative decoding (§2.1), and weight updates applied to
-rollouts in flight (§3).
+rollouts in flight (§3), for ``generate`` calls and for the turn-request stream of multi-turn
+episodes (``serve``, :mod:`actors.engines.turns`): both run the same decoding step
+(:meth:`TorchEngine._step`).
 
 A row enters the batch with its prompt minus the last token in the cache (one prefill forward
 per prompt, copied to the other completions of the prompt, or copied from a sibling still in the
@@ -17,25 +19,37 @@ verifies, the start of the completion like any other step.
 
 from __future__ import annotations
 
+import itertools
+import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from operator import attrgetter
 
-import numpy as np
 import torch
 
 from actors.draft_length import DraftLength
 from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
-from actors.engines.rollout_engine import EngineBase, GenerateCall, Rollout, prompt_key
+from actors.engines.rollout_engine import (
+    EngineBase,
+    GenerateCall,
+    Rollout,
+    WeightSource,
+    prompt_key,
+)
 from actors.engines.torch_decode import Decoder
 from actors.engines.torch_eagle import concat_aux, copy_states, restart_states
 from actors.engines.torch_rows import Batch, Call, Policy, Row, Sampling
 from actors.engines.torch_swap import WeightSwapper
+from actors.engines.turns import EpisodeDone, TurnCallback, TurnSource
 from actors.paged_cache import PagedKVCache
 from common.config.actor import ActorConfig, SpecConfig
 from common.config.modes import EAGLE_METHODS
 from common.model import Transformer
+
+IDLE_POLL_S = 0.01
+"""``serve`` with no row in the batch: how long it waits for a turn request between two polls
+of the weight source."""
 
 
 def adaptive_draft_length(
@@ -124,7 +138,6 @@ class TorchEngine(EngineBase):
             self.sampling,
             self.decoder,
             inflight=inflight,
-            eos_id=eos_id,
             pad_id=pad_id,
             device=self.device,
             dtype=self.dtype,
@@ -160,8 +173,9 @@ class TorchEngine(EngineBase):
         started = time.perf_counter()
         if self.ngram is not None:
             self.ngram.begin()
+        stop = frozenset({self.eos_id})
         rows = [
-            Row(i * n + j, i, list(p), prompt_key(p), max_new_tokens)
+            Row(i * n + j, i, list(p), prompt_key(p), max_new_tokens, stop, share=i)
             for i, p in enumerate(prompts)
             for j in range(n)
         ]
@@ -181,22 +195,96 @@ class TorchEngine(EngineBase):
             remaining=[n] * len(prompts),
             results=[None] * len(prompts),
             pending=deque(rows),
+            limit=limit,
         )
         with self.batch.running(call, started):
             while call.pending or call.active:
-                self._admit(call, limit)
-                done = self._advance(call, self.decoder.step(call.active))
-                for row in self.swapper.verify_finished(call, done):
-                    self._retire(call, row)
-                if weight_source is not None and (call.pending or call.active):
-                    update = weight_source()
-                    if update is not None:
-                        self._swap(call, update)
+                self._step(call, weight_source)
             self.swapper.release_unused([])
             if static:
                 for group in range(len(prompts)):
                     self._deliver(call, group)
         return [r if r is not None else [] for r in call.results]
+
+    @torch.inference_mode()
+    def serve(
+        self,
+        source: TurnSource,
+        weight_source: WeightSource | None = None,
+        on_turn: TurnCallback | None = None,
+    ) -> None:
+        """See :meth:`RolloutEngine.serve`. Requests join the batch between decoding steps as
+        rows free up (``max_rows``); a turn is a row whose prompt is the history, so new weights
+        apply to the open turns as ``inflight`` says, and a turn admitted after a swap is
+        prefilled, history and all, under the new weights (no KV is kept across turns)."""
+        if self.static_batching:
+            raise ValueError("serve needs continuous batching: static_batching=False")
+        if on_turn is None:
+            raise ValueError("serve needs on_turn: the finished turns go nowhere else")
+        if self.ngram is not None:
+            self.ngram.begin()
+        limit = sys.maxsize if self.max_rows is None else self.max_rows
+        call = Call([], 1, False, 0, None, [], [], on_turn=on_turn, limit=limit)
+        ids = itertools.count()
+        with self.batch.running(call, time.perf_counter()):
+            while True:
+                closed = source.closed  # read first: what was queued before it is taken below
+                self._take(call, source, ids)
+                if call.pending or call.active:
+                    self._step(call, weight_source)
+                elif closed:
+                    break
+                else:  # every episode waits on its environment (or none has started)
+                    if weight_source is not None:
+                        self._poll(call, weight_source)
+                    waited = time.perf_counter()
+                    source.wait(IDLE_POLL_S)
+                    call.callback_s += time.perf_counter() - waited
+            self.swapper.release_unused([])
+
+    def _take(self, call: Call, source: TurnSource, ids: Iterator[int]) -> None:
+        """Queue the source's requests as rows, as many as there are free rows; an episode's end
+        makes its stream an n-gram history source."""
+        free = max(call.limit - len(call.active) - len(call.pending), 0)
+        for item in source.take(free):
+            if isinstance(item, EpisodeDone):
+                if self.ngram is not None:
+                    self.ngram.remember(item.draft_key, item.sequence)
+                continue
+            item.check()
+            row_id = next(ids)
+            # First turns of a group share their prompt's KV; a later turn's history is its own
+            # (siblings' histories differ after their first turn).
+            first = item.first_turn
+            share = ("first", item.group, tuple(item.prompt_ids)) if first else ("turn", row_id)
+            row = Row(
+                row_id,
+                item.group,
+                list(item.prompt_ids),
+                item.draft_key,
+                item.max_new_tokens,
+                frozenset(item.stop_ids),
+                share=share,
+                request_id=item.request_id,
+            )
+            call.live[row.id] = row
+            call.pending.append(row)
+
+    def _step(self, call: Call, weight_source: WeightSource | None) -> None:
+        """One decoding step of the batch, ``generate`` and ``serve`` alike: newcomers join,
+        every row emits, rows that are done retire (after ``verify_on_finish`` verified them),
+        then new weights, if published, apply to the rows in flight."""
+        self._admit(call)
+        done = self._advance(call, self.decoder.step(call.active))
+        for row in self.swapper.verify_finished(call, done):
+            self._retire(call, row)
+        if weight_source is not None and (call.pending or call.active):
+            self._poll(call, weight_source)
+
+    def _poll(self, call: Call, weight_source: WeightSource) -> None:
+        update = weight_source()
+        if update is not None:
+            self._swap(call, update)
 
     def _swap(self, call: Call, update: tuple[int, Mapping[str, torch.Tensor]]) -> None:
         """New weights mid-call: the swapper applies them to the rows in flight, the rows its
@@ -212,13 +300,13 @@ class TorchEngine(EngineBase):
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, call: Call, limit: int) -> None:
+    def _admit(self, call: Call) -> None:
         """Fill free rows of the batch from the queue: each newcomer gets its prompt (minus the
         last token) in the cache, computed once per prompt or copied from a sibling."""
         new: list[Row] = []
         pending, active, cache = call.pending, call.active, self.batch.cache
         most = len(pending) if call.static or not self.max_admit else self.max_admit
-        while pending and len(active) + len(new) < limit and len(new) < most:
+        while pending and len(active) + len(new) < call.limit and len(new) < most:
             new.append(pending.popleft())
         if not new:
             return
@@ -230,17 +318,17 @@ class TorchEngine(EngineBase):
                 row.prefix = row.prompt[:-1]
             self._enter(new, active)
             return
-        donors: dict[int, Row] = {}
+        donors: dict[Hashable, Row] = {}  # by share key: rows whose prompts are the same
         for row in active:
             if row.kv_version == self.version and row.head_ok:
-                donors.setdefault(row.group, row)
+                donors.setdefault(row.share, row)
         prefill: list[Row] = []
         copies: list[tuple[Row, Row]] = []
         for row in new:
             cache.reserve(row.id, call.reserve if call.static else len(row.prompt))
-            donor = donors.get(row.group)
+            donor = donors.get(row.share)
             if donor is None:
-                donors[row.group] = row
+                donors[row.share] = row
                 if len(row.prompt) > 1:
                     prefill.append(row)
             else:
@@ -278,7 +366,7 @@ class TorchEngine(EngineBase):
         done, keep = [], []
         for row, (tokens, logprobs) in zip(call.active, emitted, strict=True):
             before = len(row.tokens)
-            if row.emit(tokens, logprobs, self.version, self.eos_id):
+            if row.emit(tokens, logprobs, self.version):
                 done.append(row)
                 continue
             row.last = row.tokens[-1]
@@ -292,9 +380,19 @@ class TorchEngine(EngineBase):
         return done
 
     def _retire(self, call: Call, row: Row) -> None:
-        """A done row frees its blocks; its group goes out when it was the last one."""
+        """A done row frees its blocks; its group goes out when it was the last one (serve: its
+        turn goes out, and the row is forgotten)."""
         self.batch.cache.release(row.id)
         row.head_aux = []  # states for the EAGLE-3 head it will not draft with
+        if call.on_turn is not None:
+            del call.live[row.id]
+            if self.ngram is not None:
+                self.ngram.drop_row(row.id)
+            self.batch.counters.tokens += len(row.tokens)
+            started = time.perf_counter()
+            call.on_turn(row.turn())
+            call.callback_s += time.perf_counter() - started
+            return
         call.remaining[row.group] -= 1
         if call.remaining[row.group] == 0 and not call.static:
             self._deliver(call, row.group)
@@ -306,14 +404,7 @@ class TorchEngine(EngineBase):
             if self.ngram is not None:
                 self.ngram.remember(row.key, row.prompt + row.tokens)
             self.batch.counters.tokens += len(row.tokens)  # delivered, not counting discarded
-            rollouts.append(
-                Rollout(
-                    token_ids=np.asarray(row.tokens, dtype=np.int32),
-                    behaviour_logprobs=np.asarray(row.logprobs, dtype=np.float32),
-                    token_versions=np.asarray(row.versions, dtype=np.int32),
-                    finished=row.finished,
-                )
-            )
+            rollouts.append(row.rollout())
         call.results[group] = rollouts
         if call.on_group is not None:
             started = time.perf_counter()

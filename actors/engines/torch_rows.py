@@ -1,6 +1,6 @@
 """The torch engine's state, which its parts (:mod:`actors.engines.torch_engine`) share: the
-weights in use (:class:`Policy`), how tokens are drawn (:class:`Sampling`), one completion
-(:class:`Row`), one ``generate`` call (:class:`Call`), one decoding step's output
+weights in use (:class:`Policy`), how tokens are drawn (:class:`Sampling`), one completion or
+turn (:class:`Row`), one ``generate`` or ``serve`` call (:class:`Call`), one decoding step's output
 (:class:`Emitted`), the counters behind ``TorchEngine.stats`` (:class:`Counters`) and the batch
 state that holds the cache, the counters and the call in progress (:class:`Batch`)."""
 
@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN
 from actors.engines.rollout_engine import Rollout
+from actors.engines.turns import TurnResult
 from actors.paged_cache import PagedKVCache
 from actors.speculative import SpecResult
 from common import metric_names as mn
@@ -43,13 +45,18 @@ class Sampling:
 
 @dataclass
 class Row:
-    """One completion: its tokens so far and, while in the batch, its decoding state."""
+    """One completion (``generate``) or turn (``serve``): its tokens so far and, while in the
+    batch, its decoding state."""
 
-    id: int  # prompt index * n + sample index: the order of the result
+    id: int  # generate: prompt index * n + sample index, the order of the result; serve: unique
     group: int  # prompt index
-    prompt: list[int]
-    key: str
+    prompt: list[int]  # serve: the episode's whole history
+    key: str  # n-gram drafting: the prompt's key (generate), the task's draft_key (serve)
     budget: int
+    stop_ids: frozenset[int] = frozenset()  # the row ends at the first of these it emits
+    # Rows with equal share keys have the same prompt: one's prompt KV may be copied to another.
+    share: Hashable = None
+    request_id: int = -1  # serve: the TurnRequest's id
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # Policy version of every token (mixed only in keep and verify_on_finish, before verification)
@@ -78,34 +85,51 @@ class Row:
         """Auxiliary states waiting for the EAGLE-3 head (``head_aux``)."""
         return sum(int(a.shape[0]) for a in self.head_aux)
 
-    def emit(
-        self, tokens: Sequence[int], logprobs: Sequence[float], version: int, eos_id: int
-    ) -> bool:
-        """Append tokens up to EOS or the budget; True when the row is done."""
+    def emit(self, tokens: Sequence[int], logprobs: Sequence[float], version: int) -> bool:
+        """Append tokens up to a stop id or the budget (accepted drafts after it are dropped);
+        True when the row is done."""
         for token, lp in zip(tokens, logprobs, strict=True):
             self.tokens.append(int(token))
             self.logprobs.append(float(lp))
             self.versions.append(version)
-            if token == eos_id:
+            if token in self.stop_ids:
                 self.finished = True
                 return True
             if len(self.tokens) >= self.budget:
                 return True
         return False
 
-    def replace(
-        self, tokens: Sequence[int], logprobs: Sequence[float], version: int, eos_id: int
-    ) -> bool:
+    def replace(self, tokens: Sequence[int], logprobs: Sequence[float], version: int) -> bool:
         """Set the row's tokens (after verification); True when the row is done."""
         self.tokens, self.logprobs, self.versions = [], [], []
         self.finished = False
-        return self.emit(tokens, logprobs, version, eos_id)
+        return self.emit(tokens, logprobs, version)
+
+    def rollout(self) -> Rollout:
+        """The finished completion (``generate``)."""
+        return Rollout(
+            token_ids=np.asarray(self.tokens, dtype=np.int32),
+            behaviour_logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            token_versions=np.asarray(self.versions, dtype=np.int32),
+            finished=self.finished,
+        )
+
+    def turn(self) -> TurnResult:
+        """The finished turn (``serve``)."""
+        return TurnResult(
+            request_id=self.request_id,
+            token_ids=np.asarray(self.tokens, dtype=np.int32),
+            behaviour_logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            token_versions=np.asarray(self.versions, dtype=np.int32),
+            stop="stop_id" if self.finished else "length",
+        )
 
 
 @dataclass
 class Call:
     """One ``generate`` call: its rows, those waiting to be admitted (``pending``, in order) and
-    those in the batch (``active``)."""
+    those in the batch (``active``); or one ``serve`` call (``on_turn`` set), whose rows are in
+    ``live`` until their turn is delivered (``rows`` stays empty: only live rows are kept)."""
 
     rows: list[Row]
     n: int
@@ -114,9 +138,13 @@ class Call:
     on_group: Callable[[int, list[Rollout]], None] | None
     remaining: list[int]  # per group: completions not done yet
     results: list[list[Rollout] | None]
+    # Time not spent generating: in callbacks, and (serve) waiting for turn requests.
     callback_s: float = 0.0
     pending: deque[Row] = field(default_factory=deque)
     active: list[Row] = field(default_factory=list)
+    on_turn: Callable[[TurnResult], None] | None = None  # serve: a turn is final
+    live: dict[int, Row] = field(default_factory=dict)  # serve: the rows not delivered yet
+    limit: int = 1  # the most rows in the batch at once
 
 
 @dataclass(frozen=True)
@@ -293,7 +321,7 @@ class Batch:
         try:
             yield
         finally:
-            for row in call.rows:
+            for row in (*call.rows, *call.live.values()):
                 self.cache.release(row.id)
             self.live = None
             self.counters.gen_time_s += time.perf_counter() - started - call.callback_s

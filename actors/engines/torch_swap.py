@@ -39,7 +39,6 @@ class WeightSwapper:
         decoder: Decoder,
         *,
         inflight: str,
-        eos_id: int,
         pad_id: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -48,7 +47,7 @@ class WeightSwapper:
         eagle: EagleDrafter | None = None,
     ) -> None:
         self.policy, self.batch, self.sampling, self.decoder = policy, batch, sampling, decoder
-        self.inflight, self.eos_id, self.pad_id = inflight, eos_id, pad_id
+        self.inflight, self.pad_id = inflight, pad_id
         self.device, self.dtype = device, dtype
         self.early_exit, self.ngram, self.eagle = early_exit, ngram, eagle
         self.kept: dict[int, Transformer] = {}  # older versions still needed to verify tokens
@@ -141,7 +140,7 @@ class WeightSwapper:
             # Back to the head of the queue, in order: they start again with the new weights.
             for row in reversed(active):
                 counters.wasted_tokens += len(row.tokens)
-                row.replace([], [], version, self.eos_id)
+                row.replace([], [], version)
                 self.batch.cache.release(row.id)
                 call.pending.appendleft(row)
             active.clear()
@@ -220,7 +219,7 @@ class WeightSwapper:
             accepted = verified.accepted[j]
             counters.count_stale(verified.gaps[j], accepted)
             row.kv_version = version
-            if row.replace(verified.tokens[j], verified.logprobs[j], version, self.eos_id):
+            if row.replace(verified.tokens[j], verified.logprobs[j], version):
                 done.append(row)
                 continue
             if self.ngram is not None:
