@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from actors.engines.rollout_engine import Rollout, RolloutEngine
+from actors.episodes.runner import EpisodeRunner, episode_runner
 from actors.evaluation import Evaluator
 from actors.exporter import ActorExporter
 from actors.rewards.scoring import (
@@ -123,6 +125,7 @@ class GroupSubmitter:
     ) -> None:
         self.phases, self.problems, self.prompts, self.sender = phases, problems, prompts, sender
         self.stopped = False
+        self._lock = threading.Lock()
 
     def __call__(self, index: int, rollouts: list[Rollout]) -> None:
         if self.stopped:
@@ -138,20 +141,29 @@ class GroupSubmitter:
         if group.stats.get(mn.REWARD_FAILED) and phases.cfg.task.reward_on_failure == "drop_group":
             phases.stats.groups_dropped += 1  # task.reward_on_failure=drop_group: never sent
             return
-        # Per-group copies of the rollout figures so far (not reset): the learner averages them
-        # per step, which gives acceptance against policy version.
-        engine_stats = phases.engine.stats(reset=False).items()
-        group.stats = {**group.stats, **{k: v for k, v in engine_stats if group_stat(k)}}
-        if not submit_until_stopped(self.sender, group, phases.stop):
-            self.stopped = True
-            return
-        if phases.ledger is not None:
-            phases.ledger.write(
-                {"actor_id": phases.actor_id, "seq": group.seq, "event": "submitted"}
-            )
-        phases.stats.groups_sent += 1
-        phases.stats.reward_sum += sum(c.reward for c in group.completions)
-        phases.stats.completions += len(group.completions)
+        self.send(group)
+
+    def send(self, group: TrajectoryGroup) -> None:
+        """Submit a scored group (an episode runner's too, from its threads): the rollout
+        figures so far join its stats, then it waits out backpressure; nothing after a stop."""
+        phases = self.phases
+        with self._lock:
+            if self.stopped:
+                return
+            # Per-group copies of the rollout figures so far (not reset): the learner averages
+            # them per step, which gives acceptance against policy version.
+            engine_stats = phases.engine.stats(reset=False).items()
+            group.stats = {**group.stats, **{k: v for k, v in engine_stats if group_stat(k)}}
+            if not submit_until_stopped(self.sender, group, phases.stop):
+                self.stopped = True
+                return
+            if phases.ledger is not None:
+                phases.ledger.write(
+                    {"actor_id": phases.actor_id, "seq": group.seq, "event": "submitted"}
+                )
+            phases.stats.groups_sent += 1
+            phases.stats.reward_sum += sum(c.reward for c in group.completions)
+            phases.stats.completions += len(group.completions)
 
 
 def submit_until_stopped(sender: GroupSender, group: TrajectoryGroup, should_stop) -> bool:
@@ -193,6 +205,8 @@ class ActorPhases:
     """What scores completions: the reward pool of ``task.reward``, else (None) the task's own."""
     evaluator: Evaluator | None = None
     """The held-out evaluation this actor runs (``eval.every``, ``eval.actor``), if any."""
+    episodes: EpisodeRunner | None = None
+    """The turn loop of multi-turn episodes (``env.name``), instead of single-turn prompts."""
 
     def __post_init__(self) -> None:
         if self.scorer is None:
@@ -236,6 +250,8 @@ class ActorPhases:
         and sent as soon as its G completions are done. Returns the version the batch started on."""
         cfg = self.cfg
         batch_version = self.engine.version
+        if self.episodes is not None:
+            return self.run_episodes(sender, batch_version)
         problems = self.task.sample(self.rng, cfg.actor.prompts_per_batch)
         prompts = [self.encode(p.prompt) for p in problems]
         submit = GroupSubmitter(self, problems, prompts, sender)
@@ -249,6 +265,19 @@ class ActorPhases:
             )
         except GenerationStopped:
             log.info("actor %s: stop requested; left the batch in flight", self.actor_id)
+        return batch_version
+
+    def run_episodes(self, sender: GroupSender, batch_version: int) -> int:
+        """Phases 2 and 3 with an environment: ``prompts_per_batch`` problems (one seed each,
+        shared by the siblings), ``group_size`` episodes each, each group sent once its
+        episodes end (actors/episodes/runner.py)."""
+        cfg = self.cfg
+        seeds = [self.rng.randrange(2**31) for _ in range(cfg.actor.prompts_per_batch)]
+        submit = GroupSubmitter(self, [], [], sender)
+        try:
+            self.episodes.run_batch(seeds, cfg.actor.group_size, self.weight_source, submit.send)
+        except GenerationStopped:
+            log.info("actor %s: stop requested; left the episodes in flight", self.actor_id)
         return batch_version
 
     def wait_for_learner(self, batch_version: int) -> None:
@@ -304,6 +333,7 @@ class ActorPhases:
             mn.ACTOR_REWARD_FAILURES: self.scorer.failures(),
             mn.ACTOR_REWARD_GROUPS_DROPPED: stats.groups_dropped,
             **(self.evaluator.latest if self.evaluator is not None else {}),
+            **(self.episodes.counts if self.episodes is not None else {}),
         }
         sender.set_status(self.engine.version, status)
         self.exporter.update(
@@ -336,7 +366,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         return stats
     scorer = pool_scorer or TaskScorer(parts.task)
     evaluator = None
-    if cfg.eval.every and cfg.actor.index == cfg.eval.actor:
+    if cfg.eval.every and cfg.actor.index == cfg.eval.actor and not cfg.env.name:
         evaluator = Evaluator(
             cfg.eval,
             held_out_problems(parts.task, cfg.eval.prompts, cfg.eval.seed),
@@ -363,6 +393,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         reader=parts.store,
         scorer=scorer,
         evaluator=evaluator,
+        episodes=episode_runner(cfg, parts.engine, parts.tokenizer) if cfg.env.name else None,
     )
     try:
         with group_sender(

@@ -103,6 +103,25 @@ def run_module(
     )
 
 
+def specrl_run(name: str, overrides: Sequence[str], run_dir: Path | None) -> tuple[Path, dict]:
+    """``specrl run OVERRIDES`` in ``runs/bench/NAME`` (a fresh run named ``bench-NAME``), or
+    nothing when ``run_dir`` names a finished run to read; the run directory and what to record
+    of it (the command, or the directory read)."""
+    if run_dir is not None:
+        return run_dir, {"run_dir": str(run_dir)}
+    run_dir = ROOT / "runs" / "bench" / name
+    args = [*overrides, f"run.dir={run_dir}", f"run.name=bench-{name}", "learner.resume=false"]
+    command = "specrl run " + " ".join(args)
+    print(command, "...", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "ops.cli", "run", *args],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return run_dir, {"run_command": command}
+
+
 def target(name: str, value: float, goal: float) -> dict[str, Any]:
     """A headline figure with its goal (a floor): ``name``, ``target_name``, ``target_met``."""
     return {name: value, f"target_{name}": goal, "target_met": value >= goal}

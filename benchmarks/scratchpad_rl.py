@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -98,23 +97,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=15.0, help="the run's wall time")
     parser.add_argument("--run-dir", type=Path, help="read this finished run; start none")
     opts = parser.parse_args()
-    info: dict = {}
-    if opts.run_dir is None:
-        run_dir = ROOT / "runs" / "bench" / "scratchpad-rl"
-        overrides = [
-            *RUN_OVERRIDES,
-            f"run.max_wall_s={opts.minutes * 60:g}",
-            f"run.dir={run_dir}",
-            "run.name=bench-scratchpad-rl",
-            "learner.resume=false",
-        ]
-        cmd = [sys.executable, "-m", "ops.cli", "run", *overrides]
-        info["run_command"] = "specrl run " + " ".join(overrides)
-        print(info["run_command"], "...", flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    else:
-        run_dir = opts.run_dir
-        info["run_dir"] = str(run_dir)
+    overrides = [*RUN_OVERRIDES, f"run.max_wall_s={opts.minutes * 60:g}"]
+    run_dir, info = cli.specrl_run("scratchpad-rl", overrides, opts.run_dir)
     out = figures(run_dir)
     out = {**info, "machine": f"{os.cpu_count()} CPUs, {cli.cpu_model()}", **out}
     for key, value in out.items():

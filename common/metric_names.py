@@ -15,7 +15,10 @@ VERIFY_GROUP = "verify/"
 # (``reward/<name>``) and the calls that gave no reward (``reward/failed``, ``..._<kind>``).
 REWARD_PREFIX = "reward/"
 REWARD_FAILED = "reward/failed"
-ROLLOUT_GROUPS = (SPEC_GROUP, VERIFY_GROUP, REWARD_PREFIX)
+# An episode's figures per group (actors/episodes/runner.py): ``env/turns_mean``,
+# ``env/token_frac`` (below).
+ENV_GROUP = "env/"
+ROLLOUT_GROUPS = (SPEC_GROUP, VERIFY_GROUP, REWARD_PREFIX, ENV_GROUP)
 
 # Evaluation on held-out problems during training (actors/evaluation.py): an actor's figures of
 # the version it evaluated, passed on by the learner in the step record after they arrive.
@@ -200,20 +203,25 @@ RECEIVER_REFUSED = "receiver/refused"
 RECEIVER_REFUSED_PREFIX = "receiver/refused/"
 RECEIVER_UNAUTHENTICATED = "receiver/unauthenticated"
 
-# Multi-turn episodes (actors/episodes; the runner is not wired into the actor yet): per batch,
+# Multi-turn episodes (actors/episodes/runner.py): per batch,
 # model turns per episode, the share of an episode's completion tokens the environment wrote,
 # episodes by why they stopped (``env/stop/<reason>``) and environment failures by kind
 # (``env/failures/<crashed|timeout|invalid|raised>``), malformed actions, observations cut by
 # ``env.max_obs_chars``/``max_obs_tokens``, seconds in environment steps, and the share of the
 # decode loop's time it had no row to decode while environments answered.
 ENV_TURNS_MEAN = "env/turns_mean"
-ENV_TOKEN_FRAC = "env/env_token_frac"
+ENV_TOKEN_FRAC = "env/token_frac"
 ENV_STOP_PREFIX = "env/stop/"
 ENV_FAILURES_PREFIX = "env/failures/"
 ENV_MALFORMED_ACTIONS = "env/malformed_actions"
 ENV_OBS_TRUNCATED = "env/obs_truncated"
 ENV_STEP_S = "env/step_s"
 ENV_DECODE_IDLE_FRAC = "env/decode_idle_frac"
+ENV_RESET_MISMATCH = "env/reset_mismatch"
+"""Groups refused before decoding: their siblings' first observations differ."""
+ENV_GROUPS_DROPPED = "env/groups_dropped"
+"""Groups not sent: an environment failed (``env.on_failure=drop_group``) or one failed before
+its first turn."""
 
 ALL = frozenset(
     value

@@ -248,12 +248,13 @@ _TASKS_ELSEWHERE: dict[str, tuple[str, str]] = {
     "dataset": ("common.dataset_task", "DatasetTask"),
     "jsonl": ("common.dataset_task", "JsonlTask"),
     "word_problems": ("common.word_problems", "WordProblemsTask"),
+    "lookup": ("common.lookup", "LookupTask"),
 }
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
     """Build the task called ``name`` (``reverse``, ``addition``, ``scratchpad``, ``dataset``,
-    ``jsonl``, ``word_problems``)."""
+    ``jsonl``, ``word_problems``, ``lookup``)."""
     task_cls: Any = TASKS.get(name)
     if name in _TASKS_ELSEWHERE:
         module, cls_name = _TASKS_ELSEWHERE[name]

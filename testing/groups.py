@@ -26,14 +26,20 @@ def make_groups(vocab: int, n: int = 3, g: int = 4, version: int = 0) -> list[Tr
                     finished=bool(j % 2),
                 )
             )
-        groups.append(
-            TrajectoryGroup(
-                actor_id="a",
-                seq=i,
-                prompt_id=f"p{i}",
-                prompt_ids=rng.integers(3, vocab, int(rng.integers(2, 5))).astype(np.int32),
-                version=version,
-                completions=completions,
-            )
-        )
+        groups.append(group_of(rng, i, completions, vocab, version))
     return groups
+
+
+def group_of(
+    rng: np.random.Generator, i: int, completions: list[Completion], vocab: int, version: int
+) -> TrajectoryGroup:
+    """Group ``i`` of actor ``a`` holding ``completions``, with a random prompt of 2 to 4
+    tokens in 3..``vocab``-1."""
+    return TrajectoryGroup(
+        actor_id="a",
+        seq=i,
+        prompt_id=f"p{i}",
+        prompt_ids=rng.integers(3, vocab, int(rng.integers(2, 5))).astype(np.int32),
+        version=version,
+        completions=completions,
+    )

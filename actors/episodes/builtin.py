@@ -1,6 +1,6 @@
 """Built-in environments, named by ``env.name`` (:data:`BUILTIN`).
 
-``lookup`` (the CPU test task of the built-in char model): the prompt names a two-letter key
+``lookup`` (the CPU test task of the built-in char model, ``common/lookup.py``): the prompt names a two-letter key
 (``find qz>``); the tool call ``get qz`` returns the key's value, six digits drawn from the
 episode's seed (``=483920>``); the answer is the value itself. Anything else is a malformed
 action (``=bad>``, ``info["malformed"]``) and the model may try again, up to ``max_turns``
@@ -11,12 +11,10 @@ environment's tokens. Every character is in ``common.tokenizer.BUILTIN_ALPHABET`
 from __future__ import annotations
 
 import random
-import string
 from collections.abc import Mapping
 from typing import Any
 
-BAD = "=bad>"
-"""The observation after a malformed action."""
+from common.lookup import BAD, CALL, PROMPT, RESULT, draw
 
 
 class LookupEnv:
@@ -38,11 +36,9 @@ class LookupEnv:
 
     def reset(self, *, seed: int, options: Mapping[str, Any] | None = None) -> tuple[str, dict]:
         """A new problem drawn from ``seed`` alone (siblings that share it get the same one)."""
-        rng = random.Random(seed)
-        self.key = "".join(rng.choice(string.ascii_lowercase) for _ in range(2))
-        self.value = "".join(rng.choice(string.digits) for _ in range(self.digits))
+        self.key, self.value = draw(random.Random(seed), self.digits)
         self.turns = 0
-        return f"find {self.key}>", {"key": self.key}
+        return PROMPT.format(self.key), {"key": self.key}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         if not self.key:
@@ -50,8 +46,8 @@ class LookupEnv:
         self.turns += 1
         text = action.strip()
         out_of_turns = self.turns >= self.max_turns
-        if text == f"get {self.key}":
-            return f"={self.value}>", 0.0, False, out_of_turns, {"malformed": False}
+        if text == CALL.format(self.key):
+            return RESULT.format(self.value), 0.0, False, out_of_turns, {"malformed": False}
         if text.isdigit():
             return "", self._reward(text), True, False, {"malformed": False}
         return BAD, 0.0, False, out_of_turns, {"malformed": True}

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config.actor import ActorConfig, EngineConfig, SpecConfig
-from common.config.checks import check_env_bounds, require
-from common.config.env import EnvConfig
+from common.config.checks import require
+from common.config.env import EnvConfig, check_env_bounds
 from common.config.learner import LearnerConfig
 from common.config.modes import VLLM_INFLIGHT_MODES
 from common.config.run import (

@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from common.config.actor import EngineConfig
-    from common.config.env import EnvConfig
-    from common.config.learner import LearnerConfig
 
 
 def require(ok: bool, message: str) -> None:
@@ -45,27 +39,3 @@ def require_ordered(section: str, obj: object, low: str, high: str) -> None:
 def check_port(name: str, port: int) -> None:
     """A port field: a port number, 0 (any free one) or -1 (off)."""
     require(-1 <= port <= 65535, f"{name} must be a port, 0 (any free one) or -1 (off), got {port}")
-
-
-def check_env_bounds(env: EnvConfig, learner: LearnerConfig, engine: EngineConfig) -> None:
-    """An episode the actor may build is one the learner admits and the engine can hold: with an
-    environment, ``env.max_total_tokens`` is at most ``learner.max_seq_tokens`` (when set) and,
-    on vLLM, ``engine.vllm_max_model_len``; ``env.failure_reward`` is within
-    ``learner.max_abs_reward``."""
-    if not env.enabled:
-        return
-    require(
-        not learner.max_seq_tokens or env.max_total_tokens <= learner.max_seq_tokens,
-        f"env.max_total_tokens={env.max_total_tokens} must be <= learner.max_seq_tokens="
-        f"{learner.max_seq_tokens}: the learner would refuse the longest episode as too_long",
-    )
-    require(
-        engine.name != "vllm" or env.max_total_tokens <= engine.vllm_max_model_len,
-        f"env.max_total_tokens={env.max_total_tokens} must be <= engine.vllm_max_model_len="
-        f"{engine.vllm_max_model_len}: vLLM could not hold the longest episode",
-    )
-    require(
-        abs(env.failure_reward) <= learner.max_abs_reward,
-        f"env.failure_reward={env.failure_reward} must be within learner.max_abs_reward="
-        f"{learner.max_abs_reward}: the learner would refuse the failed episode's group",
-    )

@@ -2,17 +2,20 @@
 a turn and of an episode, how observations are capped and rendered, and what an environment
 failure costs. Empty ``env.name``: single-turn, as before (every other field is then unused).
 
-The turn loop itself is not wired into the actor yet: the section is validated and documented so
-that the chat bridge (``common/chat_bridge.py``) and the environment interface
-(``actors/episodes``) read typed values.
+The actor's turn loop (``actors/episodes/runner.py``) reads it, as do the chat bridge
+(``common/chat_bridge.py``) and the environment interface (``actors/episodes/env.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config.checks import require, require_at_least, require_choice, require_positive
+
+if TYPE_CHECKING:
+    from common.config.actor import EngineConfig
+    from common.config.learner import LearnerConfig
 
 TURN_LENGTH_MODES = ("close", "end")
 """``env.turn_length``: a turn cut by ``env.max_turn_tokens`` gets the end-of-turn token(s) as
@@ -72,8 +75,9 @@ class EnvConfig:
     environment tokens and the episode goes on) or ``end`` (the episode ends unfinished)."""
     obs_role: str = "user"
     """Chat role a text observation is rendered in: ``user`` or ``tool``."""
-    workers: int = 2
-    """Worker processes that run the environment; 0: in the actor's process (built-ins)."""
+    workers: int = 0
+    """Worker processes that run the environment; 0: threads of the actor's process (trusted
+    environments, such as the built-ins). Worker processes are not built yet: only 0 is taken."""
     step_timeout_s: float = 30.0
     """An environment ``step`` still running after this long fails its episode (``timeout``)."""
     reset_timeout_s: float = 60.0
@@ -131,3 +135,37 @@ class EnvConfig:
     def enabled(self) -> bool:
         """Whether episodes are multi-turn (an environment is named)."""
         return bool(self.name)
+
+
+def check_env_bounds(env: EnvConfig, learner: LearnerConfig, engine: EngineConfig) -> None:
+    """An episode the actor may build is one the learner admits and the engine can hold: with an
+    environment, ``env.max_total_tokens`` is at most ``learner.max_seq_tokens`` (when set) and,
+    on vLLM, ``engine.vllm_max_model_len``; ``env.failure_reward`` is within
+    ``learner.max_abs_reward``."""
+    if not env.enabled:
+        return
+    require(
+        engine.name == "torch",
+        f"env.name={env.name!r} runs episodes on the torch engine (its turn-request stream); "
+        f"got engine={engine.name}",
+    )
+    require(
+        env.workers == 0,
+        f"env.workers={env.workers}: environment worker processes are not built yet; "
+        "env.workers=0 runs the environment in the actor's process (trusted code only)",
+    )
+    require(
+        not learner.max_seq_tokens or env.max_total_tokens <= learner.max_seq_tokens,
+        f"env.max_total_tokens={env.max_total_tokens} must be <= learner.max_seq_tokens="
+        f"{learner.max_seq_tokens}: the learner would refuse the longest episode as too_long",
+    )
+    require(
+        engine.name != "vllm" or env.max_total_tokens <= engine.vllm_max_model_len,
+        f"env.max_total_tokens={env.max_total_tokens} must be <= engine.vllm_max_model_len="
+        f"{engine.vllm_max_model_len}: vLLM could not hold the longest episode",
+    )
+    require(
+        abs(env.failure_reward) <= learner.max_abs_reward,
+        f"env.failure_reward={env.failure_reward} must be within learner.max_abs_reward="
+        f"{learner.max_abs_reward}: the learner would refuse the failed episode's group",
+    )

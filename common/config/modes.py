@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-TaskName = Literal["reverse", "addition", "scratchpad", "word_problems", "dataset", "jsonl"]
+TaskName = Literal[
+    "reverse", "addition", "scratchpad", "word_problems", "lookup", "dataset", "jsonl"
+]
 """``task.name``: the built-in tasks, then the two names of the data-set task."""
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 DATASET_TASKS: tuple[TaskName, ...] = ("dataset", "jsonl")

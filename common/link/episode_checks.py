@@ -17,12 +17,24 @@ docs/design.md §5.1.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from common.link.protocol import Completion
+
+class Completion(Protocol):
+    """What these checks read of a ``common.link.protocol.Completion`` (named structurally, so
+    this module imports nothing of the codec that calls it)."""
+
+    token_ids: np.ndarray
+    behaviour_logprobs: np.ndarray
+    token_versions: np.ndarray
+    reward: float
+    finished: bool
+    turn_starts: np.ndarray | None
+    turn_rewards: np.ndarray | None
+    stop: str | None
+
 
 ENV_VERSION: Final[int] = -1
 """``token_versions`` value of a token the policy did not sample."""

@@ -87,19 +87,30 @@ def tiny_model_args(cfg: SpecRLConfig, tokenizer: Tokenizer, task: Task) -> Mode
 def supervised_batch(
     task: Task, tokenizer: Tokenizer, rng: random.Random, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``BOS prompt demonstration EOS``; loss mask [B, S-1] on the completion only."""
+    """Rows ``BOS prompt demonstration EOS``; loss mask [B, S-1] on the completion only. A
+    multi-turn task's demonstration is segments (``demonstration_segments``: the model's turns,
+    each followed by EOS, and the environment's spans, masked)."""
     rows = []
+    segmented = hasattr(task, "demonstration_segments")
     for problem in task.sample(rng, n):
         prompt = encode_prompt(tokenizer, problem.prompt)
-        # The wording of a worked answer is drawn with rng (tasks with only one way ignore it).
-        completion = [*tokenizer.encode(task.demonstration(problem, rng)), tokenizer.eos_id]
-        rows.append((prompt, completion))
-    seq_len = max(len(p) + len(c) for p, c in rows)
+        if segmented:
+            completion, trained = [], []
+            for text, model_turn in task.demonstration_segments(problem, rng):
+                ids = [*tokenizer.encode(text), *([tokenizer.eos_id] if model_turn else [])]
+                completion += ids
+                trained += [float(model_turn)] * len(ids)
+        else:
+            # The wording of a worked answer is drawn with rng (tasks with one way ignore it).
+            completion = [*tokenizer.encode(task.demonstration(problem, rng)), tokenizer.eos_id]
+            trained = [1.0] * len(completion)
+        rows.append((prompt, completion, trained))
+    seq_len = max(len(p) + len(c) for p, c, _ in rows)
     ids = torch.full((n, seq_len), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros((n, seq_len - 1))
-    for i, (p, c) in enumerate(rows):
+    for i, (p, c, t) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
+        mask[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(t)
     return ids, mask
 
 

@@ -5,6 +5,7 @@ fit's most frugal settings (the memory layer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,18 +13,9 @@ import yaml
 
 from common import metric_names as mn
 from common.config import load_config
-from common.config.memory_fit import (
-    USABLE_FRACTION,
-    GiB,
-    Profile,
-    Shape,
-    Workload,
-    estimate,
-    ladder,
-    user_set,
-)
+from common.config import memory_fit as fit
 from common.process_start import CPU_BF16_ENV
-from testing.pipeline import Pipeline, wait_exit, warm_model
+from testing.pipeline import Pipeline, warm_model
 
 pytestmark = pytest.mark.integration
 
@@ -35,17 +27,19 @@ def model_dir(tmp_path_factory):
     return warm_model(tmp_path_factory.mktemp("model"), steps=40)
 
 
-def frugal_memory(overrides: list[str], model_dir) -> tuple[Profile, float]:
+def frugal_memory(overrides: list[str], model_dir) -> tuple[fit.Profile, float]:
     """The memory fit's last rung for this run with fp32 kept (slow bf16), and a device size
     (GiB) that it fits and the rung before it does not."""
     cfg = load_config(overrides)
-    shape = Shape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    work = Workload.of(cfg, shape, ranks=1)
-    rungs = ladder(shape, work, Profile.of(cfg.learner), user_set(cfg.learner) | {"precision"})
+    shape = fit.Shape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    work = fit.Workload.of(cfg, shape, ranks=1)
+    rungs = fit.ladder(
+        shape, work, fit.Profile.of(cfg.learner), fit.user_set(cfg.learner) | {"precision"}
+    )
     frugal = rungs[-1]
-    need = estimate(shape, work, frugal)["total"]
-    assert estimate(shape, work, rungs[-2])["total"] > need + 4096
-    return frugal, (need + 1024) / USABLE_FRACTION / GiB
+    need = fit.estimate(shape, work, frugal)["total"]
+    assert fit.estimate(shape, work, rungs[-2])["total"] > need + 4096
+    return frugal, (need + 1024) / fit.USABLE_FRACTION / fit.GiB
 
 
 def body(path) -> dict:
@@ -64,11 +58,7 @@ def test_every_process_runs_the_config_it_saved(tmp_path, redis_server, model_di
     assert frugal.precision == "fp32" and frugal.max_tokens_per_microbatch > 0
     pipeline.overrides.append(f"learner.device_memory_gib={memory_gib!r}")
     asked = load_config(pipeline.overrides)
-    try:
-        learner = pipeline.start(actors=1)
-        assert wait_exit(learner, 300, pipeline) == 0, pipeline.log_tail("learner")
-    finally:
-        pipeline.stop_all()
+    pipeline.run_to_end(actors=1, timeout_s=300)
     assert pipeline.actors[0].returncode == 0, pipeline.log_tail("actor-0")
 
     resolved = tmp_path / "resolved"
@@ -76,13 +66,10 @@ def test_every_process_runs_the_config_it_saved(tmp_path, redis_server, model_di
     learner_saved, actor_saved = body(resolved / "learner.yaml"), body(actor_file)
     # What each layer changed, and nothing else: the learner's memory settings (the most frugal
     # rung, fp32 kept on a CPU taken as slow at bf16) and the actor's torch dtype.
-    picked = dict(zip(("precision", "max_tokens_per_microbatch", "activation_checkpointing",
-                       "logprob_chunk_tokens"), (frugal.precision, frugal.max_tokens_per_microbatch,
-                                                 frugal.activation_checkpointing,
-                                                 frugal.logprob_chunk_tokens), strict=True))  # fmt: skip
+    picked = dataclasses.asdict(frugal)
     for name, value in picked.items():
         assert learner_saved["learner"][name] == value
-    assert Profile.of(asked.learner) != frugal  # the asked config differs: the fit changed it
+    assert fit.Profile.of(asked.learner) != frugal  # the asked config differs: the fit changed it
     assert (asked.engine.torch_dtype, actor_saved["engine"]["torch_dtype"]) == ("auto", "float32")
     assert learner_saved["engine"]["torch_dtype"] == "auto"  # not the learner's section
     header = "".join(

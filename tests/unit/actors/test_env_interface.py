@@ -267,3 +267,24 @@ def test_lookup_is_determined_by_the_seed():
     value = partial.step(f"get {info['key']}").obs[1:-1]
     near = ("9" if value[0] != "9" else "8") + value[1:]
     assert partial.step(near).reward == pytest.approx(0.5 * 5 / 6)
+
+
+def test_the_documented_example_environment_plays_by_the_contract():
+    """examples/guess_number.py (docs/environments.md), loaded as a user names it: a binary
+    search on its hints wins within its turns; a turn without a number is malformed."""
+    env = make_env("examples/guess_number.py:GuessNumber", {"high": 50, "turns": 6})
+    obs, _ = env.reset(seed=3, options={"sibling": 0})
+    assert "between 1 and 50" in obs
+    low, high = 1, 50
+    bad = env.step("no idea")
+    assert bad.info["malformed"] and not bad.done
+    for _ in range(5):
+        guess = (low + high) // 2
+        step = env.step(f"I guess {guess}")
+        if step.terminated:
+            assert step.reward == 1.0 and step.obs == "Correct!"
+            break
+        low, high = (guess + 1, high) if step.obs == "Higher." else (low, guess - 1)
+    else:
+        pytest.fail("a binary search over 1..50 finds the number in 6 guesses")
+    env.close()

@@ -95,11 +95,11 @@ def test_cross_checks_against_the_learner_and_the_engine():
         load_config(["env.name=lookup", "learner.max_seq_tokens=512"])
     assert load_config(["env.name=lookup", "learner.max_seq_tokens=4096"]).env.enabled
     assert load_config(["env.name=lookup"]).learner.max_seq_tokens == 0  # 0: the model's context
-    with pytest.raises(ValueError, match="engine.vllm_max_model_len=512"):
+    # Episodes run on the torch engine's turn-request stream (vLLM's: issue 59), in-process.
+    with pytest.raises(ValueError, match="runs episodes on the torch engine.*got engine=vllm"):
         load_config(["env.name=lookup", "engine=vllm"])
-    load_config(
-        ["env.name=lookup", "engine=vllm", "env.max_total_tokens=512", "env.max_obs_tokens=256"]
-    )
+    with pytest.raises(ValueError, match="env.workers=2: environment worker processes"):
+        load_config(["env.name=lookup", "env.workers=2"])
     with pytest.raises(
         ValueError, match="env.failure_reward=5.0 must be within learner.max_abs_reward=1.0"
     ):

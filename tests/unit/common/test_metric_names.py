@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("actors", "learner", "common", "ops", "benchmarks", "testing")
 # A whole key or a key family's start, as a string constant in code.
 KEY = re.compile(
-    r"^(actor|spec|verify|reward|eval|sender|learner|receiver)/[a-z0-9_]*(/[a-z0-9_]*)?$"
+    r"^(actor|spec|verify|reward|eval|sender|learner|receiver|env)/[a-z0-9_]*(/[a-z0-9_]*)?$"
 )
 
 
@@ -51,7 +51,7 @@ def test_each_name_holds_one_distinct_key():
         expected = re.sub(r"[^A-Za-z0-9]+", "_", value).strip("_").upper()
         assert name.removesuffix("_PREFIX").removesuffix("_GROUP") == expected, (name, value)
     assert {v for n, v in names.items() if not n.endswith(("_PREFIX", "_GROUP"))} == mn.ALL
-    assert mn.ROLLOUT_GROUPS == (mn.SPEC_GROUP, mn.VERIFY_GROUP, mn.REWARD_PREFIX)
+    assert mn.ROLLOUT_GROUPS == (mn.SPEC_GROUP, mn.VERIFY_GROUP, mn.REWARD_PREFIX, mn.ENV_GROUP)
 
 
 def test_is_known_takes_whole_keys_and_family_members_only():

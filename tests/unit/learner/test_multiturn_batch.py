@@ -28,6 +28,7 @@ from learner.buffer import StalenessBuffer
 from learner.checkpoint import TRAINING_DIR, TrainerState, load_pending, write_training_state
 from learner.microbatch import row_lengths
 from learner.step import train_step
+from testing.groups import group_of
 from testing.models import tiny_model
 
 VOCAB = CharTokenizer(BUILTIN_ALPHABET).vocab_size
@@ -67,14 +68,7 @@ def episode_groups(
     groups = []
     for i in range(n):
         completions = [episode(rng, version, 1 + (i + j) % 3, bool(j % 2)) for j in range(g)]
-        group = TrajectoryGroup(
-            actor_id="a",
-            seq=i,
-            prompt_id=f"p{i}",
-            prompt_ids=rng.integers(3, VOCAB, int(rng.integers(2, 5))).astype(np.int32),
-            version=version,
-            completions=completions,
-        )
+        group = group_of(rng, i, completions, VOCAB, version)
         decoded = decode(encode(group), LIMITS)
         assert isinstance(decoded, TrajectoryGroup)
         groups.append(decoded)

@@ -1,0 +1,361 @@
+"""The turn loop of multi-turn episodes, in the actor: token in, token out.
+
+One batch: ``prompts_per_batch`` problems x ``group_size`` siblings, each sibling its own
+environment session (never shared: siblings stay independent given the problem's seed). The
+runner resets every session, renders the first prompt (the G siblings of a problem must get the
+same one, else the group is refused), and feeds one :class:`~actors.engines.turns.TurnRequest`
+per model turn to the engine's ``serve``, whose prompt is the episode's whole history. A finished
+turn comes back on the decode thread and is handed to a thread of the runner's pool at once (the
+decode loop never waits on an environment: other episodes keep decoding). There the turn's text
+goes to the environment, and its answer is bridged into tokens (``common/chat_bridge.py``) and
+appended as environment tokens (version -1, log-prob 0) before the next turn is requested.
+
+Sampled tokens are never re-tokenised: the next prompt is the previous ids + the sampled ids +
+the bridge's ids. The environment only ever sees a turn once the engine delivered it final (after
+any delayed verification), so it never sees a token that is later rejected.
+
+When the G episodes of a problem have ended, their group (protocol v2 completions:
+``turn_starts``, ``turn_rewards``, ``stop``) goes to ``submit``. An episode ends on a model token:
+glue or an observation after its last turn is not kept. Environments run in threads of the
+actor's process (``env.workers=0``: trusted environments, such as the built-ins); a process
+pool with the reward sandbox is not built yet, and ``env.workers > 0`` is refused at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actors.engines.turns import EpisodeDone, TurnQueue, TurnRequest, TurnResult
+from actors.episodes.env import CheckedEnv, EnvFailure
+from common import metric_names as mn
+from common.chat_bridge import CharBridge, ChatBridge, ObservationError, cut_turn_glue, make_bridge
+from common.config.env import EnvConfig
+from common.link.protocol import Completion, TrajectoryGroup
+from common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+FINISHED = ("eos", "env_done")
+"""Stops of an episode that ended by itself (``Completion.finished``)."""
+
+
+@dataclass
+class Episode:
+    """One sibling's episode as it grows."""
+
+    problem: int
+    sibling: int
+    env: CheckedEnv
+    prompt_ids: list[int] = field(default_factory=list)
+    stream: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)
+    """The text of each turn the environment was given (what the tests compare)."""
+    stop: str = ""
+    waiting: bool = False
+    """A turn of this episode is with the engine (requested, not yet delivered)."""
+    failure: str = ""
+    """The environment's failure kind (``EnvFailure.kind``), if it failed."""
+
+    def add_turn(self, result: TurnResult) -> None:
+        self.turn_starts.append(len(self.stream))
+        self.stream += result.token_ids.tolist()
+        self.logprobs += result.behaviour_logprobs.tolist()
+        self.versions += result.token_versions.tolist()
+        self.turn_rewards.append(0.0)
+
+    def add_env(self, ids: list[int]) -> None:
+        self.stream += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def completion(self, reward: float) -> Completion:
+        """The v2 completion: trailing environment tokens (glue after a cut last turn) dropped."""
+        end = len(self.versions)
+        while end and self.versions[end - 1] < 0:
+            end -= 1
+        return Completion(
+            token_ids=np.asarray(self.stream[:end], dtype=np.int32),
+            behaviour_logprobs=np.asarray(self.logprobs[:end], dtype=np.float32),
+            token_versions=np.asarray(self.versions[:end], dtype=np.int32),
+            reward=reward,
+            finished=self.stop in FINISHED,
+            turn_starts=np.asarray(self.turn_starts, dtype=np.int32),
+            turn_rewards=np.asarray(self.turn_rewards, dtype=np.float32),
+            stop=self.stop,
+        )
+
+
+class EpisodeRunner:
+    """Runs the episodes of one batch through ``engine.serve`` (module docstring)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        cfg: EnvConfig,
+        bridge: ChatBridge | CharBridge,
+        tokenizer: Tokenizer,
+        make_env: Callable[[], CheckedEnv],
+        stop_ids: frozenset[int],
+    ) -> None:
+        if cfg.workers > 0:
+            raise ValueError(
+                f"env.workers={cfg.workers}: environment worker processes are not built yet; "
+                "env.workers=0 runs the environment in the actor's process (trusted code only)"
+            )
+        self.engine, self.cfg, self.bridge, self.tokenizer = engine, cfg, bridge, tokenizer
+        self.make_env, self.stop_ids = make_env, stop_ids
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._siblings = 1
+
+    def run_batch(
+        self,
+        seeds: list[int],
+        group_size: int,
+        weight_source: Callable[[], Any] | None,
+        submit: Callable[[TrajectoryGroup], None],
+    ) -> list[list[Episode]]:
+        """Episodes of ``group_size`` siblings per seed; each problem's group goes to ``submit``
+        once its episodes end (from a thread of the runner's pool). Returns the episodes."""
+        self._siblings = group_size
+        episodes = [
+            [Episode(p, g, self.make_env()) for g in range(group_size)] for p in range(len(seeds))
+        ]
+        queue, errors, over = TurnQueue(), [], threading.Event()
+        left = {p: group_size for p in range(len(seeds))}
+        live = [len(seeds) * group_size]
+        by_id = {p * group_size + g: e for p, row in enumerate(episodes) for g, e in enumerate(row)}
+        pool = ThreadPoolExecutor(max(1, min(32, len(by_id))), thread_name_prefix="env")
+
+        def finish(ep: Episode, stop: str) -> None:
+            ep.stop = ep.stop or stop
+            with self._lock:
+                left[ep.problem] -= 1
+                live[0] -= 1
+                done, closing = left[ep.problem] == 0, live[0] == 0
+            queue.put(EpisodeDone(str(ep.problem), [*ep.prompt_ids, *ep.stream]))
+            if done:
+                self._send(episodes[ep.problem], seeds[ep.problem], submit)
+            if closing:
+                queue.close()
+
+        def guarded(fn: Callable[..., None], *args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as err:  # a bug here, not the environment's: stop the batch
+                if over.is_set():
+                    return  # the batch was left (a stop): what its episodes did no longer counts
+                log.exception("episode runner: %s", err)
+                errors.append(err)
+                queue.close()
+
+        for p, row in enumerate(episodes):
+            pool.submit(guarded, self._start, row, seeds[p], queue, finish)
+
+        def on_turn(result: TurnResult) -> None:
+            pool.submit(guarded, self._after_turn, by_id[result.request_id], result, queue, finish)
+
+        try:
+            self.engine.serve(queue, weight_source, on_turn)
+        finally:
+            over.set()
+            queue.close()
+            pool.shutdown(wait=True, cancel_futures=True)
+            for ep in by_id.values():
+                ep.env.close()
+        if errors:
+            raise errors[0]
+        return episodes
+
+    # ------------------------------------------------------------------ one episode's steps
+
+    def _call(self, ep: Episode, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """``fn()`` (an environment call) within ``timeout_s``; EnvFailure on a failure."""
+        one = ThreadPoolExecutor(1, thread_name_prefix="env-call")
+        try:
+            return one.submit(fn).result(timeout=timeout_s)
+        except FutureTimeout as err:  # the call's thread is left behind: in-process, trusted
+            raise EnvFailure("timeout", f"no answer in {timeout_s:g} s") from err
+        finally:
+            one.shutdown(wait=False)
+
+    def _start(self, row: list[Episode], seed: int, queue: TurnQueue, finish) -> None:
+        """Reset each sibling's environment; refuse the group if their first prompts differ."""
+        prompts = []
+        for ep in row:
+            try:
+                obs, _ = self._call(
+                    ep,
+                    lambda ep=ep: ep.env.reset(seed=seed, options={"sibling": ep.sibling}),
+                    self.cfg.reset_timeout_s,
+                )
+                bridged = self.bridge.first_prompt_ids(obs)
+            except (EnvFailure, ObservationError) as err:
+                self._failed(ep, err)
+                prompts.append(None)
+                continue
+            ep.prompt_ids = bridged.ids
+            prompts.append(tuple(bridged.ids))
+        if len(set(prompts)) != 1 or prompts[0] is None:
+            if None not in prompts:
+                self._count(mn.ENV_RESET_MISMATCH)
+                log.warning("siblings' first observations differ (seed %d): group refused", seed)
+            for ep in row:
+                ep.failure = ep.failure or "invalid"
+                finish(ep, "env_error")
+            return
+        for ep in row:
+            self._request(ep, queue, first=True, finish=finish)
+
+    def _request(self, ep: Episode, queue: TurnQueue, first: bool, finish) -> None:
+        """The next turn, if the episode's budget has room for one token."""
+        used = len(ep.prompt_ids) + len(ep.stream)
+        room = self.cfg.max_total_tokens - used
+        if room < 1:
+            finish(ep, "context")
+            return
+        ep.waiting = True
+        queue.put(
+            TurnRequest(
+                request_id=ep.problem * self._siblings + ep.sibling,
+                prompt_ids=[*ep.prompt_ids, *ep.stream],
+                max_new_tokens=min(self.cfg.max_turn_tokens, room),
+                stop_ids=self.stop_ids,
+                draft_key=str(ep.problem),
+                group=ep.problem,
+                first_turn=first,
+            )
+        )
+
+    def _after_turn(self, ep: Episode, result: TurnResult, queue: TurnQueue, finish) -> None:
+        """Give the finished turn to the environment; bridge its answer; request the next turn."""
+        with self._lock:
+            outstanding, ep.waiting = ep.waiting, False
+        if not outstanding:  # an engine bug: never let it end an episode twice
+            raise RuntimeError(
+                f"turn result {result.request_id} came with no turn of its episode outstanding"
+            )
+        ep.add_turn(result)
+        tokens = result.token_ids.tolist()
+        cut = result.stop == "length"
+        if cut:
+            glue = cut_turn_glue(self.bridge, self.cfg.turn_length)
+            if glue is None:
+                finish(ep, "length")
+                return
+        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
+        ep.seen.append(text)
+        try:
+            step = self._call(ep, lambda: ep.env.step(text), self.cfg.step_timeout_s)
+        except EnvFailure as err:
+            self._failed(ep, err)
+            finish(ep, "env_timeout" if err.kind == "timeout" else "env_error")
+            return
+        ep.turn_rewards[-1] = step.reward
+        if step.info.get("malformed"):
+            self._count(mn.ENV_MALFORMED_ACTIONS)
+        ended_by_model = bool(tokens) and tokens[-1] == self.tokenizer.eos_id
+        if step.terminated:
+            finish(ep, "env_done")
+            return
+        if ended_by_model and self.tokenizer.eos_id not in self.bridge.eot_ids:
+            finish(ep, "eos")
+            return
+        if step.truncated or len(ep.turn_starts) >= self.cfg.max_turns:
+            finish(ep, "max_turns")
+            return
+        try:
+            bridged = self.bridge.bridge_ids(step.obs)
+        except ObservationError as err:
+            self._failed(ep, EnvFailure("invalid", str(err)))
+            finish(ep, "env_error")
+            return
+        if bridged.truncated:
+            self._count(mn.ENV_OBS_TRUNCATED)
+        ep.add_env([*(glue if cut else []), *bridged.ids])
+        self._request(ep, queue, first=False, finish=finish)
+
+    # ------------------------------------------------------------------ groups and counters
+
+    def _failed(self, ep: Episode, err: EnvFailure | ObservationError) -> None:
+        kind = err.kind if isinstance(err, EnvFailure) else "invalid"
+        ep.failure = kind
+        self._count(f"{mn.ENV_FAILURES_PREFIX}{kind}")
+        log.warning("environment of episode %d.%d failed: %s", ep.problem, ep.sibling, err)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[key] += n
+
+    def _send(self, row: list[Episode], seed: int, submit) -> None:
+        """The group of one problem, when its episodes ended (dropped per ``env.on_failure``)."""
+        failed = any(ep.failure for ep in row)
+        if failed and self.cfg.on_failure == "drop_group":
+            self._count(mn.ENV_GROUPS_DROPPED)
+            return
+        if any(not ep.stream for ep in row):  # a failure before the first turn: nothing to train
+            self._count(mn.ENV_GROUPS_DROPPED)
+            return
+        completions = [
+            ep.completion(self.cfg.failure_reward if ep.failure else sum(ep.turn_rewards))
+            for ep in row
+        ]
+        for ep in row:
+            self._count(f"{mn.ENV_STOP_PREFIX}{ep.stop}")
+        sampled = [
+            int(v.min()) for c in completions if (v := c.token_versions[c.token_versions >= 0]).size
+        ]
+        tokens = sum(len(c.token_ids) for c in completions)
+        env_tokens = sum(int((c.token_versions < 0).sum()) for c in completions)
+        submit(
+            TrajectoryGroup(
+                actor_id="",
+                seq=0,
+                prompt_id=f"env-{seed}",
+                prompt_ids=np.asarray(row[0].prompt_ids, dtype=np.int32),
+                version=min(sampled) if sampled else 0,
+                completions=completions,
+                stats={
+                    mn.ENV_TURNS_MEAN: float(np.mean([len(ep.turn_starts) for ep in row])),
+                    mn.ENV_TOKEN_FRAC: env_tokens / max(tokens, 1),
+                },
+            )
+        )
+
+
+def episode_runner(cfg: Any, engine: Any, tokenizer: Tokenizer) -> EpisodeRunner:
+    """The runner of ``cfg.env`` on ``engine`` (the torch engine's ``serve``): the chat bridge
+    of ``tokenizer`` (probed against full re-renders unless ``env.check_bridge=off``), a fresh
+    environment per episode, turns ending at EOS or the template's end of turn."""
+    from actors.episodes.env import make_env
+
+    env = cfg.env  # engine=torch: the config refuses an environment on another engine
+    bridge = make_bridge(
+        tokenizer,
+        obs_role=env.obs_role,
+        max_obs_chars=env.max_obs_chars,
+        max_obs_tokens=env.max_obs_tokens,
+        system_prompt=cfg.task.system_prompt,
+        check=env.check_bridge != "off",
+    )
+    stop_ids = frozenset({tokenizer.eos_id, *bridge.eot_ids})
+    bound = cfg.learner.max_abs_reward
+
+    def fresh() -> CheckedEnv:
+        return make_env(env.name, env.kwargs, bound)
+
+    fresh().close()  # a spec that cannot build an environment stops the actor here
+    return EpisodeRunner(engine, env, bridge, tokenizer, fresh, stop_ids)

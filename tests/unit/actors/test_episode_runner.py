@@ -1,0 +1,188 @@
+"""The episode runner (actors/episodes/runner.py) on the torch engine's serve, a tiny char model and
+in-process environments: what an episode's completion holds (masks, versions, turn starts, stops),
+what the environment saw, budgets, and environments that fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.engines.torch_engine import TorchEngine
+from actors.episodes.env import CheckedEnv, make_env
+from actors.episodes.runner import EpisodeRunner
+from common import metric_names as mn
+from common.chat_bridge import make_bridge
+from common.config.actor import SpecConfig
+from common.config.env import EnvConfig
+from common.link.protocol import DecodeLimits, TrajectoryGroup, decode, encode
+from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
+from testing.models import random_model
+
+TOKENIZER = CharTokenizer(BUILTIN_ALPHABET)
+EOS = TOKENIZER.eos_id
+
+
+class Echo:
+    """Answers each action with ``=<its first 3 characters>>``; done after ``turns`` turns with
+    the reward of the action's length; can fail on a given turn."""
+
+    def __init__(self, turns: int = 2, fail_on: int = 0, differ: bool = False) -> None:
+        self.turns, self.fail_on, self.differ = turns, fail_on, differ
+        self.n, self.sibling = 0, 0
+
+    def reset(self, *, seed, options):
+        self.n, self.sibling = 0, options["sibling"]
+        start = f"go {seed % 10}" + ("x" * self.sibling if self.differ else "")
+        return start + ">", {}
+
+    def step(self, action):
+        self.n += 1
+        if self.n == self.fail_on:
+            raise RuntimeError("the environment broke")
+        return f"={action[:3]}>", float(len(action)), self.n >= self.turns, False, {}
+
+
+def valid(group: TrajectoryGroup) -> bool:
+    """The group as the learner decodes it (protocol v2 checks) equals what was sent."""
+    again = decode(encode(group), DecodeLimits(vocab_size=TOKENIZER.vocab_size))
+    return encode(again) == encode(group)
+
+
+def runner(factory, spec: SpecConfig | None = None, inflight: str = "verify_on_swap", **fields):
+    """A runner over a random tiny char model (version 0) and ``factory``'s environments."""
+    model = random_model(TOKENIZER.vocab_size, seed=3)
+    engine = TorchEngine(
+        model,
+        EOS,
+        TOKENIZER.pad_id,
+        1.0,
+        seed=7,
+        version=0,
+        max_rows=8,
+        spec=spec,
+        inflight=inflight,
+    )
+    cfg = EnvConfig(name="echo:Echo", workers=0, max_turn_tokens=6, **fields)
+    bridge = make_bridge(TOKENIZER, max_obs_chars=cfg.max_obs_chars, max_obs_tokens=64)
+    make = lambda: CheckedEnv(factory(), name="echo")  # noqa: E731
+    return EpisodeRunner(engine, cfg, bridge, TOKENIZER, make, frozenset({EOS}))
+
+
+def test_an_episode_is_its_turns_and_the_environments_tokens_marked():
+    run = runner(lambda: Echo(turns=2))
+    groups = []
+    episodes = run.run_batch([11, 12], 3, None, groups.append)
+    assert len(groups) == 2
+    for group, row in zip(sorted(groups, key=lambda g: g.prompt_id), episodes, strict=True):
+        assert valid(group)  # a valid v2 frame
+        prompt = [TOKENIZER.bos_id, *TOKENIZER.encode(f"go {row[0].problem + 1}>")]
+        assert group.prompt_ids.tolist() == prompt
+        for completion, ep in zip(group.completions, row, strict=True):
+            versions = completion.token_versions
+            assert ep.stop == "env_done" and completion.finished
+            starts = completion.turn_starts.tolist()
+            assert starts[0] == 0 and versions[0] == 0 and versions[-1] == 0
+            # Every environment token is marked and has log-prob 0; each model turn's tokens
+            # are sampled ones and decode to exactly what the environment was given.
+            env = versions < 0
+            assert np.all(completion.behaviour_logprobs[env] == 0.0)
+            bounds = [*starts, len(versions)]
+            for turn, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+                sampled = np.flatnonzero(versions[a:b] >= 0) + a
+                ids = completion.token_ids[sampled].tolist()
+                assert TOKENIZER.decode([t for t in ids if t != EOS]) == ep.seen[turn]
+                if turn + 1 < len(starts):  # the observation after it, as the bridge wrote it
+                    obs = completion.token_ids[a:b][versions[a:b] < 0].tolist()
+                    tail = [EOS] if ids[-1] != EOS else []  # the glue of a cut turn
+                    assert obs == tail + TOKENIZER.encode(f"={ep.seen[turn][:3]}>")
+            assert completion.reward == pytest.approx(sum(len(s) for s in ep.seen))
+            assert completion.turn_rewards.tolist() == [float(len(s)) for s in ep.seen]
+    assert run.counts[f"{mn.ENV_STOP_PREFIX}env_done"] == 6
+
+
+def test_budgets_end_episodes_before_the_engine_would_refuse_them():
+    run = runner(lambda: Echo(turns=50), max_turns=3, max_total_tokens=40, max_obs_tokens=16)
+    groups = []
+    episodes = run.run_batch([5], 2, None, groups.append)
+    for ep in episodes[0]:
+        assert ep.stop in ("max_turns", "context")
+        assert len(ep.prompt_ids) + len(ep.stream) <= 40
+        assert len(ep.turn_starts) <= 3
+    [group] = groups
+    for completion in group.completions:
+        assert completion.token_versions[-1] >= 0  # ends on a model token
+        assert not completion.finished
+
+
+def test_a_failing_environment_drops_its_group_or_scores_zero():
+    run = runner(lambda: Echo(turns=3, fail_on=2))
+    groups = []
+    run.run_batch([1, 2], 2, None, groups.append)
+    assert groups == []
+    assert run.counts[mn.ENV_GROUPS_DROPPED] == 2
+    assert run.counts[f"{mn.ENV_FAILURES_PREFIX}raised"] == 4
+    run = runner(lambda: Echo(turns=3, fail_on=2), on_failure="zero", failure_reward=-1.0)
+    run.run_batch([1], 2, None, groups.append)
+    [group] = groups
+    assert [c.reward for c in group.completions] == [-1.0, -1.0]
+    assert [c.stop for c in group.completions] == ["env_error", "env_error"]
+    assert valid(group)
+
+
+def test_siblings_whose_first_observations_differ_are_refused():
+    run = runner(lambda: Echo(differ=True))
+    groups = []
+    run.run_batch([3], 2, None, groups.append)
+    assert groups == [] and run.counts[mn.ENV_RESET_MISMATCH] == 1
+
+
+def test_the_builtin_lookup_runs_and_worker_processes_are_refused():
+    model = random_model(TOKENIZER.vocab_size, seed=3)
+    engine = TorchEngine(model, EOS, TOKENIZER.pad_id, 1.0, seed=7, version=0, max_rows=8)
+    bridge = make_bridge(TOKENIZER)
+    cfg = EnvConfig(name="lookup", workers=0, max_turn_tokens=8)
+    run = EpisodeRunner(
+        engine, cfg, bridge, TOKENIZER, lambda: make_env("lookup"), frozenset({EOS})
+    )
+    groups = []
+    run.run_batch([42], 2, None, groups.append)
+    [group] = groups
+    assert TOKENIZER.decode(group.prompt_ids.tolist()[1:]).startswith("find ")
+    assert all(c.stop in ("max_turns", "env_done") for c in group.completions)
+    with pytest.raises(ValueError, match="env.workers=2: environment worker processes"):
+        EpisodeRunner(
+            engine,
+            EnvConfig(name="lookup", workers=2),
+            bridge,
+            TOKENIZER,
+            lambda: None,
+            frozenset({EOS}),
+        )
+
+
+@pytest.mark.parametrize("inflight", ["verify_on_swap", "verify_on_finish", "abort"])
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_weights_that_change_during_the_episodes_keep_every_episode_whole(method, inflight):
+    """A new version every few decoding steps (delayed verification of the open turns, turns
+    admitted after a swap prefilled under it): each turn is delivered once, every group is valid
+    and its sampled tokens carry the versions that drew them."""
+    spec = SpecConfig(method=method, k=4)
+    run = runner(lambda: Echo(turns=3), spec=spec, inflight=inflight)
+    model = random_model(TOKENIZER.vocab_size, seed=4)
+    polls = [0]
+
+    def weights():
+        polls[0] += 1
+        if polls[0] % 3:
+            return None
+        version = polls[0] // 3
+        return version, {k: v + 0.01 * version for k, v in model.state_dict().items()}
+
+    groups = []
+    episodes = run.run_batch([7, 8, 9], 4, weights, groups.append)
+    assert len(groups) == 3 and all(valid(g) for g in groups)
+    versions = {int(v) for g in groups for c in g.completions for v in c.token_versions if v >= 0}
+    assert len(versions) > 1, versions  # the episodes did span versions
+    for row in episodes:
+        for ep in row:
+            assert ep.stop == "env_done" and len(ep.seen) == len(ep.turn_starts) == 3
