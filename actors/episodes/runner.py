@@ -175,7 +175,7 @@ class EpisodeRunner:
             queue.close()
             pool.shutdown(wait=True, cancel_futures=True)
             for ep in by_id.values():
-                ep.env.close()
+                self._close(ep)
         if errors:
             raise errors[0]
         return episodes
@@ -289,6 +289,16 @@ class EpisodeRunner:
         self._request(ep, queue, first=False, finish=finish)
 
     # ------------------------------------------------------------------ groups and counters
+
+    def _close(self, ep: Episode) -> None:
+        """Close the episode's environment; a failure to close (an environment whose call is
+        still hung in its thread, one that raises in ``close``) is logged, never raised."""
+        if ep.failure == "timeout":
+            return  # its call still runs in the thread it was left to: closing would race it
+        try:
+            ep.env.close()
+        except Exception as err:  # noqa: BLE001 - the user's environment
+            log.warning("closing the environment of episode %d.%d: %r", ep.problem, ep.sibling, err)
 
     def _failed(self, ep: Episode, err: EnvFailure | ObservationError) -> None:
         kind = err.kind if isinstance(err, EnvFailure) else "invalid"

@@ -4,6 +4,8 @@ what the environment saw, budgets, and environments that fail."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -186,3 +188,25 @@ def test_weights_that_change_during_the_episodes_keep_every_episode_whole(method
     for row in episodes:
         for ep in row:
             assert ep.stop == "env_done" and len(ep.seen) == len(ep.turn_starts) == 3
+
+
+class Hangs(Echo):
+    """Answers its first turn, then hangs (longer than the step deadline) on the second."""
+
+    def step(self, action):
+        if self.n == 1:
+            time.sleep(2.0)
+        return super().step(action)
+
+
+def test_a_hung_environment_ends_its_episode_at_the_deadline_and_the_batch_goes_on():
+    run = runner(lambda: Hangs(turns=3), step_timeout_s=0.3, on_failure="zero")
+    groups = []
+    started = time.monotonic()
+    episodes = run.run_batch([1], 2, None, groups.append)
+    assert time.monotonic() - started < 30
+    assert [ep.stop for ep in episodes[0]] == ["env_timeout", "env_timeout"]
+    assert run.counts[f"{mn.ENV_FAILURES_PREFIX}timeout"] == 2
+    [group] = groups
+    assert [c.stop for c in group.completions] == ["env_timeout", "env_timeout"]
+    assert all(valid(g) for g in groups)
