@@ -119,12 +119,7 @@ class EngineBase(ABC):
     def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
         """The engine's own :meth:`generate`."""
 
-    def serve(
-        self,
-        source: TurnSource,
-        weight_source: WeightSource | None = None,
-        on_turn: TurnCallback | None = None,
-    ) -> None:
+    def serve(self, *_args: Any, **_kwargs: Any) -> None:
         """See :meth:`RolloutEngine.serve`; an engine without a turn-request stream refuses."""
         raise NotImplementedError(
             f"{type(self).__name__} has no turn-request stream (serve) yet: multi-turn episodes "

@@ -39,10 +39,10 @@ from common.link.protocol import (
 )
 from common.link.receive.admission import Admission, wire_limits
 
-FIXTURES = Path(__file__).parent / "fixtures"
-VOCAB = 100
-LIMITS = DecodeLimits(vocab_size=VOCAB)
 ROOT = Path(__file__).resolve().parents[3]
+LIMITS = DecodeLimits(vocab_size=100)
+VOCAB = LIMITS.vocab_size
+FIXTURES = Path(__file__).with_name("fixtures")
 V1_DECODER_COMMIT = "9c78a74"
 """A commit whose protocol.py speaks v1 only: the learner an actor of this code may meet."""
 
