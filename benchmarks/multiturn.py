@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks import cli
 from common import metric_names as mn
 from ops.metrics_file import read_metrics
-from ops.run_summary import step_rows
+from ops.run_summary import first_last_tenth, step_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,12 +39,8 @@ RUN_OVERRIDES = [
 
 
 def tenth_means(steps: list[dict], key: str) -> tuple[float, float]:
-    """The mean of ``key`` over the first and over the last 10% of ``steps`` (at least one)."""
-    n = max(1, len(steps) // 10)
-    first = [r[key] for r in steps[:n] if key in r]
-    last = [r[key] for r in steps[-n:] if key in r]
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return mean(first), mean(last)
+    """The mean of ``key`` over the first and over the last 10% of the steps that hold it."""
+    return first_last_tenth([r[key] for r in steps if key in r])
 
 
 def figures(run_dir: Path) -> dict:

@@ -32,7 +32,7 @@ from typing import Any
 from common import cpu_precision
 from common.config import SpecRLConfig, redacted_yaml
 from common.config.gpu_profile import Devices, TaskFacts, set_keys
-from common.config.resolve import Facts, MemoryFacts, Resolution, Role, resolve
+from common.config.resolve import ROLE_SECTIONS, Facts, MemoryFacts, Resolution, Role, resolve
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def prepare(
     set_keys(cfg, resolution.changed())
     if os.environ.get("RANK", "0") == "0":
         if resolution.profile is not None:
-            log.info("%s", resolution.profile.table(_sections(role)))
+            log.info("%s", resolution.profile.table(ROLE_SECTIONS[role]))
         for note in resolution.notes:
             log.info("%s", note)
         if resolution.changes:
@@ -95,12 +95,6 @@ def prepare(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return resolution
-
-
-def _sections(role: Role) -> tuple[str, ...]:
-    from common.config.resolve import ROLE_SECTIONS
-
-    return ROLE_SECTIONS[role]
 
 
 def gather_facts(cfg: SpecRLConfig, role: Role, memory: MemoryFacts | None = None) -> Facts:
