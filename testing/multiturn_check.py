@@ -16,6 +16,7 @@ second turn with the whole history as its prompt."""
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -215,6 +216,83 @@ def run(engine: TorchEngine, driver: Driver, source: SwapWhen | None) -> list[Ep
     assert len(driver.delivered) == 2 * len(driver.episodes)
     assert set(driver.delivered.values()) == {1}, "a turn was delivered twice"
     return driver.episodes
+
+
+WHEN = ("turn1", "turn2", "between")
+"""Where the weights change in :func:`serve_episodes`: after turn 1's first step, after turn 2's
+first step, or while every episode waits on its environment between the turns."""
+
+
+class StaleHistoryEngine(TorchEngine):
+    """Control, never a mode of the engine: a turn admitted after a weight change gets its
+    history's KV computed under ``stale`` (the weights it was sampled under), as an engine that
+    kept each episode's KV across the version change would; only the turn's new tokens are
+    computed under the new weights. :func:`serve_episodes` with ``when="between"`` must tell it
+    from the exact law."""
+
+    def __init__(self, stale: Transformer, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stale = stale
+
+    def _admit(self, call) -> None:
+        before = {row.id for row in call.active}
+        super()._admit(call)
+        late = [
+            row
+            for row in call.active
+            if row.id not in before and row.prefix and row.share[0] == "turn" and self.version
+        ]
+        if late:
+            current = self.policy.model
+            self.policy.model = self.stale
+            try:
+                self.decoder.prefill(late, [row.prefix for row in late])
+            finally:
+                self.policy.model = current
+            for row in late:
+                row.prefix = []
+
+
+def serve_episodes(
+    mode: str, when: str, episodes: int, seed: int = 0, stale_history: bool = False
+) -> tuple[TorchEngine, Driver, list[Episode], tuple[Transformer, Transformer]]:
+    """``episodes`` two-turn episodes with ``inflight=mode`` and the weights changing ``when``
+    (:data:`WHEN`); ``stale_history``: the :class:`StaleHistoryEngine` control. Returns the
+    engine, the driver, the episodes and the (old, new) models."""
+    if when not in WHEN:
+        raise ValueError(f"when={when!r}: expected one of {WHEN}")
+    old, new = model_pair()
+    kwargs = dict(temperature=1.0, seed=seed, version=0, inflight=mode)
+    if stale_history:
+        engine: TorchEngine = StaleHistoryEngine(old_copy(old), old, NO_EOS, 0, **kwargs)
+    else:
+        engine = TorchEngine(old, NO_EOS, 0, **kwargs)
+    driver: Driver
+    ready = {
+        "turn1": lambda: True,
+        "turn2": lambda: driver.all_second_turns_sent(),
+        "between": lambda: driver.all_first_turns_done(),
+    }[when]
+    source = SwapWhen(new, ready)
+    gate = source.delivered if when == "between" else None
+    driver = Driver(episodes, env_seed=seed + 1, gate=gate)
+    out = run(engine, driver, source)
+    if not source.delivered.is_set():
+        raise RuntimeError("the weights never changed: the check would prove nothing")
+    return engine, driver, out, (old, new)
+
+
+def old_copy(model: Transformer) -> Transformer:
+    """A frozen copy of ``model`` (the engine's own is overwritten by the swap)."""
+    return copy.deepcopy(model).eval()
+
+
+def env_saw_rejected(driver: Driver, episodes: Sequence[Episode]) -> int:
+    """Turns the environment received that differ from the episode's final first turn."""
+    return sum(
+        received != tuple(episodes[index].turns[0].token_ids.tolist())
+        for index, received in driver.env_log
+    )
 
 
 def episodes_pvalue(exact: Mapping[tuple[int, ...], float], episodes: Sequence[Episode]) -> float:

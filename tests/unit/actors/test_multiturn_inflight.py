@@ -24,24 +24,10 @@ fail at p < 1e-10 with these counts."""
 VERIFYING = ["verify_on_swap", "verify_on_finish", "abort"]
 
 
-def serve(mode: str, when: str, episodes: int = EPISODES, seed: int = 0):
-    """Run ``episodes`` episodes with ``inflight=mode`` and the weights changing ``when``:
-    ``turn1`` (after turn 1's first step), ``turn2`` (after turn 2's first step) or ``between``
-    (every episode waiting on its environment, which steps only once the weights came)."""
-    old, new = mc.model_pair()
-    engine = TorchEngine(old, NO_EOS, 0, temperature=1.0, seed=seed, version=0, inflight=mode)
-    driver: mc.Driver
-    ready = {
-        "turn1": lambda: True,
-        "turn2": lambda: driver.all_second_turns_sent(),
-        "between": lambda: driver.all_first_turns_done(),
-    }[when]
-    source = mc.SwapWhen(new, ready)
-    gate = source.delivered if when == "between" else None
-    driver = mc.Driver(episodes, env_seed=seed + 1, gate=gate)
-    out = mc.run(engine, driver, source)
-    assert source.delivered.is_set()
-    return engine, driver, out, (old, new)
+def serve(mode: str, when: str, episodes: int = EPISODES, seed: int = 0, **kwargs):
+    """``episodes`` episodes with ``inflight=mode`` and the weights changing ``when``
+    (``testing/multiturn_check.py``: ``turn1``, ``turn2`` or ``between``)."""
+    return mc.serve_episodes(mode, when, episodes, seed, **kwargs)
 
 
 def versions(episodes) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -100,6 +86,15 @@ def test_swap_between_turns_recomputes_history():
     assert stats[mn.VERIFY_SWAPS] == 1 and stats[mn.VERIFY_INFLIGHT_TOKENS] == 0
 
 
+def test_stale_history_kv_is_detected():
+    # Control: the second turns' history KV computed under the old weights (as an engine that
+    # kept each episode's KV across the version change would) fails the law the engine passes.
+    _, _, episodes, models = serve("verify_on_swap", "between", stale_history=True)
+    assert versions(episodes) == {((0, 0), (1, 1))}
+    p = pvalues(episodes, models)
+    assert p["oldnew"] < 0.01, p
+
+
 @pytest.mark.parametrize("mode", VERIFYING)
 def test_swap_in_turn_one(mode):
     engine, _, episodes, models = serve(mode, "turn1")
@@ -117,8 +112,7 @@ def test_env_never_sees_a_rejected_token():
     stats = engine.stats()
     assert stats[mn.VERIFY_WASTED_TOKENS] > 0, "no turn was cut: the test would prove nothing"
     assert len(driver.env_log) == len(episodes)
-    for episode, received in driver.env_log:
-        assert received == tuple(episodes[episode].turns[0].token_ids.tolist())
+    assert mc.env_saw_rejected(driver, episodes) == 0
     assert versions(episodes) == {((1, 1), (1, 1))}
     assert mc.logprob_errors(dict(enumerate(models)), episodes) < 1e-4
     assert engine.swapper.kept == {}  # the old weights went once nothing needed them

@@ -20,6 +20,7 @@ from common.chat_bridge import (
 )
 from common.model_presets import preset_dir
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer, HFTokenizer, encode_prompt
+from testing.conversations import random_conversation
 from testing.own_model import CHAT_TEMPLATE, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -63,23 +64,6 @@ def tokenizer(request, chatml_dir, tmp_path_factory):
 def special_ids(bridge: ChatBridge) -> set[int]:
     added = bridge.backend.added_tokens_decoder
     return {i for i, t in added.items() if t.special} | set(bridge.backend.all_special_ids)
-
-
-def random_text(rng: random.Random, leading_space: bool = True) -> str:
-    words = ["the", "Answer", "42", "x=3.5", "(ok)", "é", "→", '{"a": 1}', "tool", "\n", "  "]
-    text = "".join(
-        rng.choice(words) + rng.choice(["", " ", "\n"]) for _ in range(rng.randint(1, 8))
-    )
-    return text if leading_space else text.strip() or "ok"
-
-
-def random_conversation(rng: random.Random) -> list[dict]:
-    messages = [{"role": "user", "content": random_text(rng)}]
-    for _ in range(rng.randint(1, 4)):
-        messages.append({"role": "assistant", "content": random_text(rng, leading_space=False)})
-        for _ in range(rng.randint(1, 2)):  # one or two messages in one environment step
-            messages.append({"role": rng.choice(["user", "tool"]), "content": random_text(rng)})
-    return messages
 
 
 def test_turn_by_turn_stream_equals_the_full_render(tokenizer):
