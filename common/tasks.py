@@ -249,12 +249,13 @@ _TASKS_ELSEWHERE: dict[str, tuple[str, str]] = {
     "jsonl": ("common.dataset_task", "JsonlTask"),
     "word_problems": ("common.word_problems", "WordProblemsTask"),
     "lookup": ("common.lookup", "LookupTask"),
+    "guess_number": ("common.guess_number", "GuessNumberTask"),
 }
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
     """Build the task called ``name`` (``reverse``, ``addition``, ``scratchpad``, ``dataset``,
-    ``jsonl``, ``word_problems``, ``lookup``)."""
+    ``jsonl``, ``word_problems``, ``lookup``, ``guess_number``)."""
     task_cls: Any = TASKS.get(name)
     if name in _TASKS_ELSEWHERE:
         module, cls_name = _TASKS_ELSEWHERE[name]

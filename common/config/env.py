@@ -28,7 +28,7 @@ whole group, or keeps its sampled tokens and gets ``env.failure_reward``."""
 CHECK_BRIDGE_MODES = ("first", "always", "off")
 """``env.check_bridge``: probe the chat bridge against full re-renders once at start, at every
 bridge (debugging), or not at all."""
-BUILTIN_ENVS = ("lookup",)
+BUILTIN_ENVS = ("lookup", "guess_number")
 """``env.name`` values that name a built-in environment (``actors/episodes/builtin.py``)."""
 
 
@@ -54,7 +54,7 @@ def env_spec_refusal(spec: str) -> str | None:
 class EnvConfig:
     name: str = ""
     """The environment of multi-turn episodes: ``""`` (single-turn, no environment), a built-in
-    (``lookup``), or ``<module>:<Class>`` / ``<file.py>:<Class>`` (your Gymnasium-shaped text
+    (``lookup``, ``guess_number``), or ``<module>:<Class>`` / ``<file.py>:<Class>`` (your Gymnasium-shaped text
     environment: ``reset(*, seed, options)``, ``step(action)``, sync or async)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""

@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 TaskName = Literal[
-    "reverse", "addition", "scratchpad", "word_problems", "lookup", "dataset", "jsonl"
+    "reverse",
+    "addition",
+    "scratchpad",
+    "word_problems",
+    "lookup",
+    "guess_number",
+    "dataset",
+    "jsonl",
 ]
 """``task.name``: the built-in tasks, then the two names of the data-set task."""
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
