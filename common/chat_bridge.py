@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +150,22 @@ def template_name(backend: Any) -> str:
     return f"{where} (template sha256 {digest})"
 
 
+_SLOW_TOKENIZER_LOCK = threading.Lock()
+"""Serialises a slow (Python) tokenizer's encodes, whose special-token splitting is per call
+state (:class:`ChatBridge`)."""
+
+
+def _fixed_rust(backend: Any, split: bool) -> Any:
+    """A private copy of ``backend``'s fast (Rust) tokenizer whose special-token splitting is
+    fixed to ``split``; None for a tokenizer without one."""
+    rust = getattr(backend, "_tokenizer", None)
+    if rust is None or not hasattr(rust, "encode_special_tokens"):
+        return None
+    copy = type(rust).from_str(rust.to_str())
+    copy.encode_special_tokens = split
+    return copy
+
+
 class ChatBridge:
     """The bridge of a Hugging Face tokenizer's chat template (see the module docstring)."""
 
@@ -176,6 +193,12 @@ class ChatBridge:
         specials |= {str(t.content) for t in added.values() if getattr(t, "special", False)}
         self._specials = sorted((t for t in specials if t), key=len, reverse=True)
         self._special_pattern = re.compile("|".join(map(re.escape, self._specials)) or "(?!)")
+        # Two copies of the fast tokenizer, one per setting of its special-token splitting: the
+        # setting is state of the tokenizer object, which the runner's threads share, so a
+        # per-call toggle could run one thread's template under another's content setting (a
+        # forged `<|im_end|>` becoming the real id). Without a fast tokenizer: one lock.
+        self._template_rust = _fixed_rust(self.backend, split=False)
+        self._content_rust = _fixed_rust(self.backend, split=True)
         self._strips_content = self._content_stripping()
         self._history = [
             *self.system_messages(),
@@ -200,12 +223,18 @@ class ChatBridge:
 
     def encode(self, text: str) -> list[int]:
         """Template text: special-token strings become their ids."""
-        return [int(i) for i in self.backend.encode(text, add_special_tokens=False)]
+        if self._template_rust is not None:
+            return list(self._template_rust.encode(text, add_special_tokens=False).ids)
+        with _SLOW_TOKENIZER_LOCK:
+            return [int(i) for i in self.backend.encode(text, add_special_tokens=False)]
 
     def encode_content(self, text: str) -> list[int]:
         """Environment text: special-token strings are split into plain text tokens."""
-        out = self.backend(text, add_special_tokens=False, split_special_tokens=True)
-        return [int(i) for i in out["input_ids"]]
+        if self._content_rust is not None:
+            return list(self._content_rust.encode(text, add_special_tokens=False).ids)
+        with _SLOW_TOKENIZER_LOCK:
+            out = self.backend(text, add_special_tokens=False, split_special_tokens=True)
+            return [int(i) for i in out["input_ids"]]
 
     def cut_after_turn(self, messages: Sequence[Message]) -> tuple[str, str]:
         """The render of ``messages`` (ending with an assistant turn whose content is
@@ -336,14 +365,15 @@ PROBE_CONVERSATIONS: tuple[tuple[Message, ...], ...] = (
         {"role": "user", "content": "Look up the weather in Paris."},
         {"role": "assistant", "content": 'call weather(city="Paris")'},
         {"role": "tool", "content": '{"temp": 21, "unit": "C"}'},
-        {"role": "tool", "content": '{"wind": 3}'},
+        {"role": "tool", "content": '{"wind": 3}\n'},
         {"role": "assistant", "content": "It is 21 degrees with a light wind."},
         {"role": "user", "content": "Thanks!\nAnd tomorrow?"},
     ),
 )
 """Conversations :func:`probe_bridge` renders in full and turn by turn: a reasoning block in an
 earlier turn (templates that drop it from history fail), several turns, two consecutive tool
-messages in one environment step."""
+messages in one environment step, one ending in a newline (templates that trim a message only
+once it is history fail)."""
 
 
 def first_difference(bridge: ChatBridge, expected: Sequence[int], got: Sequence[int]) -> str:
@@ -360,7 +390,11 @@ def first_difference(bridge: ChatBridge, expected: Sequence[int], got: Sequence[
 
 
 def probe_conversation(bridge: ChatBridge, conversation: Sequence[Message], label: str) -> None:
-    """Check the first prompt and every bridge of ``conversation`` against full renders."""
+    """Check the first prompt and every bridge of ``conversation`` against full renders: each
+    bridge alone (the render up to the turn's end, then the bridge's ids), and the stream as an
+    episode builds it (the first prompt, then per turn the reply's ids, the end of turn and the
+    bridge's ids), which a template that renders an earlier message differently once it is no
+    longer the last one (trimmed, its reasoning dropped) cannot match."""
     messages = [dict(m) for m in conversation]
     first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     system = bridge.system_messages()
@@ -371,6 +405,7 @@ def probe_conversation(bridge: ChatBridge, conversation: Sequence[Message], labe
             f"chat template {bridge.name} fails the bridge probe ({label}, first prompt): "
             f"{first_difference(bridge, expected, got)}"
         )
+    stream = list(got)
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for turn, at in enumerate(replies):
         nxt = next((i for i in replies if i > at), len(messages))
@@ -381,12 +416,18 @@ def probe_conversation(bridge: ChatBridge, conversation: Sequence[Message], labe
         prefix, _ = bridge.cut_after_turn(history)
         full = bridge.render([*history, *env], add_generation_prompt=True)
         expected = bridge.encode(full)
-        got = bridge.encode(prefix) + bridge.bridge_ids(env).ids
-        if expected != got or not full.startswith(prefix):
-            rewrites = "" if full.startswith(prefix) else " (it rewrites earlier turns)"
+        bridged = bridge.bridge_ids(env).ids
+        got = bridge.encode(prefix) + bridged
+        stream += [*bridge.encode(messages[at]["content"]), *bridge.eot_ids, *bridged]
+        if expected != got or not full.startswith(prefix) or stream != expected:
+            alone = expected == got and full.startswith(prefix)
+            rewrites = (
+                " (it rewrites earlier turns)" if alone or not full.startswith(prefix) else ""
+            )
             raise BridgeError(
                 f"chat template {bridge.name} fails the bridge probe{rewrites} ({label}, after "
-                f"model turn {turn + 1}): {first_difference(bridge, expected, got)}; the "
+                f"model turn {turn + 1}): "
+                f"{first_difference(bridge, expected, stream if alone else got)}; the "
                 "turn-by-turn token stream would not be what the template renders"
             )
 
@@ -396,15 +437,20 @@ def probe_bridge(
 ) -> None:
     """Refuse (:class:`BridgeError`) a template whose turn-by-turn ids differ from its full
     render on any of ``conversations``. The caps are lifted for the probe."""
-    uncapped = ChatBridge(
+    probe = uncapped(bridge)
+    for index, conversation in enumerate(conversations):
+        probe_conversation(probe, conversation, f"probe conversation {index}")
+
+
+def uncapped(bridge: ChatBridge) -> ChatBridge:
+    """``bridge`` with its observation caps lifted (a probe compares whole renders)."""
+    return ChatBridge(
         bridge.backend,
         obs_role=bridge.obs_role,
         max_obs_chars=1 << 30,
         max_obs_tokens=1 << 30,
         system_prompt=bridge.system_prompt,
     )
-    for index, conversation in enumerate(conversations):
-        probe_conversation(uncapped, conversation, f"probe conversation {index}")
 
 
 def make_bridge(
