@@ -334,6 +334,7 @@ class ActorPhases:
             mn.ACTOR_REWARD_GROUPS_DROPPED: stats.groups_dropped,
             **(self.evaluator.latest if self.evaluator is not None else {}),
             **(self.episodes.counts if self.episodes is not None else {}),
+            **(self.episodes.gauges if self.episodes is not None else {}),
         }
         sender.set_status(self.engine.version, status)
         self.exporter.update(
@@ -408,6 +409,8 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         scorer.close()
         if evaluator is not None:
             evaluator.close()
+        if phases.episodes is not None and phases.episodes.env_pool is not None:
+            phases.episodes.env_pool.close()  # env.workers > 0: its worker processes
     parts.close(delete_spool=not unacked)
     log.info(
         "actor %s: stopped after %d batches, %d groups",

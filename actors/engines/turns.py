@@ -10,6 +10,7 @@ task)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,12 +98,15 @@ class TurnSource(Protocol):
 
 
 class TurnQueue:
-    """The :class:`TurnSource` an episode runner feeds from its own thread(s)."""
+    """The :class:`TurnSource` an episode runner feeds from its own thread(s). ``waited_s``:
+    the time ``serve`` spent in :meth:`wait`, i.e. with no row to decode (every episode with
+    its environment, or none started yet)."""
 
     def __init__(self) -> None:
         self._items: deque[TurnItem] = deque()
         self._ready = threading.Condition()
         self._closed = False
+        self.waited_s = 0.0
 
     def put(self, item: TurnItem) -> None:
         """Queue a turn request (checked here, on the caller's thread) or an episode's end."""
@@ -143,9 +147,11 @@ class TurnQueue:
         return out
 
     def wait(self, timeout_s: float) -> None:
+        started = time.perf_counter()
         with self._ready:
             if not self._items and not self._closed:
                 self._ready.wait(timeout_s)
+        self.waited_s += time.perf_counter() - started
 
     def __len__(self) -> int:
         with self._ready:

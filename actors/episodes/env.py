@@ -89,8 +89,9 @@ def parse_env_spec(spec: str) -> tuple[str, str]:
     return target, name
 
 
-def load_env_class(spec: str) -> type:
-    """The environment class ``spec`` names: a built-in name, a module's class or a file's."""
+def load_env_class(spec: str, source: bytes | None = None) -> type:
+    """The environment class ``spec`` names: a built-in name, a module's class or a file's
+    (``source``: that file's text as read earlier, e.g. the environment pool's sealed copy)."""
     if spec in BUILTIN_ENVS:
         from actors.episodes.builtin import BUILTIN
 
@@ -98,9 +99,9 @@ def load_env_class(spec: str) -> type:
     target, name = parse_env_spec(spec)
     if target.endswith(".py"):
         path = Path(target)
-        if not path.is_file():
+        if source is None and not path.is_file():
             raise EnvSpecError(f"env.name={spec!r}: no file {path}")
-        module = _module_from_file(path, spec)
+        module = _module_from_file(path, spec, source)
     else:
         try:
             module = importlib.import_module(target)
@@ -111,13 +112,13 @@ def load_env_class(spec: str) -> type:
     return _checked_class(module, spec)
 
 
-def _module_from_file(path: Path, spec: str) -> types.ModuleType:
+def _module_from_file(path: Path, spec: str, source: bytes | None) -> types.ModuleType:
     module_name = f"specrl_user_env_{path.stem}"
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
-        code = compile(path.read_bytes(), str(path), "exec")
+        code = compile(path.read_bytes() if source is None else source, str(path), "exec")
         exec(code, module.__dict__)  # noqa: S102 - the user's environment
     except Exception as err:  # noqa: BLE001 - any error in the user's file stops the start
         sys.modules.pop(module_name, None)
@@ -144,11 +145,12 @@ def make_env(
     spec: str,
     kwargs: Mapping[str, Any] | None = None,
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
+    cls: type | None = None,
 ) -> CheckedEnv:
-    """A fresh environment of ``spec`` built with ``kwargs``, wrapped in :class:`CheckedEnv`.
-    Keyword arguments the constructor does not take, or a constructor that raises, stop the
-    start with :class:`EnvSpecError`."""
-    cls = load_env_class(spec)
+    """A fresh environment of ``spec`` (or of ``cls``, its class loaded already) built with
+    ``kwargs``, wrapped in :class:`CheckedEnv`. Keyword arguments the constructor does not take,
+    or a constructor that raises, stop the start with :class:`EnvSpecError`."""
+    cls = load_env_class(spec) if cls is None else cls
     kwargs = dict(kwargs or {})
     try:
         inspect.signature(cls).bind(**kwargs)
@@ -196,14 +198,22 @@ class CheckedEnv:
     async def areset(
         self, *, seed: int, options: Mapping[str, Any] | None = None
     ) -> tuple[str | list[Message], dict]:
-        value = await self._call("reset", seed=int(seed), options=dict(options or {}))
+        return self.check_reset(
+            await self._call("reset", seed=int(seed), options=dict(options or {}))
+        )
+
+    async def astep(self, action: str) -> StepResult:
+        return self.check_step(await self._call("step", action))
+
+    def check_reset(self, value: Any) -> tuple[str | list[Message], dict]:
+        """What ``reset`` returned, checked: ``(observation, info)``, else ``invalid``."""
         if not isinstance(value, tuple | list) or len(value) != 2:
             raise self._invalid("reset", f"must return (observation, info), got {value!r:.120}")
         obs, info = value
         return self._obs("reset", obs), self._info("reset", info)
 
-    async def astep(self, action: str) -> StepResult:
-        value = await self._call("step", action)
+    def check_step(self, value: Any) -> StepResult:
+        """What ``step`` returned, checked (a :class:`StepResult`), else ``invalid``."""
         if not isinstance(value, tuple | list) or len(value) != 5:
             raise self._invalid(
                 "step",

@@ -17,14 +17,16 @@ any delayed verification), so it never sees a token that is later rejected.
 When the G episodes of a problem have ended, their group (protocol v2 completions:
 ``turn_starts``, ``turn_rewards``, ``stop``) goes to ``submit``. An episode ends on a model token:
 glue or an observation after its last turn is not kept. Environments run in threads of the
-actor's process (``env.workers=0``: trusted environments, such as the built-ins); a process
-pool with the reward sandbox is not built yet, and ``env.workers > 0`` is refused at start.
+actor's process (``env.workers=0``: trusted environments, such as the built-ins) or in worker
+processes (``env.workers > 0``, ``actors/episodes/pool.py``, optionally sandboxed), which keep
+their own deadlines and replace a worker that crashed or hung.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +39,25 @@ import numpy as np
 from actors.engines.turns import EpisodeDone, TurnQueue, TurnRequest, TurnResult
 from actors.episodes.env import CheckedEnv, EnvFailure
 from common import metric_names as mn
-from common.chat_bridge import CharBridge, ChatBridge, ObservationError, cut_turn_glue, make_bridge
+from common.chat_bridge import (
+    BridgeError,
+    CharBridge,
+    ChatBridge,
+    ObservationError,
+    as_messages,
+    cut_turn_glue,
+    make_bridge,
+    probe_conversation,
+    uncapped,
+)
 from common.config.env import EnvConfig
 from common.link.protocol import Completion, TrajectoryGroup
 from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+CALL_THREADS = 64
+"""Threads that run in-process environments' calls (``env.workers=0``)."""
 FINISHED = ("eos", "env_done")
 """Stops of an episode that ended by itself (``Completion.finished``)."""
 
@@ -68,6 +82,12 @@ class Episode:
     """A turn of this episode is with the engine (requested, not yet delivered)."""
     failure: str = ""
     """The environment's failure kind (``EnvFailure.kind``), if it failed."""
+    step_s: list[float] = field(default_factory=list)
+    """Wall time of each ``step`` call, until its answer or its failure (a timeout included)."""
+    messages: list[dict] = field(default_factory=list)
+    """``env.check_bridge=always``: the conversation as chat messages (observations, and each
+    model turn's text, stripped), probed against the template's full render when the episode
+    ends."""
 
     def add_turn(self, result: TurnResult) -> None:
         self.turn_starts.append(len(self.stream))
@@ -110,16 +130,22 @@ class EpisodeRunner:
         make_env: Callable[[], CheckedEnv],
         stop_ids: frozenset[int],
     ) -> None:
-        if cfg.workers > 0:
-            raise ValueError(
-                f"env.workers={cfg.workers}: environment worker processes are not built yet; "
-                "env.workers=0 runs the environment in the actor's process (trusted code only)"
-            )
         self.engine, self.cfg, self.bridge, self.tokenizer = engine, cfg, bridge, tokenizer
         self.make_env, self.stop_ids = make_env, stop_ids
         self.counts: Counter[str] = Counter()
+        self.gauges: dict[str, float] = {}
+        """The last batch's ``env/decode_idle_frac`` and ``env/step_s`` (mean step seconds)."""
+        self._step_s: list[float] = []
         self._lock = threading.Lock()
         self._siblings = 1
+        self._probing = cfg.check_bridge == "always" and isinstance(bridge, ChatBridge)
+        self._uncapped = uncapped(bridge) if self._probing else None
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="env-call")
+        """In-process environments' calls (each waited for with its deadline, from the runner's
+        threads); a hung call keeps its thread."""
+        self.env_pool: Any = None
+        """The environment's worker processes (``env.workers > 0``, :func:`episode_runner`),
+        closed when the actor stops."""
 
     def run_batch(
         self,
@@ -142,6 +168,7 @@ class EpisodeRunner:
 
         def finish(ep: Episode, stop: str) -> None:
             ep.stop = ep.stop or stop
+            self._probe(ep)
             with self._lock:
                 left[ep.problem] -= 1
                 live[0] -= 1
@@ -168,6 +195,7 @@ class EpisodeRunner:
         def on_turn(result: TurnResult) -> None:
             pool.submit(guarded, self._after_turn, by_id[result.request_id], result, queue, finish)
 
+        started = time.perf_counter()
         try:
             self.engine.serve(queue, weight_source, on_turn)
         finally:
@@ -176,6 +204,7 @@ class EpisodeRunner:
             pool.shutdown(wait=True, cancel_futures=True)
             for ep in by_id.values():
                 self._close(ep)
+            self._gauge(queue.waited_s, time.perf_counter() - started)
         if errors:
             raise errors[0]
         return episodes
@@ -183,14 +212,15 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ one episode's steps
 
     def _call(self, ep: Episode, fn: Callable[[], Any], timeout_s: float) -> Any:
-        """``fn()`` (an environment call) within ``timeout_s``; EnvFailure on a failure."""
-        one = ThreadPoolExecutor(1, thread_name_prefix="env-call")
+        """``fn()`` (an environment call) within ``timeout_s``; EnvFailure on a failure. A
+        session of worker processes keeps its own deadlines (``enforces_deadlines``); an
+        in-process environment's call runs on a thread of its own, left behind if it hangs."""
+        if getattr(ep.env, "enforces_deadlines", False):
+            return fn()
         try:
-            return one.submit(fn).result(timeout=timeout_s)
+            return self._calls.submit(fn).result(timeout=timeout_s)
         except FutureTimeout as err:  # the call's thread is left behind: in-process, trusted
             raise EnvFailure("timeout", f"no answer in {timeout_s:g} s") from err
-        finally:
-            one.shutdown(wait=False)
 
     def _start(self, row: list[Episode], seed: int, queue: TurnQueue, finish) -> None:
         """Reset each sibling's environment; refuse the group if their first prompts differ."""
@@ -208,6 +238,8 @@ class EpisodeRunner:
                 prompts.append(None)
                 continue
             ep.prompt_ids = bridged.ids
+            if self._probing:
+                ep.messages = as_messages(obs, "user")
             prompts.append(tuple(bridged.ids))
         if len(set(prompts)) != 1 or prompts[0] is None:
             if None not in prompts:
@@ -258,12 +290,17 @@ class EpisodeRunner:
                 return
         text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
         ep.seen.append(text)
+        stepped = time.perf_counter()
         try:
             step = self._call(ep, lambda: ep.env.step(text), self.cfg.step_timeout_s)
         except EnvFailure as err:
+            ep.step_s.append(time.perf_counter() - stepped)
             self._failed(ep, err)
             finish(ep, "env_timeout" if err.kind == "timeout" else "env_error")
             return
+        ep.step_s.append(time.perf_counter() - stepped)
+        with self._lock:
+            self._step_s.append(ep.step_s[-1])
         ep.turn_rewards[-1] = step.reward
         if step.info.get("malformed"):
             self._count(mn.ENV_MALFORMED_ACTIONS)
@@ -286,9 +323,35 @@ class EpisodeRunner:
         if bridged.truncated:
             self._count(mn.ENV_OBS_TRUNCATED)
         ep.add_env([*(glue if cut else []), *bridged.ids])
+        if self._probing:
+            # The reply stripped: whitespace at its edges tokenises with its neighbours in a
+            # full render, a difference of the reply's tokens, not of the template.
+            ep.messages += [
+                {"role": "assistant", "content": text.strip() or "ok"},
+                *as_messages(step.obs, self.cfg.obs_role),
+            ]
         self._request(ep, queue, first=False, finish=finish)
 
     # ------------------------------------------------------------------ groups and counters
+
+    def _probe(self, ep: Episode) -> None:
+        """``env.check_bridge=always``: the episode's conversation (its texts) rendered whole
+        against the bridge turn by turn; a difference is counted and logged, the episode kept
+        (its tokens are what was sampled and bridged either way)."""
+        if not self._probing or not any(m["role"] == "assistant" for m in ep.messages):
+            return
+        try:
+            probe_conversation(self._uncapped, ep.messages, f"episode {ep.problem}.{ep.sibling}")
+        except BridgeError as err:
+            self._count(mn.ENV_BRIDGE_MISMATCHES)
+            log.warning("env.check_bridge=always: %s", err)
+
+    def _gauge(self, idle_s: float, wall_s: float) -> None:
+        """The batch's share of ``serve`` with no row to decode, and its mean step time."""
+        with self._lock:
+            steps, self._step_s = self._step_s, []
+        self.gauges[mn.ENV_DECODE_IDLE_FRAC] = idle_s / wall_s if wall_s > 0 else 0.0
+        self.gauges[mn.ENV_STEP_S] = sum(steps) / len(steps) if steps else 0.0
 
     def _close(self, ep: Episode) -> None:
         """Close the episode's environment; a failure to close (an environment whose call is
@@ -363,6 +426,26 @@ def episode_runner(cfg: Any, engine: Any, tokenizer: Tokenizer) -> EpisodeRunner
     )
     stop_ids = frozenset({tokenizer.eos_id, *bridge.eot_ids})
     bound = cfg.learner.max_abs_reward
+
+    if env.workers > 0:  # sessions on worker processes; a worker that cannot start stops here
+        from actors.episodes.pool import EnvPool
+
+        pool = EnvPool(
+            env.name,
+            env.kwargs,
+            workers=env.workers,
+            max_abs_reward=bound,
+            reset_timeout_s=env.reset_timeout_s,
+            step_timeout_s=env.step_timeout_s,
+            sandbox=env.sandbox,
+        )
+        try:
+            runner = EpisodeRunner(engine, env, bridge, tokenizer, pool.session, stop_ids)
+        except BaseException:
+            pool.close()
+            raise
+        runner.env_pool = pool
+        return runner
 
     def fresh() -> CheckedEnv:
         return make_env(env.name, env.kwargs, bound)

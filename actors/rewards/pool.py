@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,13 +76,14 @@ class RewardCall:
     row: Mapping[str, Any]
 
 
-class _Output(threading.Thread):
+class WorkerOutput(threading.Thread):
     """Forwards a worker's stderr (its prints) to the actor's log, line by line, at most
-    :data:`OUTPUT_BYTES_PER_CALL` since the last :meth:`allow`; keeps a tail for errors."""
+    :data:`OUTPUT_BYTES_PER_CALL` since the last :meth:`allow`; keeps a tail for errors.
+    ``what`` names the worker's kind in the log (``reward``, ``env``)."""
 
-    def __init__(self, stream: IO[bytes], label: str) -> None:
-        super().__init__(name=f"reward-output-{label}", daemon=True)
-        self.stream, self.label = stream, label
+    def __init__(self, stream: IO[bytes], label: str, what: str = "reward") -> None:
+        super().__init__(name=f"{what}-output-{label}", daemon=True)
+        self.stream, self.label = stream, f"{what} {label}"
         self.budget, self.dropped = OUTPUT_BYTES_PER_CALL, 0
         self.tail: deque[str] = deque(maxlen=20)
         self.start()
@@ -97,11 +98,11 @@ class _Output(threading.Thread):
                 self.tail.append(text)
                 if self.budget >= len(line):
                     self.budget -= len(line)
-                    output_log.info("reward %s: %s", self.label, text)
+                    output_log.info("%s: %s", self.label, text)
                 else:
                     if not self.dropped:
                         output_log.warning(
-                            "reward %s: printed over %d bytes in one call; the rest of its "
+                            "%s: printed over %d bytes in one call; the rest of its "
                             "output is dropped",
                             self.label,
                             OUTPUT_BYTES_PER_CALL,
@@ -117,7 +118,7 @@ class _Worker:
     def __init__(self, pool: RewardPool, index: int) -> None:
         self.pool, self.index = pool, index
         self.process: subprocess.Popen[bytes] | None = None
-        self.output: _Output | None = None
+        self.output: WorkerOutput | None = None
 
     def start(self) -> None:
         """Start the process and wait for its hello; :class:`RewardPoolError` if it failed."""
@@ -136,21 +137,10 @@ class _Worker:
             start_new_session=True,  # its own process group: a kill takes its children too
         )
         assert self.process.stderr is not None
-        self.output = _Output(self.process.stderr, f"{pool.label}[{self.index}]")
-        try:
-            hello = self.read(time.monotonic() + pool.start_timeout_s)
-        except _Timeout:
-            hello = {"error": f"no answer within {pool.start_timeout_s} s"}
-        except _BadReply as err:
-            hello = {"error": str(err)}
-        if not isinstance(hello, dict) or not hello.get("ready"):
-            self.stop()
-            why = hello.get("error") if isinstance(hello, dict) else "it exited"
-            tail = "\n".join(self.output.tail)[-1500:] if self.output else ""
-            raise RewardPoolError(
-                f"task.reward={pool.spec!r} could not start: {why}"
-                + (f"\n{tail}" if tail and why != tail else "")
-            )
+        self.output = WorkerOutput(self.process.stderr, f"{pool.label}[{self.index}]")
+        why = start_refusal(self.read, self.stop, self.output, pool.start_timeout_s)
+        if why is not None:
+            raise RewardPoolError(f"task.reward={pool.spec!r} could not start: {why}")
 
     def call(self, call_id: int, request: bytes) -> RewardOutcome:
         """One call's outcome; the worker is stopped after a timeout, a crash or a bad reply."""
@@ -171,12 +161,12 @@ class _Worker:
             return pool.failed("crashed", "the worker had exited")
         try:
             reply = self.read(time.monotonic() + pool.timeout_s)
-        except _Timeout:
+        except ReplyTimeout:
             self.stop()
             return pool.failed(
                 "timeout", f"no reward within task.reward_timeout_s={pool.timeout_s}"
             )
-        except _BadReply as err:
+        except BadReply as err:
             self.stop()
             return pool.failed("invalid", str(err))
         if reply is None:
@@ -192,34 +182,8 @@ class _Worker:
 
     def read(self, deadline: float) -> Any:
         """The next reply, or None if the worker closed its end."""
-        header = self._read_exactly(4, deadline)
-        if header is None:
-            return None
-        size = int.from_bytes(header, "big")
-        if size > MAX_REPLY_BYTES:
-            raise _BadReply(f"a reply of {size} bytes (more than {MAX_REPLY_BYTES})")
-        payload = self._read_exactly(size, deadline)
-        if payload is None:
-            return None
-        try:
-            return msgpack.unpackb(payload, raw=False)
-        except Exception as err:
-            raise _BadReply(f"an undecodable reply ({err})") from err
-
-    def _read_exactly(self, size: int, deadline: float) -> bytes | None:
         assert self.process is not None and self.process.stdout is not None
-        fd = self.process.stdout.fileno()
-        chunks, got = [], 0
-        while got < size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise _Timeout
-            chunk = os.read(fd, size - got)
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
+        return read_reply(self.process.stdout.fileno(), deadline)
 
     def stop(self) -> int | None:
         """Kill the worker and its process group (sandboxed: its whole pid namespace); its exit
@@ -239,12 +203,67 @@ class _Worker:
         return code
 
 
-class _Timeout(Exception):
-    pass
+class ReplyTimeout(Exception):
+    """No whole reply before the deadline."""
 
 
-class _BadReply(Exception):
-    pass
+class BadReply(Exception):
+    """A reply over :data:`MAX_REPLY_BYTES`, or one msgpack cannot decode."""
+
+
+def start_refusal(
+    read: Callable[[float], Any],
+    stop: Callable[[], Any],
+    output: WorkerOutput | None,
+    timeout_s: float,
+) -> str | None:
+    """None when a worker that just started says it is ready (its hello, read by ``read`` within
+    ``timeout_s``); else, after ``stop``, why not, with the tail of what it printed."""
+    try:
+        hello = read(time.monotonic() + timeout_s)
+    except ReplyTimeout:
+        hello = {"error": f"no answer within {timeout_s} s"}
+    except BadReply as err:
+        hello = {"error": str(err)}
+    if isinstance(hello, dict) and hello.get("ready"):
+        return None
+    stop()
+    why = str(hello.get("error") if isinstance(hello, dict) else "it exited")
+    tail = "\n".join(output.tail)[-1500:] if output else ""
+    return why + (f"\n{tail}" if tail and why != tail else "")
+
+
+def read_reply(fd: int, deadline: float) -> Any:
+    """The next framed reply on ``fd`` (a worker's stdout), or None if the worker closed its
+    end; :class:`ReplyTimeout` past ``deadline`` (``time.monotonic``), :class:`BadReply` for one
+    over :data:`MAX_REPLY_BYTES` or undecodable."""
+    header = _read_exactly(fd, 4, deadline)
+    if header is None:
+        return None
+    size = int.from_bytes(header, "big")
+    if size > MAX_REPLY_BYTES:
+        raise BadReply(f"a reply of {size} bytes (more than {MAX_REPLY_BYTES})")
+    payload = _read_exactly(fd, size, deadline)
+    if payload is None:
+        return None
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except Exception as err:
+        raise BadReply(f"an undecodable reply ({err})") from err
+
+
+def _read_exactly(fd: int, size: int, deadline: float) -> bytes | None:
+    chunks, got = [], 0
+    while got < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            raise ReplyTimeout
+        chunk = os.read(fd, size - got)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def sealed_copy(data: bytes, name: str) -> int:
@@ -268,6 +287,12 @@ def reward_code(spec: str, sandbox: bool) -> tuple[Path | None, list[str]]:
     found in the working directory or PYTHONPATH), and the directories to show a sandbox
     read-only for a module that is a package there."""
     target, _ = parse_reward_spec(spec)
+    return user_code(target, sandbox)
+
+
+def user_code(target: str, sandbox: bool) -> tuple[Path | None, list[str]]:
+    """:func:`reward_code` of a spec's target (a ``.py`` file or a dotted module name); the
+    environment pool's too."""
     if target.endswith(".py"):
         return Path(target), []
     if not sandbox:

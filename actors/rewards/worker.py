@@ -25,6 +25,7 @@ import resource
 import signal
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import msgpack
@@ -117,14 +118,21 @@ def read_source(fd: int) -> bytes:
         os.close(fd)
 
 
-def load(options: dict[str, Any]) -> Any:
-    """The reward function the options name, confined first when they carry limits."""
+def confine_and_read(options: dict[str, Any]) -> bytes | None:
+    """A worker's start before it loads user code: the limits (sandboxed), the sealed copy of
+    a ``.py`` file (if any) read, the user's paths put on ``sys.path``."""
     limits = options.get("limits")
     if limits:
         limit(**limits)
     source_fd = options.get("source_fd")
     source = read_source(source_fd) if source_fd is not None else None
     sys.path[1:1] = options.get("paths", [])
+    return source
+
+
+def load(options: dict[str, Any]) -> Any:
+    """The reward function the options name, confined first when they carry limits."""
+    source = confine_and_read(options)
     if source is not None:
         return load_reward_source(source, options["source_name"], options["spec"])
     return load_reward_function(options["spec"])
@@ -153,12 +161,14 @@ def serve(options: dict[str, Any], replies: BinaryIO, requests: BinaryIO) -> int
     return 0
 
 
-def main(options_json: str) -> int:
+def main(options_json: str, serve_with: Callable[..., int] | None = None) -> int:
+    """A worker's life: its options, death with its parent, then ``serve_with`` (default:
+    :func:`serve`, the reward's) over the request and reply streams."""
     options = json.loads(options_json)
     die_with_parent(options.get("parent"))
-    # The replies keep the real stdout (a descriptor no child inherits); the function's prints
+    # The replies keep the real stdout (a descriptor no child inherits); the user code's prints
     # go to stderr.
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     requests = os.fdopen(0, "rb", buffering=0)
-    return serve(options, replies, requests)
+    return (serve_with or serve)(options, replies, requests)

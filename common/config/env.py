@@ -76,8 +76,16 @@ class EnvConfig:
     obs_role: str = "user"
     """Chat role a text observation is rendered in: ``user`` or ``tool``."""
     workers: int = 0
-    """Worker processes that run the environment; 0: threads of the actor's process (trusted
-    environments, such as the built-ins). Worker processes are not built yet: only 0 is taken."""
+    """Worker processes that run the environment (``actors/episodes/pool.py``), each holding
+    several episodes' sessions: a crash, hang or oversize answer fails its own episode, the
+    worker is replaced and its other episodes are replayed onto the new one; 0: threads of the
+    actor's process (trusted environments, such as the built-ins)."""
+    sandbox: bool = False
+    """Run the environment's worker processes confined, for environments that execute
+    model-written code: bubblewrap as for ``task.reward_sandbox`` (read-only system and Python,
+    no home, run or working directory, own pid and network namespaces, address-space, file-size
+    and process limits, an allow-listed environment). Needs ``env.workers >= 1``; refused at
+    start where bubblewrap is missing or cannot make namespaces."""
     step_timeout_s: float = 30.0
     """An environment ``step`` still running after this long fails its episode (``timeout``)."""
     reset_timeout_s: float = 60.0
@@ -105,6 +113,10 @@ class EnvConfig:
         )
         require_at_least("env", self, max_turns=1, max_turn_tokens=1, workers=0)
         require_at_least("env", self, max_obs_tokens=1, max_obs_chars=1)
+        require(
+            not self.sandbox or self.workers >= 1,
+            "env.sandbox=true confines the environment's worker processes: set env.workers >= 1",
+        )
         require(
             self.max_turn_tokens <= self.max_total_tokens,
             f"env.max_turn_tokens={self.max_turn_tokens} must be <= "
@@ -148,11 +160,6 @@ def check_env_bounds(env: EnvConfig, learner: LearnerConfig, engine: EngineConfi
         engine.name == "torch",
         f"env.name={env.name!r} runs episodes on the torch engine (its turn-request stream); "
         f"got engine={engine.name}",
-    )
-    require(
-        env.workers == 0,
-        f"env.workers={env.workers}: environment worker processes are not built yet; "
-        "env.workers=0 runs the environment in the actor's process (trusted code only)",
     )
     require(
         not learner.max_seq_tokens or env.max_total_tokens <= learner.max_seq_tokens,

@@ -138,7 +138,7 @@ def test_siblings_whose_first_observations_differ_are_refused():
     assert groups == [] and run.counts[mn.ENV_RESET_MISMATCH] == 1
 
 
-def test_the_builtin_lookup_runs_and_worker_processes_are_refused():
+def test_the_builtin_lookup_runs():
     model = random_model(TOKENIZER.vocab_size, seed=3)
     engine = TorchEngine(model, EOS, TOKENIZER.pad_id, 1.0, seed=7, version=0, max_rows=8)
     bridge = make_bridge(TOKENIZER)
@@ -151,15 +151,6 @@ def test_the_builtin_lookup_runs_and_worker_processes_are_refused():
     [group] = groups
     assert TOKENIZER.decode(group.prompt_ids.tolist()[1:]).startswith("find ")
     assert all(c.stop in ("max_turns", "env_done") for c in group.completions)
-    with pytest.raises(ValueError, match="env.workers=2: environment worker processes"):
-        EpisodeRunner(
-            engine,
-            EnvConfig(name="lookup", workers=2),
-            bridge,
-            TOKENIZER,
-            lambda: None,
-            frozenset({EOS}),
-        )
 
 
 @pytest.mark.parametrize("inflight", ["verify_on_swap", "verify_on_finish", "abort"])
@@ -210,3 +201,80 @@ def test_a_hung_environment_ends_its_episode_at_the_deadline_and_the_batch_goes_
     [group] = groups
     assert [c.stop for c in group.completions] == ["env_timeout", "env_timeout"]
     assert all(valid(g) for g in groups)
+
+
+class Slow(Echo):
+    """Echo whose every step takes ``seconds`` (sleeping)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(turns=2)
+        self.seconds = seconds
+
+    def step(self, action):
+        time.sleep(self.seconds)
+        return super().step(action)
+
+
+def test_a_batch_reports_its_decode_idle_share_and_step_time():
+    # One episode: while its environment sleeps the decode loop has no row to decode, so the
+    # idle share is about the step time over the batch's time; the mean step covers the sleep.
+    run = runner(lambda: Slow(0.2))
+    run.run_batch([5], 1, None, lambda group: None)
+    assert run.gauges[mn.ENV_STEP_S] >= 0.2
+    assert 0.1 < run.gauges[mn.ENV_DECODE_IDLE_FRAC] <= 1.0
+    # Eight episodes of a fast environment: the loop is rarely idle.
+    run = runner(lambda: Echo(turns=2))
+    run.run_batch([1, 2, 3, 4], 2, None, lambda group: None)
+    assert 0.0 <= run.gauges[mn.ENV_DECODE_IDLE_FRAC] < 1.0
+    assert run.gauges[mn.ENV_STEP_S] < 0.2
+
+
+class Trailing:
+    """Answers every turn with an observation ending in spaces and a newline; done after 3."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def reset(self, *, seed, options):
+        self.n = 0
+        return f"go {seed}", {}
+
+    def step(self, action):
+        self.n += 1
+        return f"result {self.n}  \n", 0.0, self.n >= 3, False, {}
+
+
+@pytest.mark.parametrize(("template", "mismatched"), [("chatml", False), ("trims", True)])
+def test_check_bridge_always_probes_every_episode_and_counts_differences(
+    tmp_path, template, mismatched
+):
+    # A template that trims a message once it is history passes a probe without trailing
+    # whitespace (the start probe is skipped here, as a template it missed would be); with
+    # env.check_bridge=always every ended episode's conversation is probed, and each difference
+    # is counted, the episode kept.
+    from common.tokenizer import HFTokenizer
+    from testing.conversations import history_trimming_tokenizer
+    from testing.own_model import build_tokenizer
+
+    if template == "chatml":
+        build_tokenizer(tmp_path)
+        tokenizer = HFTokenizer(tmp_path)
+    else:
+        tokenizer = history_trimming_tokenizer(tmp_path)
+    model = random_model(tokenizer.vocab_size, seed=3)
+    engine = TorchEngine(
+        model, tokenizer.eos_id, tokenizer.pad_id, 1.0, seed=7, version=0, max_rows=8
+    )
+    cfg = EnvConfig(name="t:Trailing", max_turn_tokens=4, check_bridge="always")
+    bridge = make_bridge(tokenizer, check=False)
+    make = lambda: CheckedEnv(Trailing(), name="trailing")  # noqa: E731
+    stop_ids = frozenset({tokenizer.eos_id, *bridge.eot_ids})
+    run = EpisodeRunner(engine, cfg, bridge, tokenizer, make, stop_ids)
+    groups = []
+    episodes = run.run_batch([1, 2], 2, None, groups.append)
+    probed = sum(len(ep.turn_starts) >= 2 for row in episodes for ep in row)
+    # An episode that bridged two observations has the first one trimmed in the full render.
+    trimmed = sum(len(ep.turn_starts) >= 3 for row in episodes for ep in row)
+    assert trimmed > 0 and len(groups) == 2
+    counted = run.counts[mn.ENV_BRIDGE_MISMATCHES]
+    assert trimmed <= counted <= probed if mismatched else counted == 0

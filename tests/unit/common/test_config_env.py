@@ -98,8 +98,9 @@ def test_cross_checks_against_the_learner_and_the_engine():
     # Episodes run on the torch engine's turn-request stream (vLLM's: issue 59), in-process.
     with pytest.raises(ValueError, match="runs episodes on the torch engine.*got engine=vllm"):
         load_config(["env.name=lookup", "engine=vllm"])
-    with pytest.raises(ValueError, match="env.workers=2: environment worker processes"):
-        load_config(["env.name=lookup", "env.workers=2"])
+    assert load_config(["env.name=lookup", "env.workers=2", "env.sandbox=true"]).env.sandbox
+    with pytest.raises(ValueError, match="env.sandbox=true confines.*env.workers >= 1"):
+        load_config(["env.name=lookup", "env.sandbox=true"])
     with pytest.raises(
         ValueError, match="env.failure_reward=5.0 must be within learner.max_abs_reward=1.0"
     ):
