@@ -230,6 +230,27 @@ def full_model_state(module: PolicyModule) -> dict[str, Tensor]:
     return {_strip(k): v for k, v in state.items()}
 
 
+def shards_finite(module: nn.Module, device: torch.device) -> bool:
+    """Collective: whether every floating tensor of ``module`` is finite, each rank checking
+    only its own shards (a replicated tensor on every rank), the counts summed over the ranks.
+    Run before :func:`stream_full_state`, a version with a NaN or an infinity is refused without
+    gathering it, and the check is spread over the ranks instead of run on rank 0's gathered copy."""
+    from torch.distributed.tensor import DTensor
+
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    seen: set[int] = set()
+    for value in module.state_dict(keep_vars=True).values():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        local = value.detach()
+        local = local.to_local() if isinstance(local, DTensor) else local
+        if local.is_floating_point() and local.numel():
+            bad += (~torch.isfinite(local)).sum().to(device)
+    torch.distributed.all_reduce(bad)
+    return int(bad.item()) == 0
+
+
 def stream_full_state(
     module: nn.Module, dtype: torch.dtype, into: dict[str, Tensor] | None
 ) -> dict[str, Tensor] | None:

@@ -281,9 +281,8 @@ class Learner:
 
     def publish(self, due: bool) -> None:
         """Phase 3: publish the new policy when :func:`cadence` says so."""
-        if due:
+        if due and self.view.refresh():  # False: non-finite shards, counted, not gathered
             self.state.version += 1
-            self.view.refresh()
             self.publisher.publish(self.state.version)  # the weights group's too (on_snapshot)
 
     def _new_evaluation(self, receiver: GroupReceiver) -> dict[str, float]:
@@ -318,7 +317,7 @@ class Learner:
             mn.LEARNER_TRAIN_S: times.trained - times.collected,
             mn.LEARNER_PUBLISH_S: times.published - times.trained,
             mn.LEARNER_PUBLISH_UPLOAD_S: self.publisher.last_publish_s,
-            mn.LEARNER_PUBLISH_REFUSED: self.publisher.refused,
+            mn.LEARNER_PUBLISH_REFUSED: self.publisher.refused + self.view.refused,
             mn.LEARNER_PUBLISH_SKIPPED_VERSIONS: self.publisher.skipped,
             mn.LEARNER_WALL_S: times.published - self.wall_start,
             **self._group_metrics(),

@@ -17,7 +17,7 @@ from common.model_args import Layout
 from common.weights.connection import REDIS_DOWN, retry_redis
 from common.weights.format import WeightsError
 from common.weights.store import WeightStore
-from learner.distributed import DistContext, stream_full_state
+from learner.distributed import DistContext, shards_finite, stream_full_state
 from learner.policy import unwrap
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ class PolicyView:
     One process: the live model's state dict (the Publisher casts it as it copies). FSDP: the
     full state in the publish ``dtype`` that the last ``refresh`` streamed to rank 0's CPU (a
     collective every rank calls at the same point: each shard cast on its device, then gathered
-    one tensor at a time into a buffer kept across versions; no full fp32 state is built). The
+    one tensor at a time into a buffer kept across versions; no full fp32 state is built), once
+    every rank found its shards finite (a version that is not is never gathered). The
     republisher re-sends it without a collective. ``dtype`` None: the training dtype.
 
     The buffer is refilled only by the next ``refresh``, at the next publish, after the next
@@ -50,11 +51,21 @@ class PolicyView:
             (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32
         )
         self._full: dict[str, torch.Tensor] = {}
+        self.refused = 0
+        """Versions refused at ``refresh`` for non-finite shards (never gathered)."""
 
-    def refresh(self) -> None:
-        if self.dist is not None:
-            into = self._full if self.dist.is_main else None
-            stream_full_state(self.model, self.dtype, into)
+    def refresh(self) -> bool:
+        """Take the new version (a collective under FSDP); False, with nothing gathered, when a
+        rank's shards hold a NaN or an infinity (every rank gets the same answer)."""
+        if self.dist is None:
+            return True
+        if not shards_finite(self.model, self.dist.device):
+            self.refused += 1
+            log.warning("learner: the weights are not finite; this version is not gathered")
+            return False
+        into = self._full if self.dist.is_main else None
+        stream_full_state(self.model, self.dtype, into)
+        return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._full if self.dist is not None else unwrap(self.model).state_dict()

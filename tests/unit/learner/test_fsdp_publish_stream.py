@@ -64,3 +64,24 @@ def test_one_process_view_is_the_live_state() -> None:
     view.refresh()
     assert view.state_dict().keys() == model.state_dict().keys()
     assert next(iter(view.parameters())).dtype == torch.float32
+
+
+def _nan_worker(rank: int, world: int, port: int) -> None:
+    with group_rank(rank, world, port) as ctx:
+        module = shard(random_model(VOCAB))
+        view = PolicyView(module, module.policy.args, ctx, torch.bfloat16)
+        assert view.refresh()
+        before = {n: t.clone() for n, t in view.state_dict().items()}
+        if rank == 1:  # one rank's shard only: rank 0 cannot see it without the collective
+            with torch.no_grad():
+                next(module.parameters()).to_local().view(-1)[0] = float("nan")
+        assert not view.refresh()  # every rank: refused, nothing gathered
+        assert view.refused == 1
+        if rank == 0:  # the buffer still holds the last finite version
+            state = view.state_dict()
+            assert all(torch.equal(_bits(state[n]), _bits(t)) for n, t in before.items())
+        ctx.barrier()
+
+
+def test_a_non_finite_shard_refuses_the_version_on_every_rank_before_the_gather() -> None:
+    spawn_ranks(_nan_worker)
