@@ -27,6 +27,7 @@ import torch
 
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.turns import EpisodeDone, TurnQueue, TurnRequest, TurnResult
+from common.config.actor import SpecConfig
 from common.model import Transformer
 from testing.goodness_of_fit import chi_square_pvalue
 from testing.lossless_check import NO_EOS, exact_sequence_logprobs, peaky_model
@@ -101,8 +102,16 @@ class Driver:
     weights change while every episode waits on its environment."""
 
     def __init__(
-        self, episodes: int, env_seed: int = 0, gate: threading.Event | None = None
+        self,
+        episodes: int,
+        env_seed: int = 0,
+        gate: threading.Event | None = None,
+        coupled: bool = False,
     ) -> None:
+        self.coupled = coupled
+        """Control: episodes 2i and 2i + 1 share one random bit (one environment RNG for two
+        siblings): each episode's law stays exact, the pair's is no longer the product."""
+        self.shared_bits: dict[int, int] = {}
         self.queue = TurnQueue()
         self.episodes = [Episode() for _ in range(episodes)]
         self.env_log: list[tuple[int, tuple[int, ...]]] = []  # (episode, turn it received)
@@ -156,7 +165,10 @@ class Driver:
         ep = self.episodes[episode]
         turn = tuple(ep.turns[0].token_ids.tolist())
         self.env_log.append((episode, turn))
-        ep.obs = observation(turn, int(self.rng.random() < P_REWARD))
+        bit = int(self.rng.random() < P_REWARD)
+        if self.coupled:
+            bit = self.shared_bits.setdefault(episode // 2, bit)
+        ep.obs = observation(turn, bit)
         return self._turn(episode, [*ep.prompts[0], *turn, *ep.obs], first=False)
 
     def _after_gate(self) -> None:
@@ -254,20 +266,30 @@ class StaleHistoryEngine(TorchEngine):
 
 
 def serve_episodes(
-    mode: str, when: str, episodes: int, seed: int = 0, stale_history: bool = False
+    mode: str,
+    when: str,
+    episodes: int,
+    seed: int = 0,
+    stale_history: bool = False,
+    spec: SpecConfig | None = None,
+    coupled: bool = False,
 ) -> tuple[TorchEngine, Driver, list[Episode], tuple[Transformer, Transformer]]:
     """``episodes`` two-turn episodes with ``inflight=mode`` and the weights changing ``when``
-    (:data:`WHEN`); ``stale_history``: the :class:`StaleHistoryEngine` control. Returns the
-    engine, the driver, the episodes and the (old, new) models."""
-    if when not in WHEN:
-        raise ValueError(f"when={when!r}: expected one of {WHEN}")
+    (:data:`WHEN`, or ``never``); ``stale_history``: the :class:`StaleHistoryEngine` control;
+    ``spec``: the engine's drafting; ``coupled``: the :class:`Driver`'s coupled-siblings
+    control. Returns the engine, the driver, the episodes and the (old, new) models."""
+    if when not in (*WHEN, "never"):
+        raise ValueError(f"when={when!r}: expected one of {WHEN} or never")
     old, new = model_pair()
-    kwargs = dict(temperature=1.0, seed=seed, version=0, inflight=mode)
+    kwargs = dict(temperature=1.0, seed=seed, version=0, inflight=mode, spec=spec)
     if stale_history:
         engine: TorchEngine = StaleHistoryEngine(old_copy(old), old, NO_EOS, 0, **kwargs)
     else:
         engine = TorchEngine(old, NO_EOS, 0, **kwargs)
     driver: Driver
+    if when == "never":
+        driver = Driver(episodes, env_seed=seed + 1, coupled=coupled)
+        return engine, driver, run(engine, driver, None), (old, new)
     ready = {
         "turn1": lambda: True,
         "turn2": lambda: driver.all_second_turns_sent(),
@@ -275,7 +297,7 @@ def serve_episodes(
     }[when]
     source = SwapWhen(new, ready)
     gate = source.delivered if when == "between" else None
-    driver = Driver(episodes, env_seed=seed + 1, gate=gate)
+    driver = Driver(episodes, env_seed=seed + 1, gate=gate, coupled=coupled)
     out = run(engine, driver, source)
     if not source.delivered.is_set():
         raise RuntimeError("the weights never changed: the check would prove nothing")
