@@ -100,8 +100,9 @@ class EnvConfig:
     """``env.on_failure=zero``: the reward of a failed episode."""
     check_bridge: str = "first"
     """Probe the chat template's turn-by-turn bridge against full re-renders: ``first`` (once
-    at start; a template that rewrites history stops the actor), ``always`` (also every
-    bridge, for debugging) or ``off``."""
+    at start; a template that rewrites history stops the actor), ``always`` (also every ended
+    episode's conversation, for debugging: a difference is logged and counted in
+    ``env/bridge_mismatches``) or ``off``."""
 
     def __post_init__(self) -> None:
         if self.name:
