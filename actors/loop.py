@@ -9,11 +9,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from actors.engines.rollout_engine import Rollout, RolloutEngine
+from actors.episodes.evaluation import EpisodeEvaluator
 from actors.episodes.runner import EpisodeRunner, episode_runner
 from actors.evaluation import Evaluator
 from actors.exporter import ActorExporter
@@ -203,7 +205,7 @@ class ActorPhases:
     """The run's weight reader, for its host-cache figures (``actor/host_cache_refused``)."""
     scorer: Scorer | None = None
     """What scores completions: the reward pool of ``task.reward``, else (None) the task's own."""
-    evaluator: Evaluator | None = None
+    evaluator: Evaluator | EpisodeEvaluator | None = None
     """The held-out evaluation this actor runs (``eval.every``, ``eval.actor``), if any."""
     episodes: EpisodeRunner | None = None
     """The turn loop of multi-turn episodes (``env.name``), instead of single-turn prompts."""
@@ -343,6 +345,27 @@ class ActorPhases:
         )
 
 
+def make_evaluator(
+    cfg: SpecRLConfig, parts: Any, scorer: Any, episodes: EpisodeRunner | None
+) -> Evaluator | EpisodeEvaluator | None:
+    """The held-out evaluation of the evaluating actor (``eval.every``, ``eval.actor``): of
+    episodes with an environment, else of single-turn problems."""
+    if not cfg.eval.every or cfg.actor.index != cfg.eval.actor:
+        return None
+    samples = cfg.run.resolved_dir() / "eval" / f"{parts.actor_id}.jsonl"
+    if episodes is not None:
+        return EpisodeEvaluator(cfg.eval, episodes, cfg.env.failure_reward, samples)
+    return Evaluator(
+        cfg.eval,
+        held_out_problems(parts.task, cfg.eval.prompts, cfg.eval.seed),
+        parts.encode,
+        scorer,
+        parts.tokenizer,
+        parts.task.max_new_tokens,
+        samples,
+    )
+
+
 def run(cfg: SpecRLConfig) -> ActorStats:
     """The actor: wire its parts (:func:`actors.wiring.wire`), then decode batches and send
     their groups until a stop; what it did is returned."""
@@ -366,17 +389,8 @@ def run(cfg: SpecRLConfig) -> ActorStats:
             pool_scorer.close()
         return stats
     scorer = pool_scorer or TaskScorer(parts.task)
-    evaluator = None
-    if cfg.eval.every and cfg.actor.index == cfg.eval.actor and not cfg.env.name:
-        evaluator = Evaluator(
-            cfg.eval,
-            held_out_problems(parts.task, cfg.eval.prompts, cfg.eval.seed),
-            parts.encode,
-            scorer,
-            parts.tokenizer,
-            parts.task.max_new_tokens,
-            cfg.run.resolved_dir() / "eval" / f"{parts.actor_id}.jsonl",
-        )
+    episodes = episode_runner(cfg, parts.engine, parts.tokenizer) if cfg.env.name else None
+    evaluator = make_evaluator(cfg, parts, scorer, episodes)
     phases = ActorPhases(
         cfg=cfg,
         engine=parts.engine,
@@ -394,7 +408,7 @@ def run(cfg: SpecRLConfig) -> ActorStats:
         reader=parts.store,
         scorer=scorer,
         evaluator=evaluator,
-        episodes=episode_runner(cfg, parts.engine, parts.tokenizer) if cfg.env.name else None,
+        episodes=episodes,
     )
     try:
         with group_sender(

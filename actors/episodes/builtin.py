@@ -94,8 +94,10 @@ class GuessNumberEnv:
         self.turns = 0
 
     def reset(self, *, seed: int, options: Mapping[str, Any] | None = None) -> tuple[str, dict]:
-        """The instance of ``seed`` (siblings that share it get the same one)."""
-        self.instance = gn.instance(seed, self.split, self.pool_size, self.pool_seed)
+        """The instance of ``seed`` (siblings that share it get the same one); an evaluation's
+        episodes (``options["split"] == "eval"``) play the held-out set."""
+        split = "held_out" if (options or {}).get("split") == "eval" else self.split
+        self.instance = gn.instance(seed, split, self.pool_size, self.pool_seed)
         self.turns = 0
         lo, hi, _ = self.instance
         return gn.prompt(self.instance), {"lo": lo, "hi": hi, "turns": self.instance.turns}

@@ -138,6 +138,7 @@ class EpisodeRunner:
         self._step_s: list[float] = []
         self._lock = threading.Lock()
         self._siblings = 1
+        self._options: dict[str, Any] = {}
         self._probing = cfg.check_bridge == "always" and isinstance(bridge, ChatBridge)
         self._uncapped = uncapped(bridge) if self._probing else None
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="env-call")
@@ -153,10 +154,13 @@ class EpisodeRunner:
         group_size: int,
         weight_source: Callable[[], Any] | None,
         submit: Callable[[TrajectoryGroup], None],
+        options: dict[str, Any] | None = None,
     ) -> list[list[Episode]]:
         """Episodes of ``group_size`` siblings per seed; each problem's group goes to ``submit``
-        once its episodes end (from a thread of the runner's pool). Returns the episodes."""
+        once its episodes end (from a thread of the runner's pool). ``options``: added to every
+        ``reset``'s (an evaluation's ``{"split": "eval"}``). Returns the episodes."""
         self._siblings = group_size
+        self._options = dict(options or {})
         episodes = [
             [Episode(p, g, self.make_env()) for g in range(group_size)] for p in range(len(seeds))
         ]
@@ -229,7 +233,9 @@ class EpisodeRunner:
             try:
                 obs, _ = self._call(
                     ep,
-                    lambda ep=ep: ep.env.reset(seed=seed, options={"sibling": ep.sibling}),
+                    lambda ep=ep: ep.env.reset(
+                        seed=seed, options={**self._options, "sibling": ep.sibling}
+                    ),
                     self.cfg.reset_timeout_s,
                 )
                 bridged = self.bridge.first_prompt_ids(obs)

@@ -1,6 +1,7 @@
 """Multi-turn episodes through the whole pipeline: a learner and an actor as OS processes (real
 Redis, ZeroMQ), the actor running the built-in ``lookup`` environment on the tiny char model
-(actors/episodes/runner.py), the learner training on protocol v2 groups (sampled tokens only)."""
+(actors/episodes/runner.py), the learner training on protocol v2 groups (sampled tokens only),
+the evaluating actor playing held-out episodes (actors/episodes/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def model_dir(tmp_path_factory):
 
 
 def test_lookup_episodes_train_end_to_end(tmp_path, redis_server, model_dir):
+    evaluation = ["eval.every=2", "eval.prompts=4", "eval.samples=2"]
     pipeline = Pipeline.make(
-        tmp_path, redis_server.url, model_dir, [f"run.steps={STEPS}", *EPISODES]
+        tmp_path, redis_server.url, model_dir, [f"run.steps={STEPS}", *EPISODES, *evaluation]
     )
     pipeline.run_to_end(actors=1, timeout_s=300)
     assert pipeline.actors[0].returncode == 0, pipeline.log_tail("actor-0")
@@ -49,3 +51,10 @@ def test_lookup_episodes_train_end_to_end(tmp_path, redis_server, model_dir):
     assert ledger.trained and set(ledger.consumed) <= set(ledger.submitted)
     log = (tmp_path / "actor-0.log").read_text()
     assert "Traceback" not in log, pipeline.log_tail("actor-0")
+    # The held-out evaluation played episodes too (eval.every with an environment).
+    evaluated = [r for r in steps if mn.EVAL_AVG_REWARD in r]
+    assert evaluated, pipeline.log_tail("actor-0")
+    assert all(r[mn.EVAL_PROMPTS] == 4 and r[mn.EVAL_K] == 2 for r in evaluated)
+    (path,) = (tmp_path / "eval").glob("*.jsonl")  # named by the actor id
+    samples = path.read_text().splitlines()
+    assert samples and '"turns"' in samples[0]
