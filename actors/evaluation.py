@@ -26,7 +26,24 @@ from common.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class Evaluator:
+class EveryVersions:
+    """When an evaluation is due: the version reached a new multiple of ``cfg.every``; and the
+    figures of the latest one (empty before the first)."""
+
+    def __init__(self, cfg: EvalConfig) -> None:
+        self.cfg = cfg
+        self._last_bucket = -1
+        self.latest: dict[str, float] = {}
+
+    def due(self, version: int) -> bool:
+        return version // self.cfg.every > self._last_bucket
+
+    def begin(self, version: int) -> None:
+        """An evaluation of ``version`` starts: the next is due at the next multiple."""
+        self._last_bucket = version // self.cfg.every
+
+
+class Evaluator(EveryVersions):
     """Evaluates ``problems`` when the version reaches a new multiple of ``cfg.every``."""
 
     def __init__(
@@ -39,16 +56,11 @@ class Evaluator:
         max_new_tokens: int,
         samples_path: Path | None = None,
     ) -> None:
-        self.cfg, self.problems, self.scorer = cfg, problems, scorer
+        super().__init__(cfg)
+        self.problems, self.scorer = problems, scorer
         self.samples = MetricsWriter(samples_path) if samples_path is not None else None
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
         self.prompts = [encode(p.prompt) for p in problems]
-        self._last_bucket = -1
-        self.latest: dict[str, float] = {}
-        """The figures of the latest evaluation (empty before the first)."""
-
-    def due(self, version: int) -> bool:
-        return version // self.cfg.every > self._last_bucket
 
     def run(
         self, engine: RolloutEngine, stop_source: WeightSource | None = None
@@ -57,7 +69,7 @@ class Evaluator:
         ``stop_source`` is polled between decoding steps and raises to abandon the evaluation
         (a stop must not wait for hundreds of held-out completions); it brings no weights."""
         version = engine.version
-        self._last_bucket = version // self.cfg.every
+        self.begin(version)
         started = time.perf_counter()
         k = self.cfg.samples
         sampled = self._scored(engine.generate(self.prompts, k, self.max_new_tokens, stop_source))

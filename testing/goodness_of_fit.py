@@ -3,6 +3,8 @@ the benchmarks that report ``lossless`` (a p-value measured in the same run as t
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+
 import torch
 
 
@@ -26,3 +28,19 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((counts - expected) ** 2 / expected).sum()
     dof = torch.tensor(float(len(counts) - 1), dtype=torch.float64)
     return torch.special.gammaincc(dof / 2, stat / 2).item()
+
+
+def outcome_classes(
+    logprobs: Mapping[Hashable, float], min_prob: float
+) -> tuple[dict[Hashable, int], torch.Tensor]:
+    """Classes of outcomes for a joint test: each outcome at least ``min_prob`` likely is a
+    class of its own, the rest one last class ("other"); the class of every outcome and each
+    class's exact probability. A function of independent samples is independent, and the
+    classes keep every cell's expected count usable."""
+    probs = {k: float(torch.tensor(v, dtype=torch.float64).exp()) for k, v in logprobs.items()}
+    likely = sorted(k for k, p in probs.items() if p >= min_prob)  # type: ignore[type-var]
+    index = {k: len(likely) for k in probs} | {k: i for i, k in enumerate(likely)}
+    marginal = torch.zeros(len(likely) + 1, dtype=torch.float64)
+    for k, p in probs.items():
+        marginal[index[k]] += p
+    return index, marginal

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from actors.engines.rollout_engine import RolloutEngine, WeightSource
 from actors.episodes.runner import Episode, EpisodeRunner
-from actors.evaluation import evaluation_figures, greedy_figures
+from actors.evaluation import EveryVersions, evaluation_figures, greedy_figures
 from common import metric_names as mn
 from common.config.run import EvalConfig
 from common.metrics import MetricsWriter
@@ -39,7 +39,7 @@ def eval_seeds(prompts: int, seed: int) -> list[int]:
     return [EVAL_SEED_BASE + seed * 1_000_003 + i for i in range(prompts)]
 
 
-class EpisodeEvaluator:
+class EpisodeEvaluator(EveryVersions):
     """Evaluates the held-out episodes when the version reaches a new multiple of
     ``cfg.every`` (the interface of :class:`actors.evaluation.Evaluator`)."""
 
@@ -50,21 +50,17 @@ class EpisodeEvaluator:
         failure_reward: float,
         samples_path: Path | None = None,
     ) -> None:
-        self.cfg, self.runner, self.failure_reward = cfg, runner, failure_reward
+        super().__init__(cfg)
+        self.runner, self.failure_reward = runner, failure_reward
         self.seeds = eval_seeds(cfg.prompts, cfg.seed)
         self.samples = MetricsWriter(samples_path) if samples_path is not None else None
-        self._last_bucket = -1
-        self.latest: dict[str, float] = {}
-
-    def due(self, version: int) -> bool:
-        return version // self.cfg.every > self._last_bucket
 
     def run(
         self, engine: RolloutEngine, stop_source: WeightSource | None = None
     ) -> dict[str, float]:
         """Evaluate the version ``engine`` holds (``stop_source`` abandons it on a stop)."""
         version = engine.version
-        self._last_bucket = version // self.cfg.every
+        self.begin(version)
         started = time.perf_counter()
         counts, gauges = copy.copy(self.runner.counts), dict(self.runner.gauges)
         try:

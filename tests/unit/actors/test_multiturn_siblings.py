@@ -12,7 +12,7 @@ import torch
 
 from common.config.actor import SpecConfig
 from testing import multiturn_check as mc
-from testing.goodness_of_fit import chi_square_pvalue
+from testing.goodness_of_fit import chi_square_pvalue, outcome_classes
 
 PAIRS = 4000
 CLASS_MIN_PROB = 0.02
@@ -20,23 +20,12 @@ CLASS_MIN_PROB = 0.02
 GROUP_NGRAM = SpecConfig(method="ngram", k=2, ngram_max_n=2, ngram_sources="group", adaptive=False)
 
 
-def classes(exact: dict[tuple[int, ...], float]) -> tuple[dict, torch.Tensor]:
-    """Class of every outcome and each class's exact probability (the last: "other")."""
-    probs = {k: float(torch.tensor(v, dtype=torch.float64).exp()) for k, v in exact.items()}
-    likely = sorted(k for k, p in probs.items() if p >= CLASS_MIN_PROB)
-    index = {k: len(likely) for k in probs} | {k: i for i, k in enumerate(likely)}
-    marginal = torch.zeros(len(likely) + 1, dtype=torch.float64)
-    for k, p in probs.items():
-        marginal[index[k]] += p
-    return index, marginal
-
-
 def pair_pvalues(coupled: bool) -> tuple[float, float, float]:
     """(joint p against the product, first siblings' marginal p, acceptance rate)."""
     engine, _, episodes, (old, _) = mc.serve_episodes(
         "verify_on_swap", "never", 2 * PAIRS, seed=5, spec=GROUP_NGRAM, coupled=coupled
     )
-    index, marginal = classes(mc.exact_episode_logprobs(old, old))
+    index, marginal = outcome_classes(mc.exact_episode_logprobs(old, old), CLASS_MIN_PROB)
     c = len(marginal)
     joint = torch.zeros(c * c, dtype=torch.float64)
     first = torch.zeros(c, dtype=torch.float64)

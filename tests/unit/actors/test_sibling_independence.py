@@ -22,7 +22,7 @@ import torch
 
 from actors.engines.torch_engine import TorchEngine
 from common.config.actor import SpecConfig
-from testing.goodness_of_fit import chi_square_pvalue
+from testing.goodness_of_fit import chi_square_pvalue, outcome_classes
 from testing.lossless_check import exact_sequence_logprobs, peaky_model
 
 EOS = 2
@@ -48,13 +48,7 @@ def output_classes() -> tuple[dict[tuple[int, ...], int], torch.Tensor]:
     """Class index of every complete output of the test model, and each class's exact
     probability; the last class is "other"."""
     exact = exact_sequence_logprobs(MODEL, PROMPT, MAX_NEW, TEMPERATURE, 1.0, EOS)
-    probs = {k: float(torch.tensor(v, dtype=torch.float64).exp()) for k, v in exact.items()}
-    likely = sorted(k for k, p in probs.items() if p >= CLASS_MIN_PROB)
-    index = {k: len(likely) for k in probs} | {k: i for i, k in enumerate(likely)}
-    marginal = torch.zeros(len(likely) + 1, dtype=torch.float64)
-    for k, p in probs.items():
-        marginal[index[k]] += p
-    return index, marginal
+    return outcome_classes(exact, CLASS_MIN_PROB)
 
 
 def joint_pvalue(pairs: list[tuple[int, int]], marginal: torch.Tensor) -> float:
