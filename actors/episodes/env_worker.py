@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import msgpack
 
 from actors.episodes.env import CheckedEnv, EnvFailure, EnvSpecError, load_env_class, make_env
-from actors.rewards.worker import confine_and_read, frame, read_frame
+from actors.rewards.worker import confine_and_read, frame, hello, read_frame
 from actors.rewards.worker import main as worker_main
 
 BOOT = (
@@ -104,13 +104,14 @@ def load(options: dict[str, Any]) -> type:
 
 
 def serve(options: dict[str, Any], replies: BinaryIO, requests: BinaryIO) -> int:
-    try:
+    def start() -> Sessions:
         sessions = Sessions(options, load(options))
         sessions.build().close()  # env.kwargs that do not fit or a constructor that raises
-    except Exception as err:  # noqa: BLE001 - any load error goes back to the parent, which stops the start
-        replies.write(frame({"ready": False, "error": f"{type(err).__name__}: {err}"}))
+        return sessions
+
+    sessions = hello(replies, start)
+    if sessions is None:
         return 1
-    replies.write(frame({"ready": True}))
     while (request := read_frame(requests)) is not None:
         call_id = request.get("id")
         for session in request.get("drop") or ():

@@ -138,13 +138,22 @@ def load(options: dict[str, Any]) -> Any:
     return load_reward_function(options["spec"])
 
 
-def serve(options: dict[str, Any], replies: BinaryIO, requests: BinaryIO) -> int:
+def hello(replies: BinaryIO, load_user_code: Callable[[], Any]) -> Any | None:
+    """Load the user's code and tell the parent: ``ready``, or the error (then None, and the
+    worker exits: the parent stops the start)."""
     try:
-        function = load(options)
-    except Exception as err:  # noqa: BLE001 - any load error goes back to the parent, which stops the start
+        loaded = load_user_code()
+    except Exception as err:  # noqa: BLE001 - any load error goes back to the parent
         replies.write(frame({"ready": False, "error": f"{type(err).__name__}: {err}"}))
-        return 1
+        return None
     replies.write(frame({"ready": True}))
+    return loaded
+
+
+def serve(options: dict[str, Any], replies: BinaryIO, requests: BinaryIO) -> int:
+    function = hello(replies, lambda: load(options))
+    if function is None:
+        return 1
     while (request := read_frame(requests)) is not None:
         call_id = request.get("id")
         try:
