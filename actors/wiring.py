@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from actors.engines.rollout_engine import RolloutEngine
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.exporter import ActorExporter
 from common.config import SpecRLConfig
 from common.curve_keys import actor_keys

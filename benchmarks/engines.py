@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.vllm_verify import verified_token_distribution
 from benchmarks import cli
 from benchmarks.engines_real import real_section

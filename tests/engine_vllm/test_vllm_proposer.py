@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import save_pretrained

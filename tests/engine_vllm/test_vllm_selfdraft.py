@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.vllm_engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import Transformer, attach_draft, save_pretrained

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from actors.engines import vllm_transfer
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.vllm_transfer_nccl import (
     NCCL_UNPROVEN,
     UNPROVEN_ENV,
