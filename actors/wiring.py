@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from actors.engines.rollout_engine import RolloutEngine
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.exporter import ActorExporter
 from common.config import SpecRLConfig
 from common.curve_keys import actor_keys
@@ -147,8 +147,8 @@ def _vllm_engine(
     weights and taking the version through vLLM's weight-transfer lifecycle; with ``reload``:
     the published version written into a temporary directory as it is (what
     ``engine.vllm_dtype=auto`` then serves on CPU), read while the engine builds."""
-    from actors.engines.vllm_engine import VllmEngine
-    from actors.engines.vllm_setup import resolve_transfer
+    from actors.engines.vllm.engine import VllmEngine
+    from actors.engines.vllm.setup import resolve_transfer
 
     transfer = resolve_transfer(cfg.engine.vllm_weight_transfer, cfg.engine, cfg.spec)
     max_model_len = min(cfg.engine.vllm_max_model_len, layout.max_position_embeddings)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from benchmarks import cli
 from benchmarks.rollout import provenance, rl_model, workloads
 from common import metric_names as mn

@@ -42,7 +42,7 @@ from dataclasses import replace
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from benchmarks import heldout_wording as wording
 from common import metric_names as mn
 from common.config.actor import SpecConfig

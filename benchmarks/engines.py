@@ -58,8 +58,8 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
-from actors.engines.vllm_verify import verified_token_distribution
+from actors.engines.torch.engine import TorchEngine
+from actors.engines.vllm.verify import verified_token_distribution
 from benchmarks import cli
 from benchmarks.engines_real import real_section
 from benchmarks.rollout import rl_model, workloads

@@ -1,5 +1,5 @@
 """The EAGLE-3 head's rows of ``benchmarks/engines.py --only real``: the policy's head served by
-vLLM's native ``eagle3`` proposer (``spec.method=eagle3``, actors/engines/vllm_eagle.py) on the
+vLLM's native ``eagle3`` proposer (``spec.method=eagle3``, actors/engines/vllm/eagle.py) on the
 real model (SmolLM2-135M-Instruct with its warm-started head, benchmarks/rollout_real.py), at the
 preset's sampling settings.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.vllm_verify import verified_token_distribution
+from actors.engines.vllm.verify import verified_token_distribution
 from benchmarks import engines_eagle
 from benchmarks.vllm_kit import (
     BUILTIN_NGRAM,

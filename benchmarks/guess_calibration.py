@@ -43,7 +43,7 @@ SUCCESS_GOAL = (0.05, 0.6)
 def play(instances: int, samples: int, overrides: list[str], seed: int) -> list[list]:
     """The episodes (one row of ``samples`` siblings per seed 0..instances-1, i.e. per pool
     instance) of the untrained preset."""
-    from actors.engines.torch_engine import TorchEngine
+    from actors.engines.torch.engine import TorchEngine
     from actors.episodes.runner import episode_runner
     from common.config import load_config
     from common.model import load_pretrained

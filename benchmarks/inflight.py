@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.loop import make_groups
 from benchmarks import cli
 from benchmarks.rollout import Workload, rl_model

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.turns import TurnRequest
 from actors.episodes.env import CheckedEnv, make_env
 from actors.episodes.runner import EpisodeRunner, episode_runner

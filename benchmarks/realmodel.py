@@ -116,7 +116,7 @@ def evaluate(
 ) -> list[float]:
     """Per problem, the fraction of ``samples`` completions the task rewards (torch engine, the
     published dtype the actors decode in: bf16)."""
-    from actors.engines.torch_engine import TorchEngine
+    from actors.engines.torch.engine import TorchEngine
     from common.config.actor import SpecConfig
     from common.model import load_pretrained
     from common.tokenizer import HFTokenizer

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from benchmarks import cli, rollout_real
 from common import metric_names as mn
 from common.config import load_config

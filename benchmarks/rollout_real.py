@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from benchmarks import _spec_rows, eagle_rows
 from benchmarks.real_preset import (
     E2E_STEPS,

@@ -68,7 +68,7 @@ def interleaved(engines: dict, chunks: list, repeats: int, max_new: int) -> tupl
 
 
 def make_vllm(model_dir: Path, eos: int, max_len: int, speculative_config=None, **kwargs):
-    from actors.engines.vllm_engine import VllmEngine
+    from actors.engines.vllm.engine import VllmEngine
 
     kwargs.setdefault("inflight", "keep")
     engine = EngineConfig(vllm_max_model_len=max_len, vllm_speculative=speculative_config or {})

@@ -12,7 +12,7 @@ import time
 import redis
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from benchmarks import cli
 from benchmarks._procs import Children
 from benchmarks.weight_scaling import shm_root

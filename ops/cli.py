@@ -205,7 +205,7 @@ model.safetensors. Serve it with vLLM next to the policy itself:
 
 
 def _export_draft(rest: list[str]) -> int:
-    from actors.engines.vllm_eagle import EagleHeadError, export_draft
+    from actors.engines.vllm.eagle import EagleHeadError, export_draft
 
     parser = argparse.ArgumentParser(
         prog="specrl export-draft",

@@ -147,9 +147,9 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
     """Raise PreflightError, quoting the offending value, for what would make a child fail.
 
     The engine, drafting method and model layout are checked by the rules the actor applies
-    when it builds its engine (``check_rollout_support``; on vLLM ``vllm_setup.check_options``,
-    which imports no vLLM), so a combination the actor would refuse stops the run here, before
-    Redis or the learner start."""
+    when it builds its engine (``check_rollout_support``; on vLLM
+    ``actors.engines.vllm.setup.check_options``, which imports no vLLM), so a combination the
+    actor would refuse stops the run here, before Redis or the learner start."""
     model_dir: Path | None = None
     if cfg.model.path:
         path = Path(cfg.model.path)
@@ -173,7 +173,7 @@ def preflight(cfg: SpecRLConfig, overrides: list[str]) -> None:
                 f"{layers}-layer model at model.path={cfg.model.path!r} (spec={cfg.spec.method})"
             )
     if cfg.engine.name == "vllm":
-        from actors.engines.vllm_setup import check_options
+        from actors.engines.vllm.setup import check_options
 
         try:
             check_options(cfg.actor.inflight, cfg.engine, cfg.spec, model_dir)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from actors.engines.rollout_engine import Rollout
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common import metric_names as mn
 from common.config.actor import SpecConfig
 from common.model import Transformer, attach_draft

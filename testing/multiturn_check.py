@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.turns import EpisodeDone, TurnQueue, TurnRequest, TurnResult
 from common.config.actor import SpecConfig
 from common.model import Transformer

@@ -3,7 +3,7 @@ engines on them, and their outputs as token lists. Imports vLLM: only that tier 
 
 from __future__ import annotations
 
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.vllm.engine import VllmEngine
 from common.config.actor import EngineConfig
 from common.model import Transformer
 from testing.lossless_check import NO_EOS

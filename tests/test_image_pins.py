@@ -197,8 +197,8 @@ def test_the_lock_records_what_the_checks_read():
 
 def test_every_vllm_pin_is_the_version_the_engine_supports():
     # The GPU extra, the CPU extra, the GPU image's lock and its input, and the engine's start-up
-    # check (actors/engines/vllm_compat.py) name one vLLM release.
-    from actors.engines.vllm_compat import SUPPORTED_VLLM
+    # check (actors/engines/vllm/compat.py) name one vLLM release.
+    from actors.engines.vllm.compat import SUPPORTED_VLLM
 
     extras = tomllib.loads(FILES["pyproject"].read_text())["project"]["optional-dependencies"]
     pins = {

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from benchmarks import _spec_rows, cli
 from benchmarks.gpu_check import eagle as gpu_eagle
 from benchmarks.gpu_check.plan import (

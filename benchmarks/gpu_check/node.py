@@ -8,8 +8,8 @@ tests/integration/test_gpu_node_check.py). Stages, each recorded under its name 
    same step on one process (benchmarks/gpu_check/node_fsdp.py).
 2. ``plane``: a state broadcast from one process to another (GB/s; NCCL between two GPUs, gloo
    with ``--cpu``), and ``plane_kill``: the receiver SIGKILLed mid-transfer, the sender under the
-   NCCL sender's deadline (``vllm_transfer_nccl.run_with_deadline``) must return with an error
-   within it (benchmarks/gpu_check/node_plane.py).
+   NCCL sender's deadline (``actors.engines.vllm.plugins.transfer_nccl.run_with_deadline``)
+   must return with an error within it (benchmarks/gpu_check/node_plane.py).
 3. ``vllm_v1`` and ``vllm_v2_async``: version tags under swaps and prompt-log-prob scoring on
    ``VllmEngine`` (benchmarks/gpu_check/node_vllm.py), with the V1 model runner and with the V2
    runner under async scheduling; skipped where vLLM is not importable, ``vllm_v2_async`` also

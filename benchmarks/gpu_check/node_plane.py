@@ -1,8 +1,8 @@
 """The node check's weight-plane stage (benchmarks/gpu_check/node.py): bytes per second of a
 state broadcast from one process to another (NCCL between two GPUs, gloo with ``--cpu``), and
 the kill test: the receiver killed mid-transfer while the sender runs under
-``actors.engines.vllm_transfer_nccl.run_with_deadline`` (the NCCL sender's deadline and kill),
-which must return with an error within its deadline.
+``actors.engines.vllm.plugins.transfer_nccl.run_with_deadline`` (the NCCL sender's deadline and
+kill), which must return with an error within its deadline.
 
     python -m benchmarks.gpu_check.node_plane bandwidth|sender|receiver --port P --mb M ...
 
@@ -125,7 +125,7 @@ def kill_test(port: int, mb: float, gpu: bool, deadline_s: float, workdir: Path)
     """A receiver process, a sender under ``run_with_deadline``; the receiver is SIGKILLed once
     data flows. Passed: the sender returned with an error no later than the deadline (plus 5 s
     for the kill and the join) and the receiver is gone."""
-    from actors.engines.vllm_transfer_nccl import run_with_deadline
+    from actors.engines.vllm.plugins.transfer_nccl import run_with_deadline
 
     progress = workdir / "receiver.progress"
     progress.unlink(missing_ok=True)

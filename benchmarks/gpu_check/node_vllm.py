@@ -49,7 +49,7 @@ def versions() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def open_engine(path: Path, runner: str):
-    from actors.engines.vllm_engine import VllmEngine
+    from actors.engines.vllm.engine import VllmEngine
     from common.config.actor import EngineConfig
 
     kwargs: dict[str, Any] = {}

@@ -54,7 +54,7 @@ EngineName = Literal["torch", "vllm"]
 """``engine.name``: the rollout engines."""
 ENGINE_NAMES: tuple[EngineName, ...] = get_args(EngineName)
 VllmWeightTransfer = Literal["auto", "reload", "specrl", "nccl"]
-"""``engine.vllm_weight_transfer``: how versions reach vLLM (``actors/engines/vllm_setup.py``)."""
+"""``engine.vllm_weight_transfer``: how versions reach vLLM (``actors/engines/vllm/setup.py``)."""
 VLLM_WEIGHT_TRANSFERS: tuple[VllmWeightTransfer, ...] = get_args(VllmWeightTransfer)
 AUTO_SPEC_METHOD: dict[EngineName, SpecMethod] = {"torch": "hybrid", "vllm": "early_exit"}
 """What ``spec.method=auto`` becomes on each engine when the config is loaded: the early exit

@@ -1,4 +1,4 @@
-"""The vLLM version check and internals probe (:mod:`actors.engines.vllm_compat`) on the installed
+"""The vLLM version check and internals probe (:mod:`actors.engines.vllm.compat`) on the installed
 vLLM: every probe passes on it; each internal changed in place (an attribute deleted, a signature
 changed, a module global gone, a metric renamed, a version faked) gives the one error naming it;
 the engine's start path runs the probe before any model is loaded, and the proposer's attach runs
@@ -18,16 +18,16 @@ from vllm.v1.spec_decode import custom_class_proposer
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from actors.engines import vllm_compat
-from actors.engines.vllm_compat import (
+from actors.engines.vllm import compat
+from actors.engines.vllm.compat import (
     ALLOW_VERSION_ENV,
     SUPPORTED_VLLM,
     VllmCompatError,
     check_runner,
     check_vllm,
 )
-from actors.engines.vllm_engine import VllmEngine
-from actors.engines.vllm_setup import attach_proposer
+from actors.engines.vllm.engine import VllmEngine
+from actors.engines.vllm.setup import attach_proposer
 from common.config.actor import SpecConfig
 from common.model import save_pretrained
 from testing.vllm import greedy_vllm, weights
@@ -36,8 +36,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_the_probes_pass_on_the_installed_vllm():
-    assert vllm_compat.is_supported(vllm.__version__), vllm.__version__
-    assert vllm_compat._run(vllm_compat.PROBES) == []
+    assert compat.is_supported(vllm.__version__), vllm.__version__
+    assert compat._run(compat.PROBES) == []
     check_vllm()
 
 
@@ -84,7 +84,7 @@ BREAKS = {
     ),
     "inplace reload_weights gone": (lambda m: m.delattr(inplace, "reload_weights"), "reload"),
     "spec metric renamed": (
-        lambda m: m.setitem(vllm_compat.SPEC_COUNTERS, "vllm:spec_decode_num_drafted", "drafts"),
+        lambda m: m.setitem(compat.SPEC_COUNTERS, "vllm:spec_decode_num_drafted", "drafts"),
         "vllm:spec_decode_num_",
     ),
 }
@@ -122,7 +122,7 @@ def test_another_version_is_refused_unless_allowed(monkeypatch, caplog):
     assert "vLLM 0.33.0 is installed" in str(error.value)
     assert f"supports vLLM {SUPPORTED_VLLM}" in str(error.value)
     monkeypatch.setenv(ALLOW_VERSION_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger=vllm_compat.__name__):
+    with caplog.at_level(logging.WARNING, logger=compat.__name__):
         check_vllm()  # allowed: a warning
     assert any("0.33.0" in r.getMessage() for r in caplog.records)
     # The override covers the version only, never a changed internal.

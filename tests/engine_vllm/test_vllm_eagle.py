@@ -1,5 +1,5 @@
 """The policy's EAGLE-3 head on vLLM's native ``eagle3`` proposer (``spec.method=eagle3``,
-:mod:`actors.engines.vllm_eagle`): ``specrl export-draft`` output served by a stock vLLM; what is
+:mod:`actors.engines.vllm.eagle`): ``specrl export-draft`` output served by a stock vLLM; what is
 refused before vLLM starts; then, on one engine: exact sampling through vLLM's rejection sampler
 with the head's q (chi-square over complete sequences at T=1 and at T=0.7 / top-p 0.9, and a
 control with a wrong q that fails), the draft reloaded with the target in every swap (between
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.vllm_eagle import (
+from actors.engines.vllm.eagle import (
     EagleHeadError,
     draft_module,
     draft_version,
     eagle3_support,
     set_draft_version,
 )
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.vllm.engine import VllmEngine
 from common.config.actor import SpecConfig
 from ops.cli import main as cli
 from testing.lossless_check import NO_EOS, exact_sequence_logprobs, peaky_model, rollouts_pvalue
@@ -83,7 +83,7 @@ def test_export_draft_loads_as_the_eagle3_model_of_a_stock_vllm(tmp_path, monkey
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
+    from actors.engines.vllm.plugins.cpu_fix import ensure_exact_spec_sampling
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # collective_rpc below reads it
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -278,10 +278,11 @@ def test_a_swap_mid_rollout_with_delayed_verification_stays_exact(engine):
 
 def test_a_swap_mid_rollout_at_temperature_and_top_p_stays_exact(engine):
     # The same at T = 0.7 / top-p 0.9: the stale tokens are scored with the processed
-    # distribution (vllm_verify's runner hook, which an engine started at this setting with
-    # verify_on_swap installs; installed here on the head's engine, started at T = 1), and the
-    # head's q is processed the same way: complete sequences follow v2's processed law.
-    from actors.engines.vllm_verify import install_processed_prompt_logprobs
+    # distribution (actors.engines.vllm.verify's runner hook, which an engine started at this
+    # setting with verify_on_swap installs; installed here on the head's engine, started at
+    # T = 1), and the head's q is processed the same way: complete sequences follow v2's
+    # processed law.
+    from actors.engines.vllm.verify import install_processed_prompt_logprobs
 
     engine.llm.collective_rpc(install_processed_prompt_logprobs)
     engine.score_processed = True

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common.model import Transformer, save_pretrained
 from common.weights.fetch.reader import WeightReader
 from common.weights.publish.writer import WeightWriter

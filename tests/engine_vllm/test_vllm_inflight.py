@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.vllm.engine import VllmEngine
 from common.config.actor import EngineConfig
 from common.model import save_pretrained
 from testing.goodness_of_fit import chi_square_pvalue

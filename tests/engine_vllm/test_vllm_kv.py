@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engines.torch_engine import TorchEngine
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.torch.engine import TorchEngine
+from actors.engines.vllm.engine import VllmEngine
 from common.model import save_pretrained
 from testing.vllm import greedy_vllm, weights
 

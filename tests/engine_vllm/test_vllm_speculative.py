@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common.model import save_pretrained
 from testing.vllm import EOS, PROMPTS, greedy_vllm, tokens, weights
 

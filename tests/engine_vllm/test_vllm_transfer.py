@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engines import vllm_transfer
-from actors.engines.torch_engine import TorchEngine
-from actors.engines.vllm_transfer_nccl import (
+from actors.engines.torch.engine import TorchEngine
+from actors.engines.vllm.plugins import transfer
+from actors.engines.vllm.plugins.transfer_nccl import (
     NCCL_UNPROVEN,
     UNPROVEN_ENV,
     NcclSender,
@@ -104,7 +104,7 @@ def test_a_dummy_start_given_versions_through_the_lifecycle_decodes_as_their_dir
     assert tokens(got) == tokens(want) == greedy_torch(weights(1))
     for g_got, g_want in zip(got, want, strict=True):
         np.testing.assert_array_equal(g_got[0].behaviour_logprobs, g_want[0].behaviour_logprobs)
-    assert engine.llm.collective_rpc(vllm_transfer.worker_version) == [1]
+    assert engine.llm.collective_rpc(transfer.worker_version) == [1]
     assert engine.llm.get_weight_version() == "1"
 
     # Version 2, the RPCs recorded: the lifecycle in order, metadata only (no tensor, and each
@@ -122,7 +122,7 @@ def test_a_dummy_start_given_versions_through_the_lifecycle_decodes_as_their_dir
     engine.load_weights(2, state)
     del llm_engine.collective_rpc
     # The lifecycle, then the question whether the version loaded completely.
-    assert [method for method, _, _ in calls] == [*LIFECYCLE, vllm_transfer.worker_problem]
+    assert [method for method, _, _ in calls] == [*LIFECYCLE, transfer.worker_problem]
     assert all(n == 0 for _, _, n in calls)
     version_bytes = sum(t.numel() * t.element_size() for t in state.values())
     assert max(len(payload) for _, payload, _ in calls) < version_bytes / 20
@@ -148,9 +148,9 @@ def test_an_incomplete_version_is_refused_and_the_engine_decodes_only_after_a_co
     state = dict(weights(4).state_dict())
     dropped = next(name for name in state if "layers.0." in name)
     del state[dropped]
-    with pytest.raises(vllm_transfer.TransferError, match="unloaded"):
+    with pytest.raises(transfer.TransferError, match="unloaded"):
         engine.load_weights(4, state)
-    with pytest.raises(vllm_transfer.TransferError, match="version 4 was not loaded"):
+    with pytest.raises(transfer.TransferError, match="version 4 was not loaded"):
         engine.generate(PROMPTS, 1, 4)
     assert engine.version == 3
     # vLLM's draft retargeting is refused by the backend, which routes no draft yet.
@@ -161,10 +161,10 @@ def test_an_incomplete_version_is_refused_and_the_engine_decodes_only_after_a_co
 
 
 def test_the_local_plane_takes_tensors_staged_by_this_process_only():
-    ticket = vllm_transfer.stage([("w", torch.zeros(2))])
-    assert vllm_transfer.take(ticket)[0][0] == "w"
-    with pytest.raises(vllm_transfer.TransferError, match="in-process"):
-        vllm_transfer.take("1-" + ticket.split("-", 1)[1])  # as if process 1 had staged it
+    ticket = transfer.stage([("w", torch.zeros(2))])
+    assert transfer.take(ticket)[0][0] == "w"
+    with pytest.raises(transfer.TransferError, match="in-process"):
+        transfer.take("1-" + ticket.split("-", 1)[1])  # as if process 1 had staged it
 
 
 def test_what_the_transfer_mode_cannot_run_is_refused_at_start(tmp_path, monkeypatch):
@@ -226,7 +226,7 @@ def test_a_sender_process_past_its_deadline_is_killed():
     ids=["worker lifecycle method gone", "factory registry gone"],
 )
 def test_a_changed_lifecycle_internal_is_named_at_start(monkeypatch, break_it):
-    from actors.engines.vllm_compat import VllmCompatError, check_vllm
+    from actors.engines.vllm.compat import VllmCompatError, check_vllm
 
     break_it(monkeypatch)
     with pytest.raises(VllmCompatError) as error:

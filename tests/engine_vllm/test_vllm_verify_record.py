@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engines.vllm_engine import VllmEngine
-from actors.engines.vllm_verify import verified_token_distribution
+from actors.engines.vllm.engine import VllmEngine
+from actors.engines.vllm.verify import verified_token_distribution
 from common.config.actor import EngineConfig
 from common.model import save_pretrained
 from testing.models import random_model
@@ -77,7 +77,7 @@ def test_scoring_is_the_whole_vocabulary_processed_distribution(tmp_path):
     # the top 64 raw log-probs (the scoring before this rule) overstates every head token's
     # probability and scores nucleus tokens outside those 64 as impossible. The new policy's
     # record must be the exact processed distribution over the whole vocabulary.
-    from actors.engines.vllm_engine import _Slot
+    from actors.engines.vllm.engine import _Slot
     from common.sampling import processed_logprobs
 
     vocab, temperature, top_p, k = 4096, 0.7, 0.9, 8

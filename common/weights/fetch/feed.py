@@ -261,8 +261,8 @@ def take(feed: WeightFeed, meter: StallMeter, timeout_s: float = 0.0) -> Update 
 
 SWAP_METHODS = ("load_weights", "_swap")
 """Where an engine takes in a version on the decode thread: ``load_weights`` (between
-``generate`` calls), and ``_swap``, which both engines (``actors/engines/torch_engine.py``,
-handing the work to ``WeightSwapper.swap``; ``actors/engines/vllm_engine.py``) call when their weight source hands them a version mid-call:
+``generate`` calls), and ``_swap``, which both engines (``actors/engines/torch/engine.py``,
+handing the work to ``WeightSwapper.swap``; ``actors/engines/vllm/engine.py``) call when their weight source hands them a version mid-call:
 the load, then the rows in flight aborted or verified against the new weights (delayed
 verification's forward runs there)."""
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.drafting import EarlyExitDrafter
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.paged_cache import PagedKVCache
 from common.config.actor import SpecConfig
 from common.layers import KVCache

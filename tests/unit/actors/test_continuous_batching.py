@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.drafting import NgramDrafter
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common.config.actor import SpecConfig
 from testing.lossless_check import (
     assert_recorded_logprobs_exact,

@@ -19,7 +19,7 @@ from actors.draft_length import (
     StepOutcome,
     rows_bucket,
 )
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common import metric_names as mn
 from common.config.actor import SpecConfig
 from ops.report import render_markdown

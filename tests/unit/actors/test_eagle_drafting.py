@@ -15,8 +15,8 @@ import torch
 from actors.draft_length import EAGLE, PLAIN, DraftLength
 from actors.drafting import EagleDrafter
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.torch_eagle import EagleSteps
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.eagle import EagleSteps
+from actors.engines.torch.engine import TorchEngine
 from actors.loop import group_stat
 from common import metric_names as mn
 from common.config.actor import SpecConfig

@@ -325,7 +325,7 @@ def test_a_sandboxed_worker_runs_confined(envs, monkeypatch):
 
 
 def test_the_runner_on_worker_processes_gives_the_episodes_it_gives_in_process():
-    from actors.engines.torch_engine import TorchEngine
+    from actors.engines.torch.engine import TorchEngine
     from actors.episodes.runner import episode_runner
     from common import metric_names as mn
     from common.config import load_config

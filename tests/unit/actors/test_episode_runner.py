@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.episodes.env import CheckedEnv, make_env
 from actors.episodes.runner import EpisodeRunner
 from common import metric_names as mn

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.evaluation import Evaluator, evaluation_figures, greedy_figures
 from actors.rewards.scoring import TaskScorer, completion_text
 from common import metric_names as mn

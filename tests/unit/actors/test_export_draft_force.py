@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines import vllm_eagle
+from actors.engines.vllm import eagle
 from ops.cli import main as cli
 from testing.vllm_eagle import enumerable_policy, head_of, save_with_head
 
@@ -17,7 +17,7 @@ from testing.vllm_eagle import enumerable_policy, head_of, save_with_head
 @pytest.fixture
 def src(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A policy with an EAGLE-3 head; vLLM's architecture check stubbed (not what is tested)."""
-    monkeypatch.setattr(vllm_eagle, "eagle3_support", lambda config: None)
+    monkeypatch.setattr(eagle, "eagle3_support", lambda config: None)
     model = enumerable_policy(1)
     return save_with_head(model, head_of(model), tmp_path / "policy")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common.config.actor import SpecConfig
 from common.model import Transformer
 from testing.lossless_check import exact_sequence_logprobs, peaky_model, rollouts_pvalue
@@ -144,17 +144,17 @@ def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model(
 def test_verification_in_row_chunks_is_exact(monkeypatch):
     # A real vocabulary makes the [rows, tokens + 1, V] scores large, so rows are verified a few
     # at a time; chunks of 500 rows here (the same bound, scaled to this vocabulary).
-    from actors.engines import torch_swap
+    from actors.engines.torch import swap
 
     calls = []
-    real = torch_swap.verify_rows
+    real = swap.verify_rows
 
     def counted(*args, **kwargs):
         calls.append(len(args[3]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch_swap, "VERIFY_SCORE_BYTES", 2 * 6 * 4 * 500)
-    monkeypatch.setattr(torch_swap, "verify_rows", counted)
+    monkeypatch.setattr(swap, "VERIFY_SCORE_BYTES", 2 * 6 * 4 * 500)
+    monkeypatch.setattr(swap, "verify_rows", counted)
     old, new = model(1), model(2)
     engine, out = sample("verify_on_swap", old, new, rows=8000, max_new=3)
     assert len(calls) == 16 and set(calls) == {500}

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.turns import EpisodeDone, TurnQueue, TurnRequest, TurnResult
 from common import metric_names as mn
 from common.config.actor import SpecConfig

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from actors.engines.rollout_engine import EngineBase
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.engines.turns import TurnQueue
 from common import metric_names as mn
 from testing import multiturn_check as mc

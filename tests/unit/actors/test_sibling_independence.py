@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common.config.actor import SpecConfig
 from testing.goodness_of_fit import chi_square_pvalue, outcome_classes
 from testing.lossless_check import exact_sequence_logprobs, peaky_model

@@ -2,7 +2,7 @@
 
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from common.model import Transformer
 from testing.lossless_check import assert_recorded_logprobs_exact
 from testing.models import random_model

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines.vllm_setup import USAGE_STATS_OFF, import_vllm
+from actors.engines.vllm.setup import USAGE_STATS_OFF, import_vllm
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,7 +49,7 @@ def test_vllm_itself_reports_its_usage_statistics_off(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in {*USAGE_STATS_OFF, "VLLM_DO_NOT_TRACK"}}
     env["HOME"] = str(tmp_path)  # no ~/.config/vllm/do_not_track either
     code = (
-        "from actors.engines.vllm_setup import import_vllm\n"
+        "from actors.engines.vllm.setup import import_vllm\n"
         "import_vllm(on_gpu=False)\n"
         "from vllm.usage import usage_lib\n"
         "print('enabled', usage_lib.is_usage_stats_enabled())\n"

@@ -17,7 +17,7 @@ import pytest
 import redis
 import torch
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.exporter import ActorExporter
 from actors.loop import ActorPhases, ActorStats
 from common import metric_names as mn

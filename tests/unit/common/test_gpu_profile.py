@@ -347,7 +347,7 @@ def test_learning_rate_warm_up_ramps_the_policy_group_only():
 
 
 def test_vllm_rollouts_end_on_any_stop_id():
-    from actors.engines.vllm_engine import _Slot
+    from actors.engines.vllm.engine import _Slot
 
     slot = _Slot(prompt=[1, 2], tokens=[5, 151643], logprobs=[-0.1, -0.2], versions=[0, 0])
     assert slot.rollout([151645, 151643]).finished

@@ -113,7 +113,7 @@ def test_two_ranks_train_and_publish_the_head_as_one_process_and_an_actor_drafts
     assert group["lr"] == SPEC.eagle_lr
 
     # An actor's torch engine loads the published version and drafts with its head.
-    from actors.engines.torch_engine import TorchEngine
+    from actors.engines.torch.engine import TorchEngine
 
     actor = _policy().eval()
     actor.load_state_dict(published)

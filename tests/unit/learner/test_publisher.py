@@ -224,7 +224,7 @@ def test_too_little_shared_memory_falls_back_to_a_thread(
 def test_a_tied_lm_head_is_published_once_and_the_engine_ties_it_again(
     redis_client: redis.Redis, upload: str
 ) -> None:
-    from actors.engines.torch_engine import TorchEngine
+    from actors.engines.torch.engine import TorchEngine
     from actors.wiring import build_engine
     from common.config import load_config
     from testing.models import random_model

@@ -41,7 +41,7 @@ from torch import nn
 
 from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.vllm_compat import request_key
+from actors.engines.vllm.compat import request_key
 from actors.paged_cache import PagedKVCache
 from common.cpu_precision import bf16_is_fast
 from common.layers import DecoderLayer
@@ -59,7 +59,7 @@ from common.sampling import processed_logprobs, sample_tokens
 
 log = logging.getLogger(__name__)
 
-SELFDRAFT_PATH = "actors.engines.vllm_selfdraft.SpecrlSelfDraftProposer"
+SELFDRAFT_PATH = "actors.engines.vllm.plugins.selfdraft.SpecrlSelfDraftProposer"
 BLOCK_SIZE = 16
 
 _PENDING: list[SpecrlSelfDraftProposerSetup] = []
@@ -275,7 +275,7 @@ def claim_pending(pending: list, proposer: str, needs: str) -> Any:
     newest entry of ``pending``), or a RuntimeError saying how the proposer must be built."""
     if not pending:
         raise RuntimeError(
-            f"{proposer} is built by actors.engines.vllm_engine.VllmEngine (it needs {needs}); "
+            f"{proposer} is built by actors.engines.vllm.engine.VllmEngine (it needs {needs}); "
             "do not name it in a bare vLLM config, and run the engine core in-process "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
         )

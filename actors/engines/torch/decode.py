@@ -1,5 +1,5 @@
 """Decoding steps of the torch engine: plain sampling, or drafts (early exit, n-gram, both, or
-the EAGLE-3 head: :mod:`actors.engines.torch_eagle`) verified by the full model, for every row
+the EAGLE-3 head: :mod:`actors.engines.torch.eagle`) verified by the full model, for every row
 of the batch at once. Rows have their own positions; the cache is written at each row's
 position before it is attended to (see :mod:`common.model`), so every row accepts its own
 number of tokens per step."""
@@ -10,8 +10,8 @@ import torch
 
 from actors.draft_length import EAGLE, EARLY_EXIT, NGRAM, PLAIN, DraftLength, StepOutcome
 from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
-from actors.engines.torch_eagle import EagleSteps, concat_aux
-from actors.engines.torch_rows import Batch, Emitted, Policy, Row, Sampling
+from actors.engines.torch.eagle import EagleSteps, concat_aux
+from actors.engines.torch.rows import Batch, Emitted, Policy, Row, Sampling
 from actors.paged_cache import PagedKVCache
 from actors.speculative import pad_rows, rejection_sample
 from common.config.actor import SpecConfig
@@ -21,7 +21,7 @@ from common.sampling import processed_logprobs, sample_tokens
 class Decoder:
     """The torch engine's decoding: each step of the rows in the batch with ``policy``'s model
     over ``batch``'s cache, drafting as ``spec`` says with the drafters given (the EAGLE-3
-    head's steps: :class:`~actors.engines.torch_eagle.EagleSteps`), ``draft_length`` (with
+    head's steps: :class:`~actors.engines.torch.eagle.EagleSteps`), ``draft_length`` (with
     ``spec.adaptive``) picking each step's drafter and k."""
 
     def __init__(

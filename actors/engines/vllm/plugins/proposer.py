@@ -9,7 +9,8 @@ runner (to map a batch row to its request id) and each request's prompt key (:me
 Drafts are deterministic (``q`` one-hot), so vLLM's rejection sampler keeps the output exact.
 With ``spec.adaptive`` the draft length of each step comes from
 :class:`~actors.draft_length.DraftLength` (given the rows' match lengths, as on the torch
-engine), timed from one ``propose`` call to the next (:class:`~actors.engines.vllm_selfdraft.StepTimer`).
+engine), timed from one ``propose`` call to the next
+(:class:`~actors.engines.vllm.plugins.selfdraft.StepTimer`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 
 from actors.draft_length import PLAIN, DraftLength
 from actors.drafting import NgramDrafter
-from actors.engines.vllm_compat import request_key
-from actors.engines.vllm_selfdraft import StepTimer, claim_pending
+from actors.engines.vllm.compat import request_key
+from actors.engines.vllm.plugins.selfdraft import StepTimer, claim_pending
 
 _PENDING: list[tuple[NgramDrafter, DraftLength | None]] = []
-PROPOSER_PATH = "actors.engines.vllm_proposer.SpecrlNgramProposer"
+PROPOSER_PATH = "actors.engines.vllm.plugins.proposer.SpecrlNgramProposer"
 
 
 def pending(drafter: NgramDrafter, control: DraftLength | None = None) -> None:

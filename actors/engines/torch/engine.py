@@ -10,11 +10,11 @@ batch) and the last prompt token pending: its first decoding step samples, or dr
 verifies, the start of the completion like any other step.
 
 :class:`TorchEngine` admits, retires and delivers rows, with parts it owns: the batch state
-(:class:`~actors.engines.torch_rows.Batch`: cache, counters, the call in progress), the decoder
-(:class:`~actors.engines.torch_decode.Decoder`, the EAGLE-3 steps in
-:mod:`actors.engines.torch_eagle`) and the swapper
-(:class:`~actors.engines.torch_swap.WeightSwapper`, weight updates); the state they share
-(weights in use, sampling, rows, calls) is in :mod:`actors.engines.torch_rows`.
+(:class:`~actors.engines.torch.rows.Batch`: cache, counters, the call in progress), the decoder
+(:class:`~actors.engines.torch.decode.Decoder`, the EAGLE-3 steps in
+:mod:`actors.engines.torch.eagle`) and the swapper
+(:class:`~actors.engines.torch.swap.WeightSwapper`, weight updates); the state they share
+(weights in use, sampling, rows, calls) is in :mod:`actors.engines.torch.rows`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from actors.engines.rollout_engine import (
     WeightSource,
     prompt_key,
 )
-from actors.engines.torch_decode import Decoder
-from actors.engines.torch_eagle import concat_aux, copy_states, restart_states
-from actors.engines.torch_rows import Batch, Call, Policy, Row, Sampling
-from actors.engines.torch_swap import WeightSwapper
+from actors.engines.torch.decode import Decoder
+from actors.engines.torch.eagle import concat_aux, copy_states, restart_states
+from actors.engines.torch.rows import Batch, Call, Policy, Row, Sampling
+from actors.engines.torch.swap import WeightSwapper
 from actors.engines.turns import EpisodeDone, TurnCallback, TurnSource
 from actors.paged_cache import PagedKVCache
 from common.config.actor import ActorConfig, SpecConfig

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from actors.drafting import EagleDrafter
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.torch_rows import Batch, Emitted, Policy, Row, Sampling
+from actors.engines.torch.rows import Batch, Emitted, Policy, Row, Sampling
 from actors.speculative import rejection_sample
 from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens

@@ -1,4 +1,4 @@
-"""The torch engine's state, which its parts (:mod:`actors.engines.torch_engine`) share: the
+"""The torch engine's state, which its parts (:mod:`actors.engines.torch.engine`) share: the
 weights in use (:class:`Policy`), how tokens are drawn (:class:`Sampling`), one completion or
 turn (:class:`Row`), one ``generate`` or ``serve`` call (:class:`Call`), one decoding step's output
 (:class:`Emitted`), the counters behind ``TorchEngine.stats`` (:class:`Counters`) and the batch
@@ -68,7 +68,7 @@ class Row:
     unverified: bool = False  # verify_on_finish: holds tokens from before a swap, unverified
     # Tokens before ``last`` not in the cache yet: the prompt, when the first step prefills it.
     prefix: list[int] = field(default_factory=list)
-    # spec.method=eagle3 (actors.engines.torch_eagle): the head's KV is valid at positions
+    # spec.method=eagle3 (actors.engines.torch.eagle): the head's KV is valid at positions
     # [0, head_pos); the policy's auxiliary states [n, n_aux * H] of positions [head_pos, pos),
     # not yet through the head, in chunks; head_ok False: the row drafts no more (its states
     # are of older weights, ``keep``).

@@ -2,7 +2,7 @@
 are verified against the new weights (delayed verification, at the swap or when they finish),
 aborted, or kept as they are (see :mod:`actors.inflight`). With ``spec.method=eagle3`` the head
 comes with every version (a version without it is refused) and the rows' head states follow
-the swap (:mod:`actors.engines.torch_eagle`)."""
+the swap (:mod:`actors.engines.torch.eagle`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
 from actors.engines.rollout_engine import StaleDraftError
-from actors.engines.torch_decode import Decoder
-from actors.engines.torch_eagle import concat_aux, drop_states, restart_states, tapped_aux
-from actors.engines.torch_rows import Batch, Call, Policy, Row, Sampling
+from actors.engines.torch.decode import Decoder
+from actors.engines.torch.eagle import concat_aux, drop_states, restart_states, tapped_aux
+from actors.engines.torch.rows import Batch, Call, Policy, Row, Sampling
 from actors.inflight import Verification, verify_rows
 from common.eagle import EAGLE_PREFIX
 from common.model import Transformer

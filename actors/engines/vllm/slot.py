@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from actors.engines.rollout_engine import Rollout
-from actors.engines.vllm_verify import record_of
+from actors.engines.vllm.verify import record_of
 
 
 @dataclass

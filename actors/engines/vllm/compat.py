@@ -5,12 +5,12 @@ specrl's vLLM engine patches or reads parts of vLLM that are not public API (the
 as an opaque AttributeError or TypeError at the first step, or silently: no drafts proposed, the
 draft's ``q`` ignored (still exact, lower acceptance), speculative metrics reading 0.
 
-:func:`check_vllm` runs before the ``LLM`` is built (``vllm_setup.import_vllm``): it checks
+:func:`check_vllm` runs before the ``LLM`` is built (``setup.import_vllm``): it checks
 ``vllm.__version__`` against :data:`SUPPORTED_VLLM` and feature-probes every internal (the
 attribute exists, the signature takes what specrl passes, the module global is looked up where
 specrl replaces it, the metric names are vLLM's, and, where cheap, the behaviour: a dummy
 ``SpecDecodeMetadata``'s ``max_spec_len``, the request-id suffix, one oneDNN product).
-:func:`check_runner` probes the live model runner once it exists (``vllm_setup.attach_proposer``,
+:func:`check_runner` probes the live model runner once it exists (``setup.attach_proposer``,
 before its ``_sample`` is wrapped). Either raises one :class:`VllmCompatError` naming the
 supported version, the installed one and every internal that is missing or changed.
 
@@ -187,7 +187,7 @@ def _probe_reload_weights() -> str | None:
     from vllm.v1.worker.gpu_worker import Worker
 
     kwargs = ["weights_iterator", "is_checkpoint_format"]
-    # The EAGLE-3 draft's reload (vllm_eagle.reload_target_and_draft) names these too.
+    # The EAGLE-3 draft's reload (eagle.reload_target_and_draft) names these too.
     draft_kwargs = ["vllm_config", "model", "weights_path", *kwargs]
     if not callable(getattr(Worker, "reload_weights", None)):  # forwards to the runner's
         return "Worker.reload_weights is gone"
@@ -207,7 +207,7 @@ def _probe_metric_names() -> str | None:
     from vllm import LLM
     from vllm.v1.spec_decode import metrics
 
-    from actors.engines.vllm_eagle import ACCEPTED_PER_POS
+    from actors.engines.vllm.eagle import ACCEPTED_PER_POS
 
     if not callable(getattr(LLM, "get_metrics", None)):
         return "LLM.get_metrics is gone"
@@ -307,14 +307,14 @@ def _probe_weight_transfer() -> str | None:
 
 PROBES: dict[str, Callable[[], str | None]] = {
     "GPUModelRunner._sample(logits, spec_decode_metadata) "
-    "(vllm_setup.plain_steps_without_drafts)": _probe_sample,
-    "SpecDecodeMetadata.max_spec_len (vllm_setup.plain_steps_without_drafts)": _probe_max_spec_len,
+    "(setup.plain_steps_without_drafts)": _probe_sample,
+    "SpecDecodeMetadata.max_spec_len (setup.plain_steps_without_drafts)": _probe_max_spec_len,
     "runner._draft_probs / _draft_prob_req_ids read by _get_spec_decode_draft_probs "
-    "(vllm_selfdraft: the draft's q)": _probe_draft_probs,
+    "(plugins.selfdraft: the draft's q)": _probe_draft_probs,
     "request ids '<id>-<suffix>' in runner.input_batch.req_ids (both proposers)": (
         _probe_request_ids
     ),
-    "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens (vllm_cpu_fix)": _probe_expand,
+    "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens (plugins.cpu_fix)": _probe_expand,
     "vllm._custom_ops _supports_onednn / create_onednn_mm / onednn_mm (the self-draft's GEMM)": (
         _probe_onednn
     ),
@@ -324,13 +324,13 @@ PROBES: dict[str, Callable[[], str | None]] = {
     "metric names vllm:spec_decode_num_* (VllmEngine's spec stats)": _probe_metric_names,
     "GPUModelRunner._get_prompt_logprobs_dict(hidden_states, num_scheduled_tokens) reading "
     "num_prompt_logprobs, requests and model.compute_logits "
-    "(vllm_verify.install_processed_prompt_logprobs: exact scoring)": _probe_prompt_logprobs,
+    "(verify.install_processed_prompt_logprobs: exact scoring)": _probe_prompt_logprobs,
     "native eagle3: the method, probabilistic drafts, LlamaForCausalLMEagle3 loading "
     "'midlayer.*' and 'd2t', eagle_config aux layer ids, runner.get_draft_model, "
-    "supports_eagle3 (vllm_eagle)": _probe_eagle3,
+    "supports_eagle3 (the eagle module)": _probe_eagle3,
     "the weight-transfer lifecycle: WeightTransferEngineFactory.register_engine, the engine's "
     "abstract methods, Worker/LLM init/start(/draft)/update/finish, weight_transfer_config, "
-    "layer-wise reload (vllm_transfer)": _probe_weight_transfer,
+    "layer-wise reload (plugins.transfer)": _probe_weight_transfer,
 }
 """Every internal :func:`check_vllm` probes, by what it is and who relies on it."""
 

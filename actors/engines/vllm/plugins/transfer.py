@@ -18,7 +18,8 @@ the first included, arrives through :class:`TransferClient`:
   them through the model's own ``load_weights`` inside vLLM's layer-wise reload (as vLLM's NCCL
   engine does). It needs the worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
   worker): the worker refuses a ticket staged by another process.
-- the ``nccl`` plane: :mod:`actors.engines.vllm_transfer_nccl`, refused until a GPU run proves it.
+- the ``nccl`` plane: :mod:`actors.engines.vllm.plugins.transfer_nccl`, refused until a GPU run
+  proves it.
 
 A version that does not cover every parameter of the model is refused right after
 ``finish_weight_update`` (vLLM's layer-wise reload keeps the old, or dummy, tensors of a layer
@@ -109,7 +110,8 @@ def check_against(tensors: list[tuple[str, torch.Tensor]], info) -> None:
 @dataclass
 class SpecrlInitInfo(WeightTransferInitInfo):
     """``init_weight_transfer_engine``'s ``init_info``: the plane and what it needs (``local``:
-    the actor's pid; ``nccl``: :class:`~actors.engines.vllm_transfer_nccl.NcclPlane`'s fields)."""
+    the actor's pid; ``nccl``: :class:`~actors.engines.vllm.plugins.transfer_nccl.NcclPlane`'s
+    fields)."""
 
     plane: str = "local"
     pid: int = -1
@@ -161,7 +163,7 @@ class SpecrlTransferEngine(WeightTransferEngine[SpecrlInitInfo, SpecrlUpdateInfo
                     LOCAL_NOT_IN_PROCESS.format(worker=os.getpid(), actor=init_info.pid)
                 )
         elif init_info.plane == "nccl":
-            from actors.engines.vllm_transfer_nccl import NcclPlane
+            from actors.engines.vllm.plugins.transfer_nccl import NcclPlane
 
             self.nccl = NcclPlane.join(init_info.nccl or {}, self.parallel_config, self.device)
         else:

