@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from actors.engines.torch_engine import TorchEngine
+from actors.engines.torch.engine import TorchEngine
 from actors.episodes.builtin import GuessNumberEnv
 from actors.episodes.env import CheckedEnv
 from actors.episodes.evaluation import EVAL_SEED_BASE, EpisodeEvaluator, eval_seeds
