@@ -108,6 +108,10 @@ def test_every_benchmark_script_imports_and_has_a_command_line(script: str) -> N
         "vllm_kit",
         "publish_stages",
         "node_stages",
+        "multiturn_exact",
+        "multiturn_rows",
+        "multiturn_chaos",
+        "multiturn_faults",
     ):
         assert callable(module.main), script
 
