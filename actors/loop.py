@@ -277,7 +277,13 @@ class ActorPhases:
         seeds = [self.rng.randrange(2**31) for _ in range(cfg.actor.prompts_per_batch)]
         submit = GroupSubmitter(self, [], [], sender)
         try:
-            self.episodes.run_batch(seeds, cfg.actor.group_size, self.weight_source, submit.send)
+            self.episodes.run_batch(
+                seeds,
+                cfg.actor.group_size,
+                self.weight_source,
+                submit.send,
+                in_flight=cfg.env.problems_in_flight,
+            )
         except GenerationStopped:
             log.info("actor %s: stop requested; left the episodes in flight", self.actor_id)
         return batch_version

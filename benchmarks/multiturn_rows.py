@@ -18,7 +18,11 @@ request the runner queued, when each turn was delivered and how long the decode 
   (accepted drafts + 1, per row) of ``spec=ngram`` at k = 4 on lookup's turns that follow the
   tool's output, and on first turns;
 - ``mt_decode_idle_frac``: the share of ``serve``'s wall time with no row to decode, with 32
-  episodes in flight and ``ENV_LATENCY_S`` of latency in every environment step;
+  episodes in flight (8 problems x 4, the next problem admitted as a group ends:
+  ``env.problems_in_flight``) and ``ENV_LATENCY_S`` of latency in every environment step;
+  beside it, the same problems served a batch of 8 at a time (``_batch_at_once``) and with the
+  latency drawn uniformly from 0 to twice it (``_jittered_latency``, and
+  ``_jittered_latency_batch_at_once``);
 - ``mt_turn_overhead_ms_p50``: per turn, from its delivery by the engine to the next turn's
   request, less the environment's own step time (runner, bridge, thread hand-offs).
 """
@@ -84,11 +88,12 @@ def lookup_model(cfg: Any) -> tuple[torch.nn.Module, CharTokenizer]:
 
 
 class Latency:
-    """An environment whose ``step`` takes at least ``seconds`` (sleeping: it holds no core);
-    the wall time of each of its steps is kept."""
+    """An environment whose ``step`` takes at least ``seconds`` (sleeping: it holds no core),
+    or, with ``rng``, uniformly 0 to 2 x ``seconds``; the wall time of each of its steps is
+    kept."""
 
-    def __init__(self, env: Any, seconds: float) -> None:
-        self.env, self.seconds = env, seconds
+    def __init__(self, env: Any, seconds: float, rng: random.Random | None = None) -> None:
+        self.env, self.seconds, self.rng = env, seconds, rng
         self.times: list[float] = []
 
     def reset(self, *, seed, options=None):
@@ -97,7 +102,7 @@ class Latency:
     def step(self, action):
         started = time.perf_counter()
         if self.seconds:
-            time.sleep(self.seconds)
+            time.sleep(self.seconds * (2 * self.rng.random() if self.rng else 1.0))
         out = self.env.step(action)
         self.times.append(time.perf_counter() - started)
         return out
@@ -188,14 +193,20 @@ def lookup_runner(
     cfg: Any,
     spec: SpecConfig | None = None,
     latency_s: float = 0.0,
+    jitter_seed: int | None = None,
 ) -> tuple[EpisodeRunner, Instrumented]:
+    """The runner of the rows over ``Instrumented`` (the torch engine), each environment step
+    taking ``latency_s`` (uniformly 0 to twice it, seeded, with ``jitter_seed``)."""
     engine = tiny_engine(model, tokenizer, cfg, spec)
     env_cfg: EnvConfig = cfg.env
     bridge = make_bridge(tokenizer, max_obs_chars=env_cfg.max_obs_chars)
 
+    jitter = None if jitter_seed is None else random.Random(jitter_seed)
+
     def fresh() -> CheckedEnv:
         inner = make_env(env_cfg.name, env_cfg.kwargs, cfg.learner.max_abs_reward)
-        return CheckedEnv(Latency(inner.env, latency_s), inner.max_abs_reward, env_cfg.name)
+        latency = Latency(inner.env, latency_s, jitter)
+        return CheckedEnv(latency, inner.max_abs_reward, env_cfg.name)
 
     wrapped = Instrumented(engine)
     stop_ids = frozenset({tokenizer.eos_id, *bridge.eot_ids})
@@ -356,11 +367,25 @@ def mechanics_figures(
 
 def speed_figures(model, tokenizer, cfg, batches: int = 8) -> dict:
     """Decode idle share and per-turn overhead with 32 episodes in flight and
-    ``ENV_LATENCY_S`` in each environment step; both also without latency, and the overhead
-    with the environment in two worker processes."""
+    ``ENV_LATENCY_S`` in each environment step: ``batches`` batches each served whole, and the
+    same problems admitted continuously (8 in flight); the idle share also with latency drawn
+    uniformly from 0 to twice it and with none, and the overhead with the environment in two
+    worker processes."""
+    problems, group = IN_FLIGHT
     runner, wrapped = lookup_runner(model, tokenizer, cfg, latency_s=ENV_LATENCY_S)
     _, by_batch = run(runner, batches, *IN_FLIGHT, seed=10_000)
     overhead = turn_overheads_ms(wrapped, by_batch)
+    seeds = [10_000 + 1000 * b + p for b in range(batches) for p in range(problems)]
+    streamed: dict[str, Instrumented] = {}
+    for name, jitter in (("fixed", None), ("jittered", 1)):
+        stream_runner, streamed[name] = lookup_runner(
+            model, tokenizer, cfg, latency_s=ENV_LATENCY_S, jitter_seed=jitter
+        )
+        stream_runner.run_batch(seeds, group, None, lambda g: None, in_flight=problems)
+    jittered_runner, jittered = lookup_runner(
+        model, tokenizer, cfg, latency_s=ENV_LATENCY_S, jitter_seed=2
+    )
+    run(jittered_runner, batches, *IN_FLIGHT, seed=10_000)
     quick_runner, quick = lookup_runner(model, tokenizer, cfg)
     _, quick_batches = run(quick_runner, batches, *IN_FLIGHT, seed=20_000)
     quick_overhead = turn_overheads_ms(quick, quick_batches)
@@ -374,11 +399,17 @@ def speed_figures(model, tokenizer, cfg, batches: int = 8) -> dict:
     pooled_overhead = turn_overheads_ms(pooled, pooled_batches)
     return {
         "mt_env_latency_s": ENV_LATENCY_S,
-        "mt_episodes_in_flight": IN_FLIGHT[0] * IN_FLIGHT[1],
-        "mt_decode_idle_frac": idle_share(wrapped),
+        "mt_episodes_in_flight": problems * group,
+        "mt_speed_problems": len(seeds),
+        "mt_decode_idle_frac": idle_share(streamed["fixed"]),
         "target_mt_decode_idle_frac": "<= 0.10",
+        "mt_decode_idle_frac_batch_at_once": idle_share(wrapped),
+        "mt_decode_idle_frac_jittered_latency": idle_share(streamed["jittered"]),
+        "mt_decode_idle_frac_jittered_latency_batch_at_once": idle_share(jittered),
         "mt_decode_idle_frac_no_latency": idle_share(quick),
-        "mt_serve_wall_s": sum(c.wall_s for c in wrapped.calls),
+        "mt_serve_wall_s": sum(c.wall_s for c in streamed["fixed"].calls),
+        "mt_serve_wall_s_batch_at_once": sum(c.wall_s for c in wrapped.calls),
+        "mt_serve_wall_s_jittered_latency": sum(c.wall_s for c in streamed["jittered"].calls),
         "mt_turn_overhead_ms_p50": statistics.median(overhead),
         "mt_turn_overhead_ms_p90": float(np.percentile(overhead, 90)),
         "target_mt_turn_overhead_ms_p50": "<= 5",

@@ -155,63 +155,27 @@ class EpisodeRunner:
         weight_source: Callable[[], Any] | None,
         submit: Callable[[TrajectoryGroup], None],
         options: dict[str, Any] | None = None,
+        in_flight: int = 0,
     ) -> list[list[Episode]]:
         """Episodes of ``group_size`` siblings per seed; each problem's group goes to ``submit``
         once its episodes end (from a thread of the runner's pool). ``options``: added to every
-        ``reset``'s (an evaluation's ``{"split": "eval"}``). Returns the episodes."""
+        ``reset``'s (an evaluation's ``{"split": "eval"}``). ``in_flight``: problems whose
+        episodes run at once (0: all); the next seed's episodes start as an earlier problem's
+        group ends, in the same ``serve`` (continuous admission). Returns the episodes, a list
+        per seed."""
         self._siblings = group_size
         self._options = dict(options or {})
-        episodes = [
-            [Episode(p, g, self.make_env()) for g in range(group_size)] for p in range(len(seeds))
-        ]
-        queue, errors, over = TurnQueue(), [], threading.Event()
-        left = {p: group_size for p in range(len(seeds))}
-        live = [len(seeds) * group_size]
-        by_id = {p * group_size + g: e for p, row in enumerate(episodes) for g, e in enumerate(row)}
-        pool = ThreadPoolExecutor(max(1, min(32, len(by_id))), thread_name_prefix="env")
-
-        def finish(ep: Episode, stop: str) -> None:
-            ep.stop = ep.stop or stop
-            self._probe(ep)
-            with self._lock:
-                left[ep.problem] -= 1
-                live[0] -= 1
-                done, closing = left[ep.problem] == 0, live[0] == 0
-            queue.put(EpisodeDone(str(ep.problem), [*ep.prompt_ids, *ep.stream]))
-            if done:
-                self._send(episodes[ep.problem], seeds[ep.problem], submit)
-            if closing:
-                queue.close()
-
-        def guarded(fn: Callable[..., None], *args: Any) -> None:
-            try:
-                fn(*args)
-            except Exception as err:  # a bug here, not the environment's: stop the batch
-                if over.is_set():
-                    return  # the batch was left (a stop): what its episodes did no longer counts
-                log.exception("episode runner: %s", err)
-                errors.append(err)
-                queue.close()
-
-        for p, row in enumerate(episodes):
-            pool.submit(guarded, self._start, row, seeds[p], queue, finish)
-
-        def on_turn(result: TurnResult) -> None:
-            pool.submit(guarded, self._after_turn, by_id[result.request_id], result, queue, finish)
-
+        batch = _Batch(self, seeds, group_size, submit, in_flight or len(seeds))
         started = time.perf_counter()
         try:
-            self.engine.serve(queue, weight_source, on_turn)
+            batch.admit_first()
+            self.engine.serve(batch.queue, weight_source, batch.on_turn)
         finally:
-            over.set()
-            queue.close()
-            pool.shutdown(wait=True, cancel_futures=True)
-            for ep in by_id.values():
-                self._close(ep)
-            self._gauge(queue.waited_s, time.perf_counter() - started)
-        if errors:
-            raise errors[0]
-        return episodes
+            batch.leave()
+            self._gauge(batch.queue.waited_s, time.perf_counter() - started)
+        if batch.errors:
+            raise batch.errors[0]
+        return batch.episodes
 
     # ------------------------------------------------------------------ one episode's steps
 
@@ -413,6 +377,91 @@ class EpisodeRunner:
                 },
             )
         )
+
+
+class _Batch:
+    """One ``run_batch`` call's state: the episodes admitted so far (a row per seed), the
+    groups left, the turn queue ``serve`` reads and the threads that step the environments."""
+
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        seeds: list[int],
+        group_size: int,
+        submit: Callable[[TrajectoryGroup], None],
+        in_flight: int,
+    ) -> None:
+        self.runner, self.seeds, self.group_size, self.submit = runner, seeds, group_size, submit
+        self.in_flight = max(1, min(in_flight, len(seeds)))
+        self.episodes: list[list[Episode]] = []
+        self.by_id: dict[int, Episode] = {}
+        self.left: dict[int, int] = {}
+        self.queue, self.errors, self.over = TurnQueue(), [], threading.Event()
+        self.unfinished = len(seeds) * group_size
+        self.lock = threading.Lock()
+        threads = max(1, min(32, self.in_flight * group_size))
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="env")
+
+    def admit_first(self) -> None:
+        for _ in range(self.in_flight):
+            self._admit()
+
+    def _admit(self) -> None:
+        """The next seed's episodes, their environments reset on a thread of the pool."""
+        with self.lock:
+            p = len(self.episodes)
+            if p >= len(self.seeds) or self.over.is_set():
+                return
+            row = [Episode(p, g, self.runner.make_env()) for g in range(self.group_size)]
+            self.episodes.append(row)
+            self.left[p] = self.group_size
+            for ep in row:
+                self.by_id[p * self.group_size + ep.sibling] = ep
+        self.pool.submit(
+            self.guarded, self.runner._start, row, self.seeds[p], self.queue, self.finish
+        )
+
+    def finish(self, ep: Episode, stop: str) -> None:
+        """``ep`` ended: its end to the engine, its group sent once complete (and the next seed
+        admitted), the queue closed after the batch's last episode."""
+        ep.stop = ep.stop or stop
+        self.runner._probe(ep)
+        with self.lock:
+            self.left[ep.problem] -= 1
+            self.unfinished -= 1
+            done, closing = self.left[ep.problem] == 0, self.unfinished == 0
+        self.queue.put(EpisodeDone(str(ep.problem), [*ep.prompt_ids, *ep.stream]))
+        if done:
+            self.runner._send(self.episodes[ep.problem], self.seeds[ep.problem], self.submit)
+            self._admit()
+        if closing:
+            self.queue.close()
+
+    def guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as err:  # a bug here, not the environment's: stop the batch
+            if self.over.is_set():
+                return  # the batch was left (a stop): what its episodes did no longer counts
+            log.exception("episode runner: %s", err)
+            self.errors.append(err)
+            self.queue.close()
+
+    def on_turn(self, result: TurnResult) -> None:
+        """A turn the engine delivered (on the decode thread): handed to the pool at once."""
+        ep = self.by_id[result.request_id]
+        self.pool.submit(self.guarded, self.runner._after_turn, ep, result, self.queue, self.finish)
+
+    def leave(self) -> None:
+        """``serve`` returned (done, stopped or failed): no more admissions; environments
+        closed."""
+        self.over.set()
+        self.queue.close()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            admitted = list(self.by_id.values())
+        for ep in admitted:
+            self.runner._close(ep)
 
 
 def episode_runner(cfg: Any, engine: Any, tokenizer: Tokenizer) -> EpisodeRunner:

@@ -80,6 +80,12 @@ class EnvConfig:
     several episodes' sessions: a crash, hang or oversize answer fails its own episode, the
     worker is replaced and its other episodes are replayed onto the new one; 0: threads of the
     actor's process (trusted environments, such as the built-ins)."""
+    problems_in_flight: int = 0
+    """Problems whose episodes run at once, out of a batch's ``actor.prompts_per_batch``: the
+    next problem's episodes start as an earlier problem's group ends, in the same decode loop
+    (continuous admission). 0: all of the batch's at once. With many problems per batch and a
+    few in flight, the decode loop keeps rows to decode while other episodes wait on their
+    environment, and only the last groups of the batch leave it idle."""
     sandbox: bool = False
     """Run the environment's worker processes confined, for environments that execute
     model-written code: bubblewrap as for ``task.reward_sandbox`` (read-only system and Python,
@@ -112,7 +118,9 @@ class EnvConfig:
             all(isinstance(k, str) for k in self.kwargs),
             f"env.kwargs must map names to values, got {dict(self.kwargs)!r}",
         )
-        require_at_least("env", self, max_turns=1, max_turn_tokens=1, workers=0)
+        require_at_least(
+            "env", self, max_turns=1, max_turn_tokens=1, workers=0, problems_in_flight=0
+        )
         require_at_least("env", self, max_obs_tokens=1, max_obs_chars=1)
         require(
             not self.sandbox or self.workers >= 1,

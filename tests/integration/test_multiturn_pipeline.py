@@ -22,6 +22,7 @@ EPISODES = [
     "env.max_total_tokens=100",
     "env.max_obs_tokens=32",
     "actor.prompts_per_batch=2",
+    "env.problems_in_flight=1",  # the second problem admitted as the first one's group ends
     "learner.groups_per_step=2",
 ]
 

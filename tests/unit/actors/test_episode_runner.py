@@ -278,3 +278,60 @@ def test_check_bridge_always_probes_every_episode_and_counts_differences(
     assert trimmed > 0 and len(groups) == 2
     counted = run.counts[mn.ENV_BRIDGE_MISMATCHES]
     assert trimmed <= counted <= probed if mismatched else counted == 0
+
+
+class Logged(Echo):
+    """:class:`Echo` that logs when its episode starts (``reset``) and ends (its last step)."""
+
+    def __init__(self, events: list, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.events, self.seed = events, -1
+
+    def reset(self, *, seed, options):
+        self.seed = seed
+        self.events.append(("start", seed))
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        out = super().step(action)
+        if out[2]:
+            self.events.append(("end", self.seed))
+        return out
+
+
+def test_continuous_admission_keeps_at_most_in_flight_problems_in_one_serve():
+    events: list = []
+    run = runner(lambda: Logged(events, turns=2))
+    serves = []
+    serve = run.engine.serve
+    run.engine.serve = lambda *args: serves.append(1) or serve(*args)
+    groups = []
+    seeds = [20, 21, 22, 23, 24, 25]
+    episodes = run.run_batch(seeds, 2, None, groups.append, in_flight=2)
+    assert len(serves) == 1  # every problem in one decode loop
+    assert sorted(g.prompt_id for g in groups) == [f"env-{s}" for s in seeds]
+    assert all(valid(g) for g in groups)
+    assert [row[0].problem for row in episodes] == list(range(6))
+    # Problems live at once (a problem is live from its first reset to its last episode's end):
+    # never more than 2, and the later seeds started only as earlier groups ended.
+    live, most, ended, group_ends = {}, 0, {s: 0 for s in seeds}, {}
+    for at, (kind, seed) in enumerate(events):
+        if kind == "start":
+            live[seed] = live.get(seed, 0) + 1
+        else:
+            ended[seed] += 1
+            if ended[seed] == 2:
+                del live[seed]
+                group_ends[seed] = at
+        most = max(most, len(live))
+    assert most == 2
+    assert events.index(("start", 22)) > min(group_ends[20], group_ends[21])
+
+
+def test_continuous_admission_goes_on_past_a_refused_group():
+    # Seed 31's siblings see different first prompts (refused); the seeds after it still run.
+    run = runner(lambda: Echo(turns=2, differ=True))
+    groups = []
+    episodes = run.run_batch([30, 31, 32], 2, None, groups.append, in_flight=1)
+    assert groups == [] and run.counts[mn.ENV_RESET_MISMATCH] == 3
+    assert len(episodes) == 3 and all(ep.stop == "env_error" for row in episodes for ep in row)

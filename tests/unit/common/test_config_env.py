@@ -57,6 +57,7 @@ def test_overrides_compose():
         ("env.max_obs_chars=0", "0"),
         ("env.max_obs_tokens=0", "0"),
         ("env.workers=-1", "-1"),
+        ("env.problems_in_flight=-1", "-1"),
         ("env.step_timeout_s=0", "0"),
         ("env.reset_timeout_s=-5", "-5"),
         ("env.name=foo", "'foo'"),
