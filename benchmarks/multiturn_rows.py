@@ -137,6 +137,8 @@ class Instrumented:
         self.engine = engine
         self.calls: list[ServeLog] = []
         self._lock = threading.Lock()
+        self.decode_threads: set[int] = set()
+        """The threads ``serve`` ran on (the decode loop's)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -167,6 +169,7 @@ class Instrumented:
             log.deliver_max_s = max(log.deliver_max_s, took)
 
         queue.put, queue.wait = record, idle
+        self.decode_threads.add(threading.get_ident())
         started = time.perf_counter()
         try:
             self.engine.serve(queue, weight_source, delivered)

@@ -5,6 +5,10 @@ real worker processes, ends only its own episode with the outcome the design's t
 
 from __future__ import annotations
 
+import threading
+import time
+import types
+
 import pytest
 
 from benchmarks import multiturn_chaos, multiturn_rows
@@ -43,6 +47,7 @@ def test_each_injected_fault_ends_only_its_episode(setup):
     assert hang["timed_out"] == 1
     assert hang["max_step_wall_s"] <= hang["step_timeout_s"] + 2
     assert hang["decode_thread_longest_handoff_s"] < hang["step_timeout_s"]
+    assert hang["decode_blocked_on_env_s"] == 0.0
     huge = rows["mt_chaos_huge_obs"]
     assert huge["truncated"] == 2 and huge["refused_env_error"] == 1
     assert huge["max_episode_tokens"] <= huge["max_total_tokens"]
@@ -52,6 +57,22 @@ def test_each_injected_fault_ends_only_its_episode(setup):
     # Nothing else failed: the other sessions of a replaced worker were replayed.
     assert rows["mt_chaos_collateral"] == {"sibling_failures": 0, "clean_groups_dropped": 0}
     assert rows["mt_chaos_env_pool"]["replays_failed"] == 0
+
+
+def test_calls_on_the_decode_thread_are_timed_and_others_are_not():
+    class Sleepy:
+        def step(self, action):
+            time.sleep(0.05)
+            return action
+
+    wrapped = types.SimpleNamespace(decode_threads={threading.get_ident()})
+    blocked = [0.0]
+    env = multiturn_chaos.OnDecodeThread(Sleepy(), wrapped, blocked)
+    elsewhere = threading.Thread(target=env.step, args=("a",))
+    elsewhere.start()
+    elsewhere.join()
+    assert blocked == [0.0]
+    assert env.step("b") == "b" and blocked[0] >= 0.05  # on the "decode" thread: counted
 
 
 def test_forged_special_tokens_stay_text():
