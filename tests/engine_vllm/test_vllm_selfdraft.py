@@ -198,9 +198,9 @@ def test_the_draft_dtype_falls_back_to_float32_without_torch_s_bf16_check(monkey
 def test_the_packed_draft_follows_each_load(monkeypatch):
     # On CPU the draft's linear maps run through prepacked oneDNN copies of its weights: a load
     # must repack them, or the draft would keep drafting from the previous version.
+    from actors.decoding.paged_cache import PagedKVCache
     from actors.engines.vllm.plugins import selfdraft
     from actors.engines.vllm.plugins.selfdraft import SelfDraft
-    from actors.paged_cache import PagedKVCache
 
     if selfdraft._cpu_gemm() is None:
         pytest.skip("this vLLM build has no oneDNN GEMM")
@@ -339,7 +339,7 @@ def test_the_self_draft_of_a_model_that_also_has_an_eagle_head():
     assert max(headed.args.eagle_aux_layers) > 3
     drafts = [SelfDraft(m.args, m.state_dict(), True, 0, 0, cpu) for m in (plain, headed)]
     assert not drafts[1].args.has_eagle
-    from actors.paged_cache import PagedKVCache
+    from actors.decoding.paged_cache import PagedKVCache
 
     def logq(draft: SelfDraft) -> torch.Tensor:
         cache = PagedKVCache(draft.args, 16, cpu, torch.float32)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from actors.draft_length import EAGLE, EARLY_EXIT, NGRAM, PLAIN, DraftLength, StepOutcome
-from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
+from actors.decoding.draft_length import EAGLE, EARLY_EXIT, NGRAM, PLAIN, DraftLength, StepOutcome
+from actors.decoding.eagle import EagleDrafter
+from actors.decoding.early_exit import EarlyExitDrafter
+from actors.decoding.ngram import NgramDrafter
+from actors.decoding.paged_cache import PagedKVCache
+from actors.decoding.sampler import pad_rows, rejection_sample
 from actors.engines.torch.eagle import EagleSteps, concat_aux
 from actors.engines.torch.rows import Batch, Emitted, Policy, Row, Sampling
-from actors.paged_cache import PagedKVCache
-from actors.speculative import pad_rows, rejection_sample
 from common.config.actor import SpecConfig
 from common.sampling import processed_logprobs, sample_tokens
 

@@ -1,5 +1,5 @@
 """EAGLE-3 drafting in the torch engine (``spec.method=eagle3``): the policy's head
-(common/eagle.py) drafts, the policy verifies, :func:`actors.speculative.rejection_sample` keeps
+(common/eagle.py) drafts, the policy verifies, :func:`actors.decoding.sampler.rejection_sample` keeps
 the samples exact.
 
 The head reads the policy's auxiliary states (the residual stream after
@@ -32,10 +32,10 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from actors.drafting import EagleDrafter
+from actors.decoding.eagle import EagleDrafter
+from actors.decoding.sampler import rejection_sample
 from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.torch.rows import Batch, Emitted, Policy, Row, Sampling
-from actors.speculative import rejection_sample
 from common.model import Transformer
 from common.sampling import processed_logprobs, sample_tokens
 
@@ -48,7 +48,7 @@ all but its last through the head on its own first, so the batch's first pass st
 def tapped_aux(model: Transformer, enabled: bool = True) -> Iterator[dict[int, Tensor]]:
     """The auxiliary states of the forwards of ``model`` run inside (forward hooks; none unless
     ``enabled``): layer index -> the residual stream after it, the latest forward's, for code
-    that does not pass ``aux`` to ``run_layers`` (delayed verification, actors/inflight.py)."""
+    that does not pass ``aux`` to ``run_layers`` (delayed verification, actors/decoding/inflight.py)."""
     found: dict[int, Tensor] = {}
     handles = []
     for i in model.args.eagle_aux_layers if enabled else ():

@@ -28,8 +28,11 @@ from operator import attrgetter
 
 import torch
 
-from actors.draft_length import DraftLength
-from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
+from actors.decoding.draft_length import DraftLength
+from actors.decoding.eagle import EagleDrafter
+from actors.decoding.early_exit import EarlyExitDrafter
+from actors.decoding.ngram import NgramDrafter
+from actors.decoding.paged_cache import PagedKVCache
 from actors.engines.rollout_engine import (
     EngineBase,
     GenerateCall,
@@ -42,7 +45,6 @@ from actors.engines.torch.eagle import concat_aux, copy_states, restart_states
 from actors.engines.torch.rows import Batch, Call, Policy, Row, Sampling
 from actors.engines.torch.swap import WeightSwapper
 from actors.engines.turns import EpisodeDone, TurnCallback, TurnSource
-from actors.paged_cache import PagedKVCache
 from common.config.actor import ActorConfig, SpecConfig
 from common.config.modes import EAGLE_METHODS
 from common.model import Transformer

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN
+from actors.decoding.draft_length import EARLY_EXIT, NGRAM, PLAIN
+from actors.decoding.paged_cache import PagedKVCache
+from actors.decoding.sampler import SpecResult
 from actors.engines.rollout_engine import Rollout
 from actors.engines.turns import TurnResult
-from actors.paged_cache import PagedKVCache
-from actors.speculative import SpecResult
 from common import metric_names as mn
 from common.model import Transformer
 

@@ -1,6 +1,6 @@
 """Weights updates of the torch engine, also while rollouts are in flight: the rows in the batch
 are verified against the new weights (delayed verification, at the swap or when they finish),
-aborted, or kept as they are (see :mod:`actors.inflight`). With ``spec.method=eagle3`` the head
+aborted, or kept as they are (see :mod:`actors.decoding.inflight`). With ``spec.method=eagle3`` the head
 comes with every version (a version without it is refused) and the rows' head states follow
 the swap (:mod:`actors.engines.torch.eagle`)."""
 
@@ -10,12 +10,14 @@ from collections.abc import Mapping
 
 import torch
 
-from actors.drafting import EagleDrafter, EarlyExitDrafter, NgramDrafter
+from actors.decoding.eagle import EagleDrafter
+from actors.decoding.early_exit import EarlyExitDrafter
+from actors.decoding.inflight import Verification, verify_rows
+from actors.decoding.ngram import NgramDrafter
 from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.torch.decode import Decoder
 from actors.engines.torch.eagle import concat_aux, drop_states, restart_states, tapped_aux
 from actors.engines.torch.rows import Batch, Call, Policy, Row, Sampling
-from actors.inflight import Verification, verify_rows
 from common.eagle import EAGLE_PREFIX
 from common.model import Transformer
 from common.model_args import with_tied_head

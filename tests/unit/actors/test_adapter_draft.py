@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.drafting import EarlyExitDrafter
+from actors.decoding.early_exit import EarlyExitDrafter
+from actors.decoding.paged_cache import PagedKVCache
 from actors.engines.torch.engine import TorchEngine
-from actors.paged_cache import PagedKVCache
 from common.config.actor import SpecConfig
 from common.layers import KVCache
 from testing.lossless_check import (

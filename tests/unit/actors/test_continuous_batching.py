@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.drafting import NgramDrafter
+from actors.decoding.ngram import NgramDrafter
 from actors.engines.torch.engine import TorchEngine
 from common.config.actor import SpecConfig
 from testing.lossless_check import (

@@ -1,4 +1,4 @@
-"""Adaptive draft length (actors/draft_length.py): the controller's decisions on synthetic
+"""Adaptive draft length (actors/decoding/draft_length.py): the controller's decisions on synthetic
 acceptance and step times under a fake clock, and the torch engine with it on, still lossless."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from actors.draft_length import (
+from actors.decoding.draft_length import (
     EARLY_EXIT,
     NGRAM,
     PLAIN,

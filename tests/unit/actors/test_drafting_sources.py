@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.drafting import NgramDrafter
+from actors.decoding.ngram import NgramDrafter
 from actors.engines.torch.engine import TorchEngine
 from common.config.actor import SpecConfig
 from testing.lossless_check import greedy_matches_plain, peaky_model, sampled_pvalue

@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from actors.draft_length import EAGLE, PLAIN, DraftLength
-from actors.drafting import EagleDrafter
+from actors.decoding.draft_length import EAGLE, PLAIN, DraftLength
+from actors.decoding.eagle import EagleDrafter
 from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.torch.eagle import EagleSteps
 from actors.engines.torch.engine import TorchEngine

@@ -129,7 +129,7 @@ def test_load_weights_between_calls_after_an_in_flight_swap():
 def test_old_version_tokens_in_some_rows_only_are_scored_by_that_rows_old_model():
     """Regression: rows whose tokens come from an old version were scored by indexing the old
     model's output (which holds only those rows) with their row numbers in the whole batch."""
-    from actors.inflight import verify_rows
+    from actors.decoding.inflight import verify_rows
     from testing.models import random_model
 
     new, old = (random_model(12, s, intermediate_size=64, num_hidden_layers=1) for s in (0, 1))

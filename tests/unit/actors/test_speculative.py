@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from actors.speculative import (
+from actors.decoding.sampler import (
     PLACEHOLDER_TOKEN_ID,
     SpecResult,
     acceptance_probs,

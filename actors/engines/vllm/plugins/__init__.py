@@ -29,7 +29,7 @@ The rules, once for all of them:
   over by ticket, and how ``cpu_fix``'s replacement reaches the sampler. In a worker process of
   its own a proposer would find nothing pending and the plane no ticket: both refuse.
 - **What they may import**: torch, ``common/``, the actor's decoding modules
-  (``actors.drafting``, ``actors.draft_length``, ``actors.paged_cache``),
+  (``actors.decoding``: the drafters, the draft length, the paged cache),
   :mod:`actors.engines.rollout_engine`, each other and :mod:`actors.engines.vllm.compat`; never
   the engine (:mod:`actors.engines.vllm.engine`, :mod:`actors.engines.vllm.setup`), which import
   them. vLLM itself is imported inside functions, except by :mod:`.transfer`, whose classes

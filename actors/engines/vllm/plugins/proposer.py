@@ -4,11 +4,11 @@ vLLM 0.32 builds the proposer class named in ``speculative_config`` with the ``V
 calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` after every step. It sees
 every running row's tokens but no request ids or prompts, so the engine (in-process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) hands it the torch engine's
-:class:`~actors.drafting.NgramDrafter` (:func:`pending`, before the ``LLM`` is built), the model
+:class:`~actors.decoding.ngram.NgramDrafter` (:func:`pending`, before the ``LLM`` is built), the model
 runner (to map a batch row to its request id) and each request's prompt key (:meth:`register`).
 Drafts are deterministic (``q`` one-hot), so vLLM's rejection sampler keeps the output exact.
 With ``spec.adaptive`` the draft length of each step comes from
-:class:`~actors.draft_length.DraftLength` (given the rows' match lengths, as on the torch
+:class:`~actors.decoding.draft_length.DraftLength` (given the rows' match lengths, as on the torch
 engine), timed from one ``propose`` call to the next
 (:class:`~actors.engines.vllm.plugins.selfdraft.StepTimer`).
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.draft_length import PLAIN, DraftLength
-from actors.drafting import NgramDrafter
+from actors.decoding.draft_length import PLAIN, DraftLength
+from actors.decoding.ngram import NgramDrafter
 from actors.engines.vllm.compat import request_key
 from actors.engines.vllm.plugins.selfdraft import StepTimer, claim_pending
 

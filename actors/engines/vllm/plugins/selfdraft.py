@@ -9,7 +9,7 @@ in the same call that reloads vLLM (``VllmEngine.load_weights``), so the draft c
 target's version. :class:`SpecrlSelfDraftProposer` refuses to draft when the two differ.
 
 Per request the proposer keeps the draft's KV in its own block pool
-(:class:`~actors.paged_cache.PagedKVCache`) and the tokens that KV was computed for; each step
+(:class:`~actors.decoding.paged_cache.PagedKVCache`) and the tokens that KV was computed for; each step
 it runs the tokens the request gained since (usually the accepted drafts' last one and the
 bonus token), then ``k`` draft tokens sampled from ``q``. vLLM's ``custom_class`` call passes no
 draft probabilities, so the proposer hands ``q`` to the model runner through the slots vLLM's
@@ -19,7 +19,7 @@ sampler accepts ``d`` with ``min(1, p(d) / q(d))`` and resamples from ``max(p - 
 sample of the target. Where the runner does not find them it treats the drafts as one-hot, which
 is exact for any draft drawn independently of its uniforms, only with a lower acceptance.
 
-With ``spec.adaptive``, :class:`~actors.draft_length.DraftLength` picks each step's ``k`` (0: no
+With ``spec.adaptive``, :class:`~actors.decoding.draft_length.DraftLength` picks each step's ``k`` (0: no
 drafts, a plain vLLM step) from the acceptance by draft position and the measured time of each
 step (from one ``propose`` call to the next), as on the torch engine.
 """
@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from actors.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
+from actors.decoding.draft_length import EARLY_EXIT, NGRAM, PLAIN, Choice, DraftLength
+from actors.decoding.paged_cache import PagedKVCache
 from actors.engines.rollout_engine import StaleDraftError
 from actors.engines.vllm.compat import request_key
-from actors.paged_cache import PagedKVCache
 from common.cpu_precision import bf16_is_fast
 from common.layers import DecoderLayer
 from common.model import (

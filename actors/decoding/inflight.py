@@ -1,7 +1,7 @@
 """Delayed verification (docs/design.md §3.2-3.3): in-flight tokens sampled under older weights
 are a draft of the old policy for the new one, verified by one forward of the new weights over
 ``prompt + tokens`` (which also writes the new KV cache) and the rejection sampler of
-:func:`actors.speculative.rejection_sample`. The residual needs the *full* old distribution, so
+:func:`actors.decoding.sampler.rejection_sample`. The residual needs the *full* old distribution, so
 the engine keeps the old weights until verification is done and scores the rows with them.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from actors.speculative import SpecResult, pad_rows, rejection_sample
+from actors.decoding.sampler import SpecResult, pad_rows, rejection_sample
 from common.layers import KVCache
 from common.model import Transformer
 from common.sampling import processed_logprobs
