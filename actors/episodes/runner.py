@@ -50,7 +50,7 @@ from common.chat_bridge import (
     probe_conversation,
     uncapped,
 )
-from common.config.env import EnvConfig
+from common.config.env import OPENENV_PREFIX, EnvConfig
 from common.link.protocol import Completion, TrajectoryGroup
 from common.tokenizer import Tokenizer
 
@@ -464,6 +464,17 @@ class _Batch:
             self.runner._close(ep)
 
 
+def probe_server(env: CheckedEnv, spec: str) -> None:
+    """One session with an OpenEnv server at start (reset, seed 0): EnvSpecError, with the
+    reason, where it cannot be had."""
+    from actors.episodes.env import EnvSpecError
+
+    try:
+        env.reset(seed=0, options={"probe": True})
+    except EnvFailure as err:
+        raise EnvSpecError(f"env.name={spec}: no session with the OpenEnv server: {err}") from err
+
+
 def episode_runner(cfg: Any, engine: Any, tokenizer: Tokenizer) -> EpisodeRunner:
     """The runner of ``cfg.env`` on ``engine`` (the torch engine's ``serve``): the chat bridge
     of ``tokenizer`` (probed against full re-renders unless ``env.check_bridge=off``), a fresh
@@ -502,8 +513,18 @@ def episode_runner(cfg: Any, engine: Any, tokenizer: Tokenizer) -> EpisodeRunner
         runner.env_pool = pool
         return runner
 
-    def fresh() -> CheckedEnv:
-        return make_env(env.name, env.kwargs, bound)
+    kwargs = dict(env.kwargs)
+    if env.name.startswith(OPENENV_PREFIX):  # the session keeps the run's deadlines itself
+        kwargs = {"reset_timeout_s": env.reset_timeout_s, "step_timeout_s": env.step_timeout_s}
+        kwargs.update(env.kwargs)
 
-    fresh().close()  # a spec that cannot build an environment stops the actor here
+    def fresh() -> CheckedEnv:
+        return make_env(env.name, kwargs, bound)
+
+    probe = fresh()  # a spec that cannot build an environment stops the actor here
+    try:
+        if env.name.startswith(OPENENV_PREFIX):  # and a server that does not answer
+            probe_server(probe, env.name)
+    finally:
+        probe.close()
     return EpisodeRunner(engine, env, bridge, tokenizer, fresh, stop_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from common.config.checks import require, require_at_least, require_choice, require_positive
 
@@ -32,10 +33,38 @@ BUILTIN_ENVS = ("lookup", "guess_number")
 """``env.name`` values that name a built-in environment (``actors/episodes/builtin.py``)."""
 
 
+OPENENV_PREFIX = "openenv:"
+"""``env.name=openenv:<url>``: the environment is served by an OpenEnv server at ``url``
+(``actors/episodes/openenv.py``)."""
+
+
+def openenv_url(url: str) -> str:
+    """The WebSocket address of an OpenEnv server's ``url``: ``ws``/``wss`` as given (``/ws``
+    added to an empty path), ``http``/``https`` as ``ws``/``wss`` with ``/ws`` added to its path.
+    ValueError for anything else."""
+    parts = urlsplit(url)
+    schemes = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ValueError(
+            f"env.name={OPENENV_PREFIX}{url}: expected {OPENENV_PREFIX}ws://host:port (or "
+            "http://host:port) of an OpenEnv server"
+        )
+    path = parts.path.rstrip("/")
+    if parts.scheme.startswith("http") or not path:
+        path = f"{path}/ws"
+    return urlunsplit((schemes[parts.scheme], parts.netloc, path, parts.query, ""))
+
+
 def env_spec_refusal(spec: str) -> str | None:
-    """Why ``spec`` cannot name an environment (the form only), or None: a built-in name, or
-    ``<module or file.py>:<Class>``."""
+    """Why ``spec`` cannot name an environment (the form only), or None: a built-in name,
+    ``openenv:<url>`` or ``<module or file.py>:<Class>``."""
     if spec in BUILTIN_ENVS:
+        return None
+    if spec.startswith(OPENENV_PREFIX):
+        try:
+            openenv_url(spec[len(OPENENV_PREFIX) :])
+        except ValueError as err:
+            return str(err)
         return None
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
@@ -122,6 +151,11 @@ class EnvConfig:
             "env", self, max_turns=1, max_turn_tokens=1, workers=0, problems_in_flight=0
         )
         require_at_least("env", self, max_obs_tokens=1, max_obs_chars=1)
+        require(
+            not self.name.startswith(OPENENV_PREFIX) or (self.workers == 0 and not self.sandbox),
+            f"env.name={self.name}: the OpenEnv server runs the environment; env.workers and "
+            "env.sandbox are for environments specrl runs itself (set env.workers=0)",
+        )
         require(
             not self.sandbox or self.workers >= 1,
             "env.sandbox=true confines the environment's worker processes: set env.workers >= 1",
