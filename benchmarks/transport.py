@@ -6,7 +6,7 @@
 `common.link.send.sender.GroupSender` -> `common.link.receive.receiver.GroupReceiver` over tcp://127.0.0.1 (real
 sockets), each in its own process (spawn, so neither waits on the other's GIL), as an actor and
 the learner are. In the receiver process a consumer (its main thread) takes every group with
-`receiver.get()`, next to the receiver's own I/O thread; the sender process submits from its main
+`receiver.intake.get()`, next to the receiver's own I/O thread; the sender process submits from its main
 thread next to the sender's I/O thread. Groups are real `common.link.protocol.TrajectoryGroup`s of
 `Completion`s (int32 token ids, float32 behaviour log-probs, int32 token versions):
 
@@ -122,13 +122,13 @@ def receiver_main(
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while got < total and time.monotonic() < deadline:
-            if receiver.get(timeout_s=0.5) is not None:
+            if receiver.intake.get(timeout_s=0.5) is not None:
                 got += 1
                 if got == timed_from:
                     cpu_start = cpu_s()
         results.put(("consumed", got, time.monotonic(), cpu_s() - cpu_start))
         stop.wait(TIMEOUT_S)
-        results.put(("receiver", receiver.duplicates, receiver.acks_sent))
+        results.put(("receiver", receiver.intake.duplicates, receiver.intake.acks_sent))
     finally:
         receiver.close()
 

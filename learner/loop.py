@@ -17,8 +17,7 @@ from common.config.learner import weights_group_refusal
 from common.entrypoint import StopFlag
 from common.link.protocol import TrajectoryGroup
 from common.link.receive.admission import wire_limits
-from common.link.receive.intake import ActorInfo
-from common.link.receive.receiver import GroupReceiver
+from common.link.receive.intake import ActorInfo, Intake
 from common.link.receive.wal import trim
 from common.metrics import MetricsWriter
 from common.weights.publish.publisher import Publisher, publish_dtype
@@ -175,9 +174,10 @@ class Learner:
         )
         self.buffer.carry([*state.pending, *replayed])
         self.receiver = build_receiver(cfg, limits, admission, self.wal_dir, lambda: state.version)
+        self.intake = self.receiver.intake  # what arrived: groups, dedupe record, counters
         self.exporter.watch(
             lambda: {
-                **self.receiver.stats(),
+                **self.intake.stats(),
                 mn.LEARNER_WAL_SKIPPED: self.readmission.skipped,
                 mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
                 **self._group_metrics(),
@@ -187,8 +187,8 @@ class Learner:
         self.trainer = TrainerState(step=state.step, version=state.version)
         self.last: dict[str, float] = {}
         self.evaluations = EvaluationIntake()  # the evaluating actor's figures (eval.every)
-        self.receiver.load_dedupe_state(state.dedupe)
-        self.receiver.mark_seen(replayed)
+        self.intake.load_dedupe_state(state.dedupe)
+        self.intake.mark_seen(replayed)
         self.receiver.start()
         self.wall_start = time.perf_counter()
 
@@ -256,7 +256,7 @@ class Learner:
         self.buffer.step = state.step + 1
         self.republisher.check(state.version)
         return self.buffer.collect(
-            self.receiver.get,
+            self.intake.get,
             learner_cfg.groups_per_step,
             state.version,
             learner_cfg.group_timeout_s,
@@ -275,7 +275,7 @@ class Learner:
         self.skipped_steps += skipped
         for group in groups:
             self.buffer.record(group, "skipped" if skipped else "trained", state.version)
-        record_refused(self.ledger, self.receiver.take_refused(), state)
+        record_refused(self.ledger, self.intake.take_refused(), state)
         state.step += 1
         return batch, step_metrics
 
@@ -285,10 +285,10 @@ class Learner:
             self.state.version += 1
             self.publisher.publish(self.state.version)  # the weights group's too (on_snapshot)
 
-    def _new_evaluation(self, receiver: GroupReceiver) -> dict[str, float]:
+    def _new_evaluation(self) -> dict[str, float]:
         """The evaluating actor's latest held-out evaluation (``eval/*``), once: in the first
         step record after its status brought it (see :class:`EvaluationIntake`)."""
-        return self.evaluations.take(receiver.live_actors(), self.state.version)
+        return self.evaluations.take(self.intake.live_actors(), self.state.version)
 
     def log(
         self,
@@ -298,15 +298,15 @@ class Learner:
         times: StepTimes,
     ) -> None:
         """Phase 4: the step's figures to metrics.jsonl and Prometheus."""
-        state, receiver = self.state, self.receiver
+        state, intake = self.state, self.intake
         self.last = {
             mn.LEARNER_STEP: state.step,
             mn.LEARNER_VERSION: state.version,
             **step_metrics,
             **_batch_metrics(batch, groups),
-            **_actor_metrics(receiver),
-            **self._new_evaluation(receiver),
-            **receiver.stats(),
+            **_actor_metrics(intake),
+            **self._new_evaluation(),
+            **intake.stats(),
             mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
             mn.LEARNER_REPUBLISHED: self.republisher.republished,
             mn.LEARNER_REJECTED_GROUPS: self.buffer.rejected,
@@ -334,7 +334,7 @@ class Learner:
         trainer.step, trainer.version = state.step, state.version
         # One cut: every acked group is in the checkpoint's pending list, already trained, or
         # in a log segment from wal_from on.
-        trainer.dedupe, queued, wal_from = self.receiver.checkpoint_cut()
+        trainer.dedupe, queued, wal_from = self.intake.checkpoint_cut()
         trainer.wal_from = wal_from if wal_from is not None else 0
         trainer.metrics = {k: v for k, v in self.last.items() if isinstance(v, int | float)}
         pending = [*self.buffer.pending(), *queued, *pending]
@@ -365,19 +365,19 @@ class Learner:
 
     def close(self, unfinished: list[TrajectoryGroup]) -> None:
         """Stop receiving, let the last version reach Redis, and checkpoint what is left."""
-        state, receiver = self.state, self.receiver
-        evaluation = self._new_evaluation(receiver)  # one that came after the last step's record
-        receiver.close()
+        state, intake = self.state, self.intake
+        evaluation = self._new_evaluation()  # one that came after the last step's record
+        self.receiver.close()
         self.exporter.close()
         self.publisher.close()  # the last version reaches Redis before the final checkpoint
         if self.collective is not None:
             self.collective.close()  # the group's members go back to Redis
         # Acked but not trained on: carried in the checkpoint so a resumed learner trains them
         # (acked means the actor has forgotten them; this is the only copy).
-        leftover = [*unfinished, *receiver.drain()]
+        leftover = [*unfinished, *intake.drain()]
         for group in [*self.buffer.pending(), *leftover]:
             self.buffer.record(group, "pending_at_exit", state.version)
-        record_refused(self.ledger, receiver.take_refused(), state)
+        record_refused(self.ledger, intake.take_refused(), state)
         if self.dist is not None:
             self.dist.send_stop()  # the other ranks join the final checkpoint's gather
         self.checkpoint(leftover)
@@ -386,7 +386,7 @@ class Learner:
                 "event": "learner_exit",
                 mn.LEARNER_STEP: state.step,
                 mn.LEARNER_VERSION: state.version,
-                **receiver.stats(),
+                **intake.stats(),
                 **evaluation,
             }
         )
@@ -494,8 +494,8 @@ class EvaluationIntake:
         )
 
 
-def _actor_metrics(receiver: GroupReceiver) -> dict[str, float]:
-    live = receiver.live_actors()
+def _actor_metrics(intake: Intake) -> dict[str, float]:
+    live = intake.live_actors()
 
     def total(key: str) -> float:
         return sum(info.stats.get(key, 0.0) for info in live.values())

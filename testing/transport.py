@@ -107,7 +107,7 @@ def drain(receiver: GroupReceiver, count: int, timeout_s: float = 10.0) -> list[
     deadline = time.monotonic() + timeout_s
     while len(out) < count:
         assert time.monotonic() < deadline, f"got {len(out)} of {count} groups"
-        group = receiver.get(timeout_s=0.05)
+        group = receiver.intake.get(timeout_s=0.05)
         if group is not None:
             out.append(group)
     return out

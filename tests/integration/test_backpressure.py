@@ -68,7 +68,7 @@ def blocked_fraction(queue_max: int, outbox_max: int) -> float:
         for _ in range(STEPS):
             taken = 0
             while taken < GROUPS_PER_STEP:
-                if receiver.get(timeout_s=10.0) is None:
+                if receiver.intake.get(timeout_s=10.0) is None:
                     raise AssertionError("the actors stopped sending")
                 taken += 1
             time.sleep(TRAIN_S)  # the step trains; the receiver acks only while its queue has room

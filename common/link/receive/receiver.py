@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common.curve_keys import CurveKeys
 from common.link.protocol import Ack, DecodeLimits, Heartbeat, ProtocolError, decode, encode
 from common.link.receive.admission import Admission
-from common.link.receive.intake import LOG_EVERY_S, ActorInfo, Intake, PendingAck
+from common.link.receive.intake import LOG_EVERY_S, Intake, PendingAck
 from common.link.receive.wal import WalWriter
 from common.link.transport import (
     DEFAULT_HWM,
@@ -47,7 +47,7 @@ from common.link.transport import (
 )
 
 if TYPE_CHECKING:  # annotations only (the learner's reads, answered by the intake)
-    from common.link.protocol import TrajectoryGroup
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +111,13 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
-def _from_intake(name: str) -> property:
-    """A read-only attribute of the receiver answered by its intake's ``name``."""
-    return property(lambda self: getattr(self._intake, name), doc=getattr(Intake, name).__doc__)
-
-
 class GroupReceiver(SocketThread):
     """Receives TrajectoryGroups and heartbeats on a ROUTER; ``get()`` yields each group once.
 
     The ROUTER belongs to this end's I/O thread (:class:`SocketThread`); the groups, the dedupe
-    record, the log and the counters belong to its :class:`Intake`, which holds the lock they
-    need. The learner's reads below are the intake's."""
+    record, the log and the counters belong to its :class:`Intake` (``intake``), which holds the
+    lock they need: the learner reads groups and figures from the intake, beside the receiver
+    that fills it."""
 
     def __init__(
         self,
@@ -147,7 +143,9 @@ class GroupReceiver(SocketThread):
             raise ValueError("authorized_keys needs curve (the allow-list is of CURVE keys)")
         if authorized_keys is not None and not Path(authorized_keys).is_dir():
             raise FileNotFoundError(f"authorized_keys directory {authorized_keys} does not exist")
-        self._intake = Intake(actor_timeout_s, queue_max, wal, admission, latest_version)
+        self.intake = Intake(actor_timeout_s, queue_max, wal, admission, latest_version)
+        """What was received: the groups (``get``, ``drain``), the dedupe record, the log and
+        the counters (``stats``)."""
         super().__init__("receiver", "group-receiver")
         self._bind_address = bind_address
         self._limits = limits
@@ -159,61 +157,6 @@ class GroupReceiver(SocketThread):
         self._context = zmq.Context() if self._own_context else (context or shared_context())
         self._authenticator: ThreadAuthenticator | None = None
         self._bound_address: str | None = None
-
-    # ------------------------------------------------------------------ the learner's reads
-
-    def get(self, timeout_s: float) -> TrajectoryGroup | None:
-        """The next new group, or None if none arrived within ``timeout_s``; raises once the
-        I/O thread failed."""
-        return self._intake.get(timeout_s)
-
-    def drain(self) -> list[TrajectoryGroup]:
-        """Every queued group, even after a failure (see ``Intake.drain``)."""
-        return self._intake.drain()
-
-    def live_actors(self) -> dict[str, ActorInfo]:
-        return self._intake.live_actors()
-
-    def bad_frames_by_reason(self) -> dict[str, int]:
-        return self._intake.bad_frames_by_reason()
-
-    def refused_by_reason(self) -> dict[str, int]:
-        return self._intake.refused_by_reason()
-
-    def take_refused(self) -> list[tuple[str, int, int, str]]:
-        return self._intake.take_refused()
-
-    def qsize(self) -> int:
-        return self._intake.qsize()
-
-    def stats(self) -> dict[str, float]:
-        return self._intake.stats()
-
-    received = _from_intake("received")
-    unauthenticated = _from_intake("unauthenticated")
-    disconnects = _from_intake("disconnects")
-    handover_dropped = _from_intake("handover_dropped")
-    duplicates = _from_intake("duplicates")
-    acks_sent = _from_intake("acks_sent")
-    bad_frames = _from_intake("bad_frames")
-
-    # ------------------------------------------------------------------ dedupe persistence
-
-    def dedupe_state(self) -> dict[str, Any]:
-        return self._intake.dedupe_state()
-
-    def checkpoint_cut(self) -> tuple[dict[str, Any], list[TrajectoryGroup], int | None]:
-        """``(dedupe state, queued groups, first log segment after the cut)``, one consistent
-        cut (see ``Intake.checkpoint_cut``)."""
-        return self._intake.checkpoint_cut()
-
-    def load_dedupe_state(self, state: dict[str, Any]) -> None:
-        """Before ``start()`` only (see ``Intake.load_dedupe_state``)."""
-        self._intake.load_dedupe_state(state)
-
-    def mark_seen(self, groups: list[TrajectoryGroup]) -> None:
-        """Before ``start()`` only (see ``Intake.mark_seen``)."""
-        self._intake.mark_seen(groups)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -241,7 +184,7 @@ class GroupReceiver(SocketThread):
         events = _DISCONNECTED
         if self._curve is not None:
             events |= functools.reduce(operator.or_, _REFUSED_EVENTS)
-        self._intake.mark_started()
+        self.intake.mark_started()
         self._spawn(sock, sock.get_monitor_socket(events))
         return self
 
@@ -256,7 +199,7 @@ class GroupReceiver(SocketThread):
         if self._own_context:
             self._context.term()
             self._own_context = False
-        self._intake.close()
+        self.intake.close()
 
     @property
     def bound_address(self) -> str:
@@ -271,11 +214,11 @@ class GroupReceiver(SocketThread):
         try:
             self._serve(sock, monitor)
         except BaseException as e:
-            self._intake.fail(e)  # the learner's get() raises it from now on
+            self.intake.fail(e)  # the learner's get() raises it from now on
             raise  # SocketThread logs it and closes the sockets
 
     def _release(self) -> None:
-        self._intake.close_log()
+        self.intake.close_log()
 
     def _serve(self, sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
         poller = zmq.Poller()
@@ -283,11 +226,11 @@ class GroupReceiver(SocketThread):
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if self._intake.queue_full():
+            if self.intake.queue_full():
                 # Backpressure: read nothing (so ack nothing) until get() frees space.
                 if monitor is not None:
                     self._drain_monitor(monitor)
-                self._intake.wait_for_space(_POLL_S)
+                self.intake.wait_for_space(_POLL_S)
                 continue
             events = dict(poller.poll(int(_POLL_S * 1000)))
             if monitor is not None and monitor in events:
@@ -301,14 +244,14 @@ class GroupReceiver(SocketThread):
                 if self._handle(parts, acks):
                     break
             if acks:
-                self._intake.batch_done()
+                self.intake.batch_done()
             self._send_acks(sock, acks)
 
     def _send_acks(self, sock: zmq.Socket, acks: dict[bytes, PendingAck]) -> None:
         """One Ack per actor for the whole batch, after the log has the batch (group commit)."""
         if not acks:
             return
-        self._intake.flush_log()
+        self.intake.flush_log()
         limit = self._limits.max_ack_seqs
         for identity, pending in acks.items():
             actor_id = identity.decode("utf-8")
@@ -321,12 +264,12 @@ class GroupReceiver(SocketThread):
                     refused = {reason: seqs[start : start + limit]}
                     ack = Ack(actor_id=actor_id, seqs=[], refused=refused)
                     sock.send_multipart([identity, encode(ack)])
-        self._intake.count_acks_sent(sum(len(p.seqs) for p in acks.values()))
+        self.intake.count_acks_sent(sum(len(p.seqs) for p in acks.values()))
 
     def _handle(self, parts: list[zmq.Frame], acks: dict[bytes, PendingAck]) -> bool:
         """Process one ROUTER message, adding any ack it earns to ``acks``; True if the queue
         is now full (stop reading)."""
-        intake = self._intake
+        intake = self.intake
         identity = parts[0].bytes
         if identity.startswith(b"\x00"):
             # libzmq renames a connection that a reconnecting peer took its identity from
@@ -364,13 +307,13 @@ class GroupReceiver(SocketThread):
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         for event in ready(lambda flags: recv_monitor_message(monitor, flags)):
             if event["event"] == _DISCONNECTED:
-                self._intake.count_disconnect()
+                self.intake.count_disconnect()
                 continue
             reason = _REFUSED_EVENTS.get(event["event"])
             if reason is None:
                 continue
-            self._intake.count_unauthenticated()
-            self._intake.log_limited(
+            self.intake.count_unauthenticated()
+            self.intake.log_limited(
                 "unauthenticated",
                 "refused a connection to %s: %s",
                 event.get("endpoint", b"?"),

@@ -104,19 +104,19 @@ def test_sender_drops_and_counts_refused_groups_and_keeps_delivering() -> None:
             assert stats["sender/refused/wrong_group_size"] == 1
             assert stats["sender/refused/version_ahead"] == 1
             time.sleep(1.5)  # past the resend timeout: nothing refused is sent again
-            assert receiver.refused_by_reason() == {
+            assert receiver.intake.refused_by_reason() == {
                 "wrong_group_size": 1,
                 "too_long": 0,
                 "reward_out_of_range": 0,
                 "version_ahead": 1,
             }
-            taken = receiver.take_refused()
+            taken = receiver.intake.take_refused()
             assert sorted((seq, reason) for _, seq, _, reason in taken) == [
                 (refused, "wrong_group_size"),
                 (ahead, "version_ahead"),
             ]
-            assert receiver.take_refused() == []
+            assert receiver.intake.take_refused() == []
     finally:
         receiver.close()
-    assert receiver.stats()["receiver/refused"] == 2
-    assert np.isclose(receiver.stats()["receiver/received"], 1)
+    assert receiver.intake.stats()["receiver/refused"] == 2
+    assert np.isclose(receiver.intake.stats()["receiver/received"], 1)

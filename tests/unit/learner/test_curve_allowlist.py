@@ -55,13 +55,13 @@ def test_only_listed_keys_get_through_and_refusals_are_counted(
         with GroupSender(receiver.bound_address, "alice", curve=actor_keys(keys, "alice")) as ok:
             ok.submit(make_group(1))
             assert ok.flush(10.0)
-        wait_until(lambda: receiver.unauthenticated >= 3, timeout_s=10.0)
+        wait_until(lambda: receiver.intake.unauthenticated >= 3, timeout_s=10.0)
         assert [g.actor_id for g in drain(receiver, 1)] == ["alice"]
-        assert receiver.get(timeout_s=0.5) is None  # nothing from the intruders
+        assert receiver.intake.get(timeout_s=0.5) is None  # nothing from the intruders
         assert all(sender.unacked() == 1 for sender in intruders)
-        assert receiver.stats()["receiver/unauthenticated"] >= 3
+        assert receiver.intake.stats()["receiver/unauthenticated"] >= 3
         assert "refused CURVE client key" in caplog.text
-        assert set(receiver.live_actors()) == {"alice"}
+        assert set(receiver.intake.live_actors()) == {"alice"}
     finally:
         for sender in intruders:
             sender.close(timeout_s=0.0)
@@ -75,7 +75,7 @@ def test_revoking_a_key_is_deleting_its_file(keys: Path) -> None:
         with GroupSender(receiver.bound_address, "bob", curve=actor_keys(keys, "bob")) as bob:
             bob.submit(make_group(1))
             assert not bob.flush(2.0)
-        assert receiver.unauthenticated >= 1
+        assert receiver.intake.unauthenticated >= 1
     finally:
         receiver.close()
 

@@ -32,7 +32,7 @@ def started(socket_bytes: int, tmp_path: Path) -> tuple[GroupReceiver, LearnerEx
     receiver = GroupReceiver(ANY_PORT, limits, admission=ADMISSION, latest_version=lambda: 0)
     retry_bind(receiver.start)
     exporter = LearnerExporter(0, "127.0.0.1", tmp_path)
-    exporter.watch(receiver.stats)
+    exporter.watch(receiver.intake.stats)
     return receiver, exporter
 
 
@@ -67,17 +67,17 @@ def test_frames_over_the_decode_bound_are_read_counted_and_the_link_stays_up(
         dealer = dealer_factory(receiver.bound_address)
         for n, poison in enumerate(oversized_frames(ACTOR), start=1):
             send_when_connected(dealer, [poison.frame])
-            wait_until(lambda n=n: receiver.bad_frames_by_reason()["oversize"] == n, 30)
+            wait_until(lambda n=n: receiver.intake.bad_frames_by_reason()["oversize"] == n, 30)
             metrics = scrape(exporter.port)
             assert counter(metrics, "bad_frames", "oversize") == n, poison.kind
             assert counter(metrics, "frames_refused", "oversize") == n, poison.kind
-        assert receiver.received == 0 and receiver.qsize() == 0
+        assert receiver.intake.received == 0 and receiver.intake.qsize() == 0
         # Read, not dropped: the connection never closed, and a valid group still comes through.
-        assert receiver.disconnects == 0
+        assert receiver.intake.disconnects == 0
         send_when_connected(dealer, [encode(valid_group(ACTOR, 7, ADMISSION.group_size))])
         acks = replies(dealer, lambda acks: any(a.seqs for a in acks), timeout_s=10)
         assert [s for a in acks for s in a.seqs] == [7]
-        assert receiver.get(timeout_s=5).seq == 7
+        assert receiver.intake.get(timeout_s=5).seq == 7
         assert counter(scrape(exporter.port), "groups_received") == 1
     finally:
         exporter.close()
@@ -94,15 +94,15 @@ def test_a_frame_over_the_socket_bound_ends_its_connection_and_is_counted(
         assert receiver._limits.socket_bytes == 1 * MiB
         dealer = dealer_factory(receiver.bound_address)
         send_when_connected(dealer, [encode(valid_group(ACTOR, 0, ADMISSION.group_size))])
-        assert receiver.get(timeout_s=5).seq == 0
-        assert receiver.disconnects == 0
+        assert receiver.intake.get(timeout_s=5).seq == 0
+        assert receiver.intake.disconnects == 0
         send_when_connected(dealer, [bytes(2 * MiB)])
-        wait_until(lambda: receiver.disconnects >= 1, 10)
+        wait_until(lambda: receiver.intake.disconnects >= 1, 10)
         assert counter(scrape(exporter.port), "connections_closed") >= 1
-        assert sum(receiver.bad_frames_by_reason().values()) == 0  # never read
+        assert sum(receiver.intake.bad_frames_by_reason().values()) == 0  # never read
         # The DEALER reconnects by itself; the next group is served on the new connection.
         send_when_connected(dealer, [encode(valid_group(ACTOR, 1, ADMISSION.group_size))])
-        assert receiver.get(timeout_s=10).seq == 1
+        assert receiver.intake.get(timeout_s=10).seq == 1
     finally:
         exporter.close()
         receiver.close()
@@ -121,12 +121,12 @@ def test_refused_stale_and_duplicate_groups_show_in_the_refusal_counters(
         old = valid_group(ACTOR, 1, ADMISSION.group_size)
         for frame in (encode(too_small), encode(old), encode(old), b"\xc1"):
             send_when_connected(dealer, [frame])
-        wait_until(lambda: receiver.bad_frames == 1 and receiver.duplicates == 1, 10)
+        wait_until(lambda: receiver.intake.bad_frames == 1 and receiver.intake.duplicates == 1, 10)
         buffer = StalenessBuffer(max_staleness=2, admission=ADMISSION)
         # At learner version 3 the version-0 group is 3 versions old: dropped as stale.
-        assert not buffer.admit(receiver.get(timeout_s=5), learner_version=3)
+        assert not buffer.admit(receiver.intake.get(timeout_s=5), learner_version=3)
         assert buffer.dropped_stale == 1
-        record = {**receiver.stats(), mn.LEARNER_DROPPED_STALE: buffer.dropped_stale}
+        record = {**receiver.intake.stats(), mn.LEARNER_DROPPED_STALE: buffer.dropped_stale}
         exporter.update(record, np.array([], dtype=np.int64))
         metrics = scrape(exporter.port)
         assert counter(metrics, "groups_refused", "wrong_group_size") == 1

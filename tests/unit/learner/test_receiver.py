@@ -65,11 +65,11 @@ def test_two_senders_every_group_exactly_once(receiver: GroupReceiver) -> None:
     assert {g.prompt_id for g in groups} == {
         f"prompt-{k * 1000 + i}" for k in (0, 1) for i in range(n)
     }
-    assert receiver.get(timeout_s=0.05) is None
-    assert receiver.received == 2 * n
-    assert receiver.acks_sent == 2 * n + receiver.duplicates
-    assert receiver.bad_frames == 0
-    stats = receiver.stats()
+    assert receiver.intake.get(timeout_s=0.05) is None
+    assert receiver.intake.received == 2 * n
+    assert receiver.intake.acks_sent == 2 * n + receiver.intake.duplicates
+    assert receiver.intake.bad_frames == 0
+    stats = receiver.intake.stats()
     assert stats["receiver/received"] == 2 * n and stats["receiver/bad_frames/oversize"] == 0
 
 
@@ -82,8 +82,8 @@ def test_resent_duplicates_are_acked_but_not_queued(receiver: GroupReceiver) -> 
         groups = drain(receiver, 20)
         assert sender.flush(5.0)
     assert sorted(g.seq for g in groups) == list(range(20))
-    assert receiver.get(timeout_s=0.1) is None
-    assert receiver.received == 20
+    assert receiver.intake.get(timeout_s=0.1) is None
+    assert receiver.intake.received == 20
 
 
 def test_duplicate_from_raw_dealer_is_reacked(receiver: GroupReceiver) -> None:
@@ -99,9 +99,9 @@ def test_duplicate_from_raw_dealer_is_reacked(receiver: GroupReceiver) -> None:
             acks.append(decode(dealer.recv(), LIMITS))
         assert 1 <= len(acks) <= 3 and all(a == Ack(actor_id="raw-1", seqs=[0]) for a in acks)
         assert [g.seq for g in drain(receiver, 1)] == [0]
-        assert receiver.get(timeout_s=0.05) is None
-        assert receiver.duplicates == 2 and receiver.received == 1
-        assert receiver.acks_sent == len(acks)
+        assert receiver.intake.get(timeout_s=0.05) is None
+        assert receiver.intake.duplicates == 2 and receiver.intake.received == 1
+        assert receiver.intake.acks_sent == len(acks)
     finally:
         dealer.close(linger=0)
 
@@ -119,14 +119,14 @@ def test_receiver_restart_mid_stream_loses_nothing() -> None:
     )
     producer.start()
     try:
-        wait_until(lambda: first.qsize() == 4 and sender.unacked() == 8)
+        wait_until(lambda: first.intake.qsize() == 4 and sender.unacked() == 8)
         wait_until(lambda: sender.stats()["sender/unsent"] == 0)
         first.close()
         seen = drain(first, 4, timeout_s=0.1)  # acked before close: still the learner's
-        state = json.loads(json.dumps(first.dedupe_state()))  # as a checkpoint would store it
+        state = json.loads(json.dumps(first.intake.dedupe_state()))  # as a checkpoint would store it
 
         second = GroupReceiver(address, LIMITS)
-        second.load_dedupe_state(state)
+        second.intake.load_dedupe_state(state)
         deadline = time.monotonic() + 5.0
         while True:
             try:
@@ -139,8 +139,8 @@ def test_receiver_restart_mid_stream_loses_nothing() -> None:
             seen += drain(second, n - len(seen))
             producer.join(timeout=10.0)
             assert sender.flush(5.0)
-            assert second.get(timeout_s=0.05) is None
-            assert second.duplicates == 0
+            assert second.intake.get(timeout_s=0.05) is None
+            assert second.intake.duplicates == 0
         finally:
             second.close()
         assert sender.resent_total >= 8
@@ -174,15 +174,15 @@ def test_bad_frames_are_counted_and_receiver_keeps_serving(
         token_out_of_vocab.completions[0].token_ids[0] = VOCAB
         dealer.send(encode(token_out_of_vocab))
         expected = len(BAD_FRAMES) + 2
-        wait_until(lambda: receiver.bad_frames == expected)
-        by_reason = receiver.bad_frames_by_reason()
+        wait_until(lambda: receiver.intake.bad_frames == expected)
+        by_reason = receiver.intake.bad_frames_by_reason()
         for _, reason in BAD_FRAMES:
             assert by_reason[reason] >= 1, reason
         assert by_reason["bad_envelope"] == 1 and by_reason["out_of_vocab"] == 1
-        assert receiver.stats()["receiver/bad_frames"] == expected
+        assert receiver.intake.stats()["receiver/bad_frames"] == expected
         assert "bad frame from 'raw-1': not_msgpack" in caplog.text  # logged with the peer
         assert not dealer.poll(50)  # rejected frames are never acked
-        assert receiver.live_actors() == {}  # nor do they count as signs of life
+        assert receiver.intake.live_actors() == {}  # nor do they count as signs of life
         # The same connection, and a proper sender, are still served.
         dealer.send(encode(make_group(2, actor_id="raw-1", seq=0)))
         assert dealer.poll(5000)
@@ -203,10 +203,10 @@ def test_backpressure_blocks_submit_instead_of_growing_memory() -> None:
         ) as sender:
             for i in range(6):  # 3 fill the receiver's queue, 3 wait unacked in the outbox
                 sender.submit(make_group(i), timeout_s=5.0)
-            wait_until(lambda: receiver.qsize() == 3)
+            wait_until(lambda: receiver.intake.qsize() == 3)
             with pytest.raises(TimeoutError):
                 sender.submit(make_group(6), timeout_s=0.2)
-            assert receiver.qsize() == 3 and receiver.received == 3
+            assert receiver.intake.qsize() == 3 and receiver.intake.received == 3
             assert sender.unacked() == 3
             # Consuming frees the queue, reading resumes, acks flow, the actor unblocks.
             got = drain(receiver, 3)
@@ -224,15 +224,15 @@ def test_live_actors_follow_heartbeats_and_forget_silent_ones() -> None:
         sender = GroupSender(receiver.bound_address, "actor-a", heartbeat_interval_s=0.05)
         sender.set_status(7, {"actor/tokens_per_s": 321.0})
         sender.start()
-        wait_until(lambda: "actor-a" in receiver.live_actors())
-        wait_until(lambda: receiver.live_actors()["actor-a"].version == 7)
-        info = receiver.live_actors()["actor-a"]
+        wait_until(lambda: "actor-a" in receiver.intake.live_actors())
+        wait_until(lambda: receiver.intake.live_actors()["actor-a"].version == 7)
+        info = receiver.intake.live_actors()["actor-a"]
         assert info.stats == {"actor/tokens_per_s": 321.0} and info.heartbeats >= 1
         time.sleep(0.4)  # longer than actor_timeout_s: heartbeats keep it alive
-        assert "actor-a" in receiver.live_actors()
+        assert "actor-a" in receiver.intake.live_actors()
         sender.close(timeout_s=0.0)
-        wait_until(lambda: receiver.live_actors() == {}, timeout_s=3.0)
-        assert receiver.stats()["receiver/live_actors"] == 0
+        wait_until(lambda: receiver.intake.live_actors() == {}, timeout_s=3.0)
+        assert receiver.intake.stats()["receiver/live_actors"] == 0
     finally:
         receiver.close()
 
@@ -248,13 +248,13 @@ def test_an_actor_is_not_forgotten_while_the_learner_is_not_reading() -> None:
         sender.start()
         sender.submit(make_group(0), timeout_s=5.0)
         sender.submit(make_group(1), timeout_s=5.0)  # waits unread: the queue holds one
-        wait_until(lambda: receiver.qsize() == 1)
+        wait_until(lambda: receiver.intake.qsize() == 1)
         time.sleep(0.8)  # well past actor_timeout_s, reading nothing
-        assert "actor-a" in receiver.live_actors()
-        assert receiver.stats()["receiver/live_actors"] == 1
+        assert "actor-a" in receiver.intake.live_actors()
+        assert receiver.intake.stats()["receiver/live_actors"] == 1
         assert [g.seq for g in drain(receiver, 2)] == [0, 1]
         sender.close(timeout_s=1.0)
-        wait_until(lambda: receiver.live_actors() == {}, timeout_s=3.0)
+        wait_until(lambda: receiver.intake.live_actors() == {}, timeout_s=3.0)
     finally:
         receiver.close()
 
@@ -276,11 +276,11 @@ def test_dedupe_window_compacts() -> None:
 def test_dedupe_state_round_trip_and_validation() -> None:
     first = GroupReceiver(ANY_PORT, LIMITS)
     state = {"format": 1, "actors": {"a": {"floor": 4, "above": [6, 9]}}}
-    first.load_dedupe_state(state)
-    assert first.dedupe_state() == state
+    first.intake.load_dedupe_state(state)
+    assert first.intake.dedupe_state() == state
     assert msgpack.unpackb(msgpack.packb(state)) == state
-    first.load_dedupe_state({})
-    assert first.dedupe_state() == {"format": 1, "actors": {}}
+    first.intake.load_dedupe_state({})
+    assert first.intake.dedupe_state() == {"format": 1, "actors": {}}
     for bad in (
         {"format": 2, "actors": {}},
         {"format": 1, "actors": {"a": {"floor": "4", "above": []}}},
@@ -288,24 +288,24 @@ def test_dedupe_state_round_trip_and_validation() -> None:
         {"format": 1, "actors": {"a": [4]}},
     ):
         with pytest.raises(ValueError):
-            first.load_dedupe_state(bad)
+            first.intake.load_dedupe_state(bad)
 
 
 def test_loaded_dedupe_state_drops_replays(receiver: GroupReceiver) -> None:
     fresh = GroupReceiver(ANY_PORT, LIMITS)
-    fresh.load_dedupe_state({"format": 1, "actors": {"raw-1": {"floor": 1, "above": [3]}}})
+    fresh.intake.load_dedupe_state({"format": 1, "actors": {"raw-1": {"floor": 1, "above": [3]}}})
     fresh.start()
     try:
         with pytest.raises(RuntimeError, match="before start"):
-            fresh.load_dedupe_state({})
+            fresh.intake.load_dedupe_state({})
         dealer = connect_dealer(fresh.bound_address, b"raw-1")
         try:
             for seq in range(5):
                 dealer.send(encode(make_group(seq, actor_id="raw-1", seq=seq)))
             assert sorted(g.seq for g in drain(fresh, 2)) == [2, 4]
-            wait_until(lambda: fresh.acks_sent == 5)
-            assert fresh.duplicates == 3
-            assert fresh.dedupe_state()["actors"]["raw-1"] == {"floor": 4, "above": []}
+            wait_until(lambda: fresh.intake.acks_sent == 5)
+            assert fresh.intake.duplicates == 3
+            assert fresh.intake.dedupe_state()["actors"]["raw-1"] == {"floor": 4, "above": []}
         finally:
             dealer.close(linger=0)
     finally:
@@ -338,18 +338,18 @@ def test_io_thread_failure_reaches_get_and_closes_the_log() -> None:
     dealer = connect_dealer(receiver.bound_address, b"raw-1")
     try:
         with pytest.raises(RuntimeError, match="mark_seen must be called before start"):
-            receiver.mark_seen([])
+            receiver.intake.mark_seen([])
         dealer.send(encode(make_group(0, actor_id="raw-1", seq=0)))
         taken = []  # queued before the flush failed: get may take it before the failure shows
         with pytest.raises(RuntimeError, match="receiver I/O thread failed") as failed:
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline:
-                taken.append(receiver.get(timeout_s=0.1))
+                taken.append(receiver.intake.get(timeout_s=0.1))
         assert isinstance(failed.value.__cause__, OSError)
         wait_until(lambda: wal.closed)
         assert not dealer.poll(100)  # nothing unlogged was acked
         # Whatever get did not take, shutdown still can (drain does not raise).
-        taken += receiver.drain()
+        taken += receiver.intake.drain()
         assert [g.seq for g in taken if g is not None] == [0] and wal.appended == 1
     finally:
         dealer.close(linger=0)
@@ -393,7 +393,7 @@ def test_frames_left_on_a_handed_over_connection_are_dropped_not_counted_bad() -
     new = None
     try:
         old.send(encode(make_group(0, actor_id="actor-x", seq=0)))
-        wait_until(lambda: receiver.qsize() == 1)  # full: the receiver stops reading
+        wait_until(lambda: receiver.intake.qsize() == 1)  # full: the receiver stops reading
         for seq in (1, 2):
             old.send(encode(make_group(seq, actor_id="actor-x", seq=seq)))
         new = connect_dealer(receiver.bound_address, b"actor-x")
@@ -402,11 +402,11 @@ def test_frames_left_on_a_handed_over_connection_are_dropped_not_counted_bad() -
         got = drain(receiver, 1)
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            group = receiver.get(timeout_s=0.05)
+            group = receiver.intake.get(timeout_s=0.05)
             if group is not None:
                 got.append(group)
         seqs = sorted(g.seq for g in got)
-        stats = receiver.stats()
+        stats = receiver.intake.stats()
         assert stats["receiver/bad_frames"] == 0
         assert seqs[0] == 0 and 3 in seqs
         # Frames 1 and 2 are accepted, discarded with the old pipe by libzmq, or dropped as

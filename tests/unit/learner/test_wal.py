@@ -56,7 +56,7 @@ def test_receiver_logs_every_acked_group_before_the_cut_or_after(tmp_path: Path)
                 sender.submit(make_group(tag))
             assert sender.flush(5.0)
             consumed = drain(receiver, 3)
-            dedupe, queued, wal_from = receiver.checkpoint_cut()
+            dedupe, queued, wal_from = receiver.intake.checkpoint_cut()
             for tag in range(5, 8):
                 sender.submit(make_group(tag))
             assert sender.flush(5.0)
@@ -72,7 +72,7 @@ def test_receiver_logs_every_acked_group_before_the_cut_or_after(tmp_path: Path)
 
 def test_replayed_groups_are_dropped_as_duplicates() -> None:
     receiver = GroupReceiver(ANY_PORT, LIMITS)
-    receiver.mark_seen([make_group(1, actor_id="actor-a", seq=0)])  # replayed from the log
+    receiver.intake.mark_seen([make_group(1, actor_id="actor-a", seq=0)])  # replayed from the log
     receiver.start()
     try:
         with GroupSender(receiver.bound_address, "actor-a") as sender:
@@ -80,7 +80,7 @@ def test_replayed_groups_are_dropped_as_duplicates() -> None:
             sender.submit(make_group(2))
             assert sender.flush(5.0)
         assert [g.seq for g in drain(receiver, 1)] == [1]
-        assert receiver.duplicates == 1
+        assert receiver.intake.duplicates == 1
     finally:
         receiver.close()
 
