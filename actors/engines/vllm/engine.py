@@ -241,6 +241,12 @@ class VllmEngine(EngineBase):
         if engine.vllm_tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = engine.vllm_tensor_parallel_size
         kwargs.update(engine.vllm_kwargs)  # anything in engine.vllm_kwargs wins
+        if not on_gpu and kwargs["enforce_eager"]:
+            # Eager on CPU includes vLLM's small compiled helpers (the sampler's rank count,
+            # top-k/top-p): left to torch.compile, the first decoding step builds C++ kernels,
+            # tens of seconds on a busy machine, during which the actor cannot stop. specrl
+            # compiles nothing itself.
+            torch._dynamo.config.disable = True
         if self.ngram is not None:
             proposer.pending(*self._setup)
         elif self.selfdraft is not None:
