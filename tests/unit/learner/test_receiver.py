@@ -123,7 +123,9 @@ def test_receiver_restart_mid_stream_loses_nothing() -> None:
         wait_until(lambda: sender.stats()["sender/unsent"] == 0)
         first.close()
         seen = drain(first, 4, timeout_s=0.1)  # acked before close: still the learner's
-        state = json.loads(json.dumps(first.intake.dedupe_state()))  # as a checkpoint would store it
+        state = json.loads(
+            json.dumps(first.intake.dedupe_state())
+        )  # as a checkpoint would store it
 
         second = GroupReceiver(address, LIMITS)
         second.intake.load_dedupe_state(state)
