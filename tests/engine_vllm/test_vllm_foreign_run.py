@@ -33,7 +33,9 @@ SHORT = [
     "actor.group_size=8",
     "actor.prompts_per_batch=2",
     "learner.groups_per_step=4",
-    "task.max_new_tokens=8",
+    # Calls long enough that versions land inside them (a version published between calls is
+    # loaded before the next one, no swap mid-rollout): a random model seldom stops early.
+    "task.max_new_tokens=32",
     # A random model seldom reverses a string exactly; partial credit for the digits it gets
     # right gives completions of a group different rewards, hence a gradient.
     "task.partial_credit=0.5",
