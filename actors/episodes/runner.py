@@ -513,17 +513,18 @@ def episode_runner(cfg: Any, engine: Any, tokenizer: Tokenizer) -> EpisodeRunner
         runner.env_pool = pool
         return runner
 
+    openenv = env.name.startswith(OPENENV_PREFIX)
     kwargs = dict(env.kwargs)
-    if env.name.startswith(OPENENV_PREFIX):  # the session keeps the run's deadlines itself
-        kwargs = {"reset_timeout_s": env.reset_timeout_s, "step_timeout_s": env.step_timeout_s}
-        kwargs.update(env.kwargs)
+    if openenv:  # the session keeps the run's deadlines itself (unless env.kwargs sets them)
+        deadlines = {"reset_timeout_s": env.reset_timeout_s, "step_timeout_s": env.step_timeout_s}
+        kwargs = {**deadlines, **kwargs}
 
     def fresh() -> CheckedEnv:
         return make_env(env.name, kwargs, bound)
 
     probe = fresh()  # a spec that cannot build an environment stops the actor here
     try:
-        if env.name.startswith(OPENENV_PREFIX):  # and a server that does not answer
+        if openenv:  # and a server that does not answer
             probe_server(probe, env.name)
     finally:
         probe.close()

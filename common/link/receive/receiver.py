@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
@@ -45,9 +44,6 @@ from common.link.transport import (
     ready,
     shared_context,
 )
-
-if TYPE_CHECKING:  # annotations only (the learner's reads, answered by the intake)
-    pass
 
 log = logging.getLogger(__name__)
 
