@@ -215,7 +215,11 @@ class UploadProcess:
                 self.release(slot)
                 raise RuntimeError(self._died())
             self.sent.append((version, slot))
-        self.conn.send((version, slot))
+        # A child killed after the check above breaks the pipe: the version is in ``sent``, so the
+        # reply thread, which sees the child gone, reports the death and finishes the version
+        # (raising here too would finish it twice and hide the death behind a BrokenPipeError).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.conn.send((version, slot))
 
     def _died(self) -> str:
         return (

@@ -181,6 +181,43 @@ def test_a_killed_upload_process_is_an_error_on_the_learner_thread(
     pub.close()
 
 
+def _dead(pid: int) -> bool:
+    """``pid`` exited: a zombie, or already reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_child_that_dies_between_the_check_and_the_send_is_reported_once_as_dead(
+    redis_client: redis.Redis, make_publisher
+) -> None:
+    """The child passes the liveness check, then dies before the version reaches its pipe: the
+    death is what the learner hears (not a BrokenPipeError), and the version is finished once."""
+    _, pub, store = make_publisher(max_inflight=1, upload="process")
+    pub.publish(1)
+    pub.flush()
+    child = pub._child
+    pid, real_send = child.pid, child.conn.send
+
+    def send_after_the_death(message: object) -> None:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _dead(pid):  # its end of the pipe is closed
+            time.sleep(0.01)
+        real_send(message)  # BrokenPipeError: nobody reads the pipe any more
+
+    child.conn.send = send_after_the_death
+    pub.publish(2)
+    with pytest.raises(RuntimeError, match="upload process .* died"):
+        pub.flush()
+    assert store.latest_version() == 1 and pub.inflight == 0
+    with pytest.raises(RuntimeError, match="died"):
+        pub.publish(3)
+    pub.close()
+
+
 def test_a_stop_ends_the_retries_while_redis_is_unreachable(upload: str, tiny_policy) -> None:
     """Redis down: the upload retries (a restart must not kill the learner) until the learner
     stops; then flush and close return and nothing is published."""
