@@ -4,6 +4,7 @@ process group each one joins."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +25,9 @@ def spawn_ranks(worker: Callable[..., None], *args: Any, world: int = 2) -> None
 @contextlib.contextmanager
 def group_rank(rank: int, world: int, port: int) -> Iterator[DistContext]:
     """Within: this process is ``rank`` of a ``world``-rank group on ``port`` (one CPU thread);
-    the group is shut down on the way out."""
+    the group is shut down on the way out. A rank that aborts (a C++ ``std::terminate``) prints
+    its Python stack to stderr first, as pytest's own process does."""
+    faulthandler.enable()
     os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
     ctx = init_from_env(timeout_s=120)

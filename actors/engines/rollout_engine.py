@@ -43,18 +43,6 @@ def prompt_key(prompt: Sequence[int]) -> str:
     return ",".join(map(str, prompt))
 
 
-@dataclass
-class GenerateCall:
-    """The arguments of one :meth:`RolloutEngine.generate` call (the same names, order and
-    defaults)."""
-
-    prompts: Sequence[Sequence[int]]
-    n: int
-    max_new_tokens: int
-    weight_source: WeightSource | None = None
-    on_group: GroupCallback | None = None
-
-
 class RolloutEngine(Protocol):
     """The interface of a rollout engine (torch, vLLM)."""
 
@@ -107,17 +95,19 @@ class RolloutEngine(Protocol):
 
 
 class EngineBase(ABC):
-    """What the engines share: :meth:`generate` hands its arguments (those of
-    :meth:`RolloutEngine.generate`), as one :class:`GenerateCall`, to the engine's
-    ``_generate``."""
-
-    def generate(self, *args: Any, **kwargs: Any) -> list[list[Rollout]]:
-        """See :meth:`RolloutEngine.generate`."""
-        return self._generate(GenerateCall(*args, **kwargs))
+    """What the engines share: the multi-turn refusal and greedy decoding. Each engine's
+    :meth:`generate` has :meth:`RolloutEngine.generate`'s signature."""
 
     @abstractmethod
-    def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
-        """The engine's own :meth:`generate`."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        weight_source: WeightSource | None = None,
+        on_group: GroupCallback | None = None,
+    ) -> list[list[Rollout]]:
+        """See :meth:`RolloutEngine.generate`."""
 
     def serve(self, *_args: Any, **_kwargs: Any) -> None:
         """See :meth:`RolloutEngine.serve`; an engine without a turn-request stream refuses."""

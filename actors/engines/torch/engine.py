@@ -23,7 +23,7 @@ import itertools
 import sys
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from operator import attrgetter
 
 import torch
@@ -35,7 +35,7 @@ from actors.decoding.ngram import NgramDrafter
 from actors.decoding.paged_cache import PagedKVCache
 from actors.engines.rollout_engine import (
     EngineBase,
-    GenerateCall,
+    GroupCallback,
     Rollout,
     WeightSource,
     prompt_key,
@@ -167,11 +167,17 @@ class TorchEngine(EngineBase):
         self.swapper.load(version, state_dict)
 
     @torch.inference_mode()
-    def _generate(self, request: GenerateCall) -> list[list[Rollout]]:
-        """New weights from ``weight_source`` apply to the rows in flight according to
-        ``inflight``; completions not admitted yet simply start with them."""
-        prompts, n, max_new_tokens = request.prompts, request.n, request.max_new_tokens
-        weight_source = request.weight_source
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        weight_source: WeightSource | None = None,
+        on_group: GroupCallback | None = None,
+    ) -> list[list[Rollout]]:
+        """See :meth:`RolloutEngine.generate`. New weights from ``weight_source`` apply to the
+        rows in flight according to ``inflight``; completions not admitted yet simply start with
+        them."""
         started = time.perf_counter()
         if self.ngram is not None:
             self.ngram.begin()
@@ -193,7 +199,7 @@ class TorchEngine(EngineBase):
             static=static,
             # Static batching: longest prompt + budget + the k slots a step writes.
             reserve=max(len(r.prompt) for r in rows) + max_new_tokens + self.spec.k + 1,
-            on_group=request.on_group,
+            on_group=on_group,
             remaining=[n] * len(prompts),
             results=[None] * len(prompts),
             pending=deque(rows),

@@ -35,7 +35,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,13 @@ import numpy as np
 import torch
 
 from actors.decoding.ngram import NgramDrafter
-from actors.engines.rollout_engine import EngineBase, GenerateCall, Rollout, prompt_key
+from actors.engines.rollout_engine import (
+    EngineBase,
+    GroupCallback,
+    Rollout,
+    WeightSource,
+    prompt_key,
+)
 from actors.engines.vllm.compat import SPEC_COUNTERS
 from actors.engines.vllm.eagle import EAGLE_PREFIX, NativeEagle
 from actors.engines.vllm.plugins import proposer, selfdraft
@@ -139,7 +145,7 @@ class VllmEngine(EngineBase):
         self.max_model_len = model_config.max_model_len
         self.max_prompt_len = self.max_model_len - 1
         """The longest prompt served: vLLM refuses a prompt that leaves no room for one new token
-        within ``max_model_len``. Longer ones are refused by :meth:`_generate` (counted in
+        within ``max_model_len``. Longer ones are refused by :meth:`generate` (counted in
         ``actor/prompts_too_long``), never sent to vLLM."""
         self.generator = torch.Generator().manual_seed(seed)
         self.salt_kv_by_version = True  # False only as the stale-KV test's negative control
@@ -322,11 +328,16 @@ class VllmEngine(EngineBase):
             prompt["cache_salt"] = f"specrl-v{self.version}"
         return prompt
 
-    def _generate(self, call: GenerateCall) -> list[list[Rollout]]:
-        """``on_group(i, rollouts)`` is called once per prompt, when the call ends (vLLM runs the
-        call's requests together)."""
-        prompts, n, max_new_tokens = call.prompts, call.n, call.max_new_tokens
-        weight_source, on_group = call.weight_source, call.on_group
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        weight_source: WeightSource | None = None,
+        on_group: GroupCallback | None = None,
+    ) -> list[list[Rollout]]:
+        """See :meth:`RolloutEngine.generate`. ``on_group(i, rollouts)`` is called once per
+        prompt, when the call ends (vLLM runs the call's requests together)."""
         engine = self.llm.llm_engine
         if self.transfer is not None:
             self.transfer.check()  # no decoding on a partly loaded version

@@ -149,7 +149,7 @@ def test_turns_join_between_steps_with_their_own_kv():
 
 def test_an_engine_without_serve_refuses_clearly():
     class NoServe(EngineBase):
-        def _generate(self, call):
+        def generate(self, prompts, n, max_new_tokens, weight_source=None, on_group=None):
             return []
 
     with pytest.raises(NotImplementedError, match="engine.name=torch"):
