@@ -39,7 +39,8 @@ from common.tasks import task_from_config
 from common.tokenizer import encode_prompt, load_tokenizer
 from learner.batch import collate
 from learner.loss import ppo_clip_loss
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import train_step
 from testing.lossless_check import (
     exact_sequence_logprobs,
     peaky_model,

@@ -99,7 +99,8 @@ def _rss_bytes() -> int:
 
 def child_step(model_name: str, path: str, steps: int, groups: int) -> dict:
     """One configuration in this (fresh) process: peak memory and tokens/s."""
-    from learner.step import make_optimizer, train_step
+    from learner.optim import make_optimizer
+    from learner.step import train_step
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     batch = build_batch(MODELS[model_name][0], groups)
@@ -133,7 +134,8 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def _rank_worker(rank: int, world: int, port: int, model_name: str, out: str, groups: int) -> None:
     from learner.distributed import init_from_env, local_rank_env, shard, shutdown
-    from learner.step import make_optimizer, train_step
+    from learner.optim import make_optimizer
+    from learner.step import train_step
 
     os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)

@@ -97,8 +97,8 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
     limits, _ = wire_limits(
         state.args.vocab_size, make_admission(cfg, state.args), cfg.learner.max_frame_bytes
     )
-    dtype = publish_dtype(state.model, cfg.learner.publish_dtype)
-    view = PolicyView(state.model, state.args, dist, dtype)
+    dtype = publish_dtype(state.trainer.model, cfg.learner.publish_dtype)
+    view = PolicyView(state.trainer.model, state.args, dist, dtype)
     view.refresh()  # rank 0's first publish
     last: dict[str, float] = {}
     while True:
@@ -107,7 +107,7 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
             join_checkpoint(cfg, state, dist, checkpoint_root)  # rank 0's final checkpoint
             return last
         batch = collate(groups, version, state.tokenizer.pad_id, dist.device, state.shaping)
-        last = train_on(state, batch, cfg, dist)
+        last = train_on(state, batch, cfg)
         state.step += 1
         due = cadence(cfg, state.step, bool(last[mn.LEARNER_SKIPPED]))
         if due.publish:
@@ -120,7 +120,7 @@ def follow(cfg: SpecRLConfig, dist: DistContext) -> dict[str, float]:
 def join_checkpoint(cfg: SpecRLConfig, state: LearnerState, dist: DistContext, root: Path) -> None:
     """A rank > 0's part of rank 0's checkpoint: writing its shards, or joining the gather."""
     if use_sharded(cfg.learner, dist):
-        save_sharded_checkpoint(root, state.model, state.optimizer, dist)
+        save_sharded_checkpoint(root, state.trainer.model, state.trainer.optimizer, dist)
     else:
         gather_checkpoint(state, dist)
 
@@ -195,8 +195,8 @@ class Learner:
     def _start_publishing(self, store: WeightWriter) -> None:
         """Publish the first version; the version mark is written once a version is in Redis."""
         state, lcfg = self.state, self.cfg.learner
-        dtype = publish_dtype(state.model, lcfg.publish_dtype)
-        self.view = PolicyView(state.model, state.args, self.dist, dtype)
+        dtype = publish_dtype(state.trainer.model, lcfg.publish_dtype)
+        self.view = PolicyView(state.trainer.model, state.args, self.dist, dtype)
         self.view.refresh()  # a collective under FSDP: every rank streams, rank 0 keeps it
         # learner.weights_group: the same versions also go, as bf16 buckets, to the actors that
         # joined the weights group (common/weights/collective.py); Redis keeps the order. The
@@ -218,7 +218,7 @@ class Learner:
             latest_wins=lcfg.publish_latest_wins,
             should_stop=self.stop,
             on_published=lambda version: write_version_mark(self.version_mark, version),
-            optimizer=state.optimizer,  # the snapshot is taken in the background, before a step
+            optimizer=state.trainer.optimizer,  # the snapshot is taken in the background, before a step
             on_snapshot=self.collective.take if self.collective is not None else None,
         )
         self.publisher.publish(state.version)
@@ -270,7 +270,7 @@ class Learner:
         if self.dist is not None:
             self.dist.send_step(groups, state.version)
         batch = collate(groups, state.version, state.tokenizer.pad_id, self.device, state.shaping)
-        step_metrics = train_on(state, batch, self.cfg, self.dist)
+        step_metrics = train_on(state, batch, self.cfg)
         skipped = step_metrics[mn.LEARNER_SKIPPED] > 0
         self.skipped_steps += skipped
         for group in groups:
@@ -341,8 +341,8 @@ class Learner:
         if use_sharded(self.cfg.learner, self.dist):
             path = save_sharded_checkpoint(
                 self.checkpoint_root,
-                state.model,
-                state.optimizer,
+                state.trainer.model,
+                state.trainer.optimizer,
                 self.dist,
                 state.tokenizer,
                 trainer,

@@ -30,7 +30,8 @@ from learner.microbatch import (
     shard_rows,
     take_rows,
 )
-from learner.policy import PolicyModule, backbone, set_activation_checkpointing, unwrap
+from learner.optim import draft_params, eagle_group, eagle_params
+from learner.policy import PolicyModule, backbone, set_activation_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -65,57 +66,6 @@ def draft_acceptance_key(step: int) -> str:
     return f"{mn.SPEC_DRAFT_ACCEPTANCE}_step{step}"
 
 
-def draft_params(model: nn.Module) -> list[nn.Parameter]:
-    """The draft adapter's parameters (none for a policy without one)."""
-    draft = getattr(unwrap(model), "draft", None)
-    return list(draft.parameters()) if draft is not None else []
-
-
-def eagle_params(model: nn.Module) -> list[nn.Parameter]:
-    """The EAGLE-3 head's parameters (none for a policy without one)."""
-    eagle = getattr(unwrap(model), "eagle", None)
-    return list(eagle.parameters()) if eagle is not None else []
-
-
-def make_optimizer(
-    model: nn.Module, cfg: LearnerConfig, spec: SpecConfig | None = None
-) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters; its state takes their dtype (fp32 master weights and
-    moments unless ``learner.precision=bf16``). A draft adapter's parameters form a second
-    group (``spec.adapter_lr``, no weight decay), an EAGLE-3 head's the next (``spec.eagle_lr``,
-    no weight decay)."""
-    spec = spec or SpecConfig()
-    drafts = {id(p) for p in draft_params(model) + eagle_params(model)}
-    groups: list[dict] = [
-        {"params": [p for p in model.parameters() if id(p) not in drafts]},
-    ]
-    if draft_params(model):
-        groups.append({"params": draft_params(model), "lr": spec.adapter_lr, "weight_decay": 0.0})
-    if eagle_params(model):
-        # The head's update count (its rate's warm-up) and the learner steps whose gradients it
-        # holds (``spec.eagle_accumulate``) ride in its group, so a checkpoint keeps them.
-        groups.append(
-            {
-                "params": eagle_params(model),
-                "lr": spec.eagle_lr / spec.eagle_lr_warmup_steps,
-                "weight_decay": 0.0,
-                EAGLE_GROUP: True,
-                "eagle_updates": 0,
-                "eagle_pending": 0,
-            }
-        )
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-EAGLE_GROUP = "eagle_head"
-"""The key that marks the EAGLE-3 head's parameter group."""
-
-
-def eagle_group(optimizer: torch.optim.Optimizer) -> dict | None:
-    """The head's parameter group, None without one."""
-    return next((g for g in optimizer.param_groups if g.get(EAGLE_GROUP)), None)
-
-
 def loss_options(cfg: LearnerConfig, agg_tokens: int = 0) -> LossOptions:
     """The policy loss's algorithm options from the config (``agg_tokens``: the task's
     ``max_new_tokens``, used when ``learner.loss_agg_tokens`` is 0)."""
@@ -128,35 +78,143 @@ def loss_options(cfg: LearnerConfig, agg_tokens: int = 0) -> LossOptions:
     )
 
 
-def warm_up_lr(
-    optimizer: torch.optim.Optimizer, cfg: LearnerConfig, step: int, total_steps: int = 0
-) -> None:
-    """Before optimizer step ``step`` (0-based, counted over the run, so a resume continues the
-    ramp): the policy's learning rate rises linearly to ``learner.lr`` over
-    ``learner.lr_warmup_steps`` steps, then follows ``learner.lr_schedule`` over the
-    ``total_steps`` of the run (``run.steps``); the draft groups keep theirs. Nothing with
-    neither a warm-up nor a decay."""
-    if cfg.lr_warmup_steps > 1 and step + 1 < cfg.lr_warmup_steps:
-        optimizer.param_groups[0]["lr"] = cfg.lr * (step + 1) / cfg.lr_warmup_steps
-    elif cfg.lr_schedule != "constant" and total_steps > 0:
-        optimizer.param_groups[0]["lr"] = cfg.lr * lr_decay_factor(cfg, step, total_steps)
-    elif cfg.lr_warmup_steps > 1:
-        optimizer.param_groups[0]["lr"] = cfg.lr
+@dataclass(frozen=True)
+class LossPlan:
+    """What a step's loss is made of, resolved once per trainer from the config and the
+    policy: the early exit's or the adapter's draft loss (``spec.aux_coef > 0``), the EAGLE-3
+    head's (``spec.method=eagle3``, ``spec.eagle_coef > 0``), the algorithm's options and the
+    figures each micro-batch sums."""
+
+    cfg: LearnerConfig
+    sampling: SamplingConfig
+    exit_layer: int = 0
+    aux_coef: float = 0.0
+    adapter: bool = False
+    eagle_coef: float = 0.0
+    """Weight of the EAGLE-3 head's loss (0: not trained)."""
+    eagle_steps: int = 1
+    """Draft steps the EAGLE-3 head is trained on (``spec.eagle_train_steps``)."""
+    eagle_decay: float = 1.0
+    """Step j's weight in the head's loss: ``eagle_decay ** (j - 1)`` (``spec.eagle_step_decay``)."""
+    options: LossOptions | None = None
+    """The algorithm options of the policy loss (None: GRPO's)."""
+    keys: tuple[str, ...] = _SUM_KEYS
+    """The figures each micro-batch's loss returns, in order (``_SUM_KEYS``, then the head's)."""
+
+    @classmethod
+    def resolve(
+        cls,
+        module: PolicyModule,
+        cfg: LearnerConfig,
+        sampling: SamplingConfig,
+        spec: SpecConfig | None,
+        agg_tokens: int,
+    ) -> LossPlan:
+        # The draft's loss only with spec.aux_coef > 0 (backbone checks exit_layer): the
+        # adapter's when the policy has one, else the early exit's co-training loss.
+        aux_coef = spec.aux_coef if spec is not None else 0.0
+        adapter = aux_coef > 0 and spec is not None and spec.adapter and bool(draft_params(module))
+        exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
+        if adapter:
+            exit_layer = module.policy.args.draft_exit_layer
+        eagle_coef, eagle_steps, eagle_decay = _eagle_terms(module, spec)
+        keys = _SUM_KEYS + (_eagle_keys(eagle_steps) if eagle_coef > 0 else ())
+        return cls(
+            cfg,
+            sampling,
+            exit_layer,
+            aux_coef,
+            adapter,
+            eagle_coef,
+            eagle_steps,
+            eagle_decay,
+            loss_options(cfg, agg_tokens),
+            keys,
+        )
 
 
-def lr_decay_factor(cfg: LearnerConfig, step: int, total_steps: int) -> float:
-    """The share of ``learner.lr`` at step ``step`` after the warm-up: 1 at the warm-up's last
-    step, ``lr_min_ratio`` at the run's last step (``total_steps - 1``), linear or cosine between."""
-    start = max(cfg.lr_warmup_steps - 1, 0)
-    span = total_steps - 1 - start
-    progress = min(max((step - start) / span, 0.0), 1.0) if span > 0 else 1.0
-    if cfg.lr_schedule == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    elif cfg.lr_schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 1.0
-    return cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * shape
+class Trainer:
+    """The learner's optimizer steps on one policy: its module (FSDP-sharded or not), optimizer,
+    reference model and :class:`LossPlan`, set up once; :meth:`step` per batch.
+
+    One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
+    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0`` and the EAGLE-3
+    head's loss with ``spec.method=eagle3`` and ``spec.eagle_coef > 0`` (learner/eagle_loss.py).
+
+    ``model``: the policy, or its FSDP-sharded ``PolicyModule`` with ``dist``. The batch is the
+    full step's batch on every rank; this rank trains its shard of rows in micro-batches, with
+    the one-batch update (``learner/microbatch.py``). A step whose loss (any micro-batch, any
+    rank) or gradient norm is not finite is skipped: no optimizer step. ``agg_tokens``: the
+    constant length of ``learner.loss_agg=seq_sum`` when ``learner.loss_agg_tokens`` is 0 (the
+    task's ``max_new_tokens``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: LearnerConfig,
+        sampling: SamplingConfig,
+        ref_model: nn.Module | None = None,
+        spec: SpecConfig | None = None,
+        dist: DistContext | None = None,
+        agg_tokens: int = 0,
+    ) -> None:
+        self.model = model
+        self.module = model if isinstance(model, PolicyModule) else PolicyModule(model)
+        self.optimizer = optimizer
+        self.ref_model = ref_model
+        self.spec = spec
+        self.dist = dist
+        self.plan = LossPlan.resolve(self.module, cfg, sampling, spec, agg_tokens)
+        set_activation_checkpointing(self.module.policy, cfg.activation_checkpointing)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch`` (the same call on every rank): the step's figures."""
+        module, optimizer, plan, dist = self.module, self.optimizer, self.plan, self.dist
+        cfg = plan.cfg
+        module.train()
+        world = dist.world if dist is not None else 1
+        n_valid = (
+            batch.mask.sum()
+        )  # trained (sampled) tokens of the global batch (all on every rank)
+        n_seqs = (batch.mask.sum(dim=-1) > 0).sum().float()  # and its sequences
+        terms = _StepTerms(plan, n_valid, n_seqs)
+        micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
+        autocast = torch.autocast(
+            batch.input_ids.device.type,
+            dtype=torch.bfloat16,
+            enabled=cfg.precision == "bf16-mixed",
+        )
+        _zero_grads(module, optimizer)
+        sums = torch.zeros(len(plan.keys), dtype=torch.float64)
+        for mb in micro:
+            # Freed pages of the last micro-batch back to the OS first (a few ms): what glibc
+            # keeps of them would otherwise sit under this one's peak. One process only: under
+            # FSDP a rank trimming beside gloo's threads aborted at exit in 1 of 4 runs of a
+            # 2-rank test.
+            if dist is None:
+                heap.trim()
+            ref_lp = None
+            if self.ref_model is not None and cfg.kl_coef > 0:
+                with torch.no_grad(), autocast:
+                    ref_lp = _chosen(self.ref_model, mb, terms)
+            with autocast:
+                loss, stats = module(terms.loss, mb, ref_lp)
+            # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
+            (loss * world).backward()
+            sums += stats.double().cpu()
+        if dist is not None:
+            sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
+        stats = dict(zip(plan.keys, sums.tolist(), strict=True))
+        skipped, grad_norm = _apply_gradients(
+            module, optimizer, stats["loss"], cfg.grad_clip, self.spec
+        )
+        figures = _metrics(
+            stats, float(n_valid), len(micro), skipped, grad_norm, plan.adapter, plan.eagle_coef
+        )
+        if plan.eagle_coef > 0:
+            figures |= _eagle_metrics(stats, plan.eagle_steps, optimizer)
+        return figures
 
 
 def train_step(
@@ -170,74 +228,9 @@ def train_step(
     dist: DistContext | None = None,
     agg_tokens: int = 0,
 ) -> dict[str, float]:
-    """One optimizer step of PPO-clip (ratio to the behaviour policy, dual-clipped) on GRPO
-    advantages, plus the early-exit co-training loss when ``spec.aux_coef > 0`` and the EAGLE-3
-    head's loss with ``spec.method=eagle3`` and ``spec.eagle_coef > 0`` (learner/eagle_loss.py).
-
-    ``model``: the policy, or its FSDP-sharded ``PolicyModule`` with ``dist``. The batch is the
-    full step's batch on every rank; this rank trains its shard of rows in micro-batches, with
-    the one-batch update (``learner/microbatch.py``). A step whose loss (any micro-batch, any
-    rank) or gradient norm is not finite is skipped: no optimizer step. ``agg_tokens``: the
-    constant length of ``learner.loss_agg=seq_sum`` when ``learner.loss_agg_tokens`` is 0 (the
-    task's ``max_new_tokens``)."""
-    module = model if isinstance(model, PolicyModule) else PolicyModule(model)
-    module.train()
-    set_activation_checkpointing(module.policy, cfg.activation_checkpointing)
-    world = dist.world if dist is not None else 1
-    n_valid = batch.mask.sum()  # trained (sampled) tokens of the global batch (all on every rank)
-    n_seqs = (batch.mask.sum(dim=-1) > 0).sum().float()  # and its sequences
-    # The draft's loss only with spec.aux_coef > 0 (backbone checks exit_layer): the adapter's
-    # when the policy has one, else the early exit's co-training loss.
-    aux_coef = spec.aux_coef if spec is not None else 0.0
-    adapter = aux_coef > 0 and spec is not None and spec.adapter and bool(draft_params(module))
-    exit_layer = spec.exit_layer if spec is not None and aux_coef > 0 else 0
-    if adapter:
-        exit_layer = module.policy.args.draft_exit_layer
-    eagle_coef, eagle_steps, eagle_decay = _eagle_terms(module, spec)
-    options = loss_options(cfg, agg_tokens)
-    terms = _StepTerms(
-        cfg,
-        sampling,
-        exit_layer,
-        aux_coef,
-        n_valid,
-        adapter,
-        eagle_coef,
-        eagle_steps,
-        n_seqs,
-        options,
-        eagle_decay,
-    )
-    keys = _SUM_KEYS + (_eagle_keys(eagle_steps) if eagle_coef > 0 else ())
-    micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
-    autocast = torch.autocast(
-        batch.input_ids.device.type,
-        dtype=torch.bfloat16,
-        enabled=cfg.precision == "bf16-mixed",
-    )
-    _zero_grads(module, optimizer)
-    sums = torch.zeros(len(keys), dtype=torch.float64)
-    for mb in micro:
-        # Freed pages of the last micro-batch back to the OS first (a few ms): what glibc keeps
-        # of them would otherwise sit under this one's peak. One process only: under FSDP a
-        # rank trimming beside gloo's threads aborted at exit in 1 of 4 runs of a 2-rank test.
-        if dist is None:
-            heap.trim()
-        ref_lp = None
-        if ref_model is not None and cfg.kl_coef > 0:
-            with torch.no_grad(), autocast:
-                ref_lp = _chosen(ref_model, mb, terms)
-        with autocast:
-            loss, stats = module(terms.loss, mb, ref_lp)
-        # FSDP averages gradients over ranks; each rank's loss is its share of the global sum.
-        (loss * world).backward()
-        sums += stats.double().cpu()
-    if dist is not None:
-        sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
-    stats = dict(zip(keys, sums.tolist(), strict=True))
-    skipped, grad_norm = _apply_gradients(module, optimizer, stats["loss"], cfg.grad_clip, spec)
-    figures = _metrics(stats, float(n_valid), len(micro), skipped, grad_norm, adapter, eagle_coef)
-    return figures | (_eagle_metrics(stats, eagle_steps, optimizer) if eagle_coef > 0 else {})
+    """One :meth:`Trainer.step` of a trainer made for it (a one-off step: tests, benchmarks; a
+    learner keeps its :class:`Trainer`)."""
+    return Trainer(model, optimizer, cfg, sampling, ref_model, spec, dist, agg_tokens).step(batch)
 
 
 def _eagle_terms(module: PolicyModule, spec: SpecConfig | None) -> tuple[float, int, float]:
@@ -409,39 +402,31 @@ def _chosen(policy: nn.Module, mb: MicroBatch, terms: _StepTerms) -> torch.Tenso
         policy.lm_head,
         h[:, :-1][sel],
         mb.targets[sel],
-        terms.sampling.temperature,
-        terms.sampling.top_p,
-        terms.cfg.logprob_chunk_tokens,
+        terms.plan.sampling.temperature,
+        terms.plan.sampling.top_p,
+        terms.plan.cfg.logprob_chunk_tokens,
     )
 
 
 @dataclass
 class _StepTerms:
-    """The loss of one micro-batch (run inside ``PolicyModule.forward``)."""
+    """The loss of one micro-batch (run inside ``PolicyModule.forward``): the trainer's plan and
+    the step's token and sequence counts."""
 
-    cfg: LearnerConfig
-    sampling: SamplingConfig
-    exit_layer: int
-    aux_coef: float
+    plan: LossPlan
     n_valid: torch.Tensor
-    adapter: bool = False
-    eagle_coef: float = 0.0
-    """Weight of the EAGLE-3 head's loss (0: not trained)."""
-    eagle_steps: int = 1
-    """Draft steps the EAGLE-3 head is trained on (``spec.eagle_steps``)."""
+    """Trained (sampled) tokens of the global batch."""
     n_seqs: torch.Tensor | float = 1.0
     """Sequences (rows with completion tokens) of the global batch."""
-    options: LossOptions | None = None
-    """The algorithm options of the policy loss (None: GRPO's)."""
-    eagle_decay: float = 1.0
-    """Step j's weight in the head's loss: ``eagle_decay ** (j - 1)`` (``spec.eagle_step_decay``)."""
 
     def loss(
         self, policy: nn.Module, mb: MicroBatch, ref_lp: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, sampling = self.cfg, self.sampling
-        aux: list[torch.Tensor] | None = [] if self.eagle_coef > 0 else None
-        h, h_exit = backbone(policy, mb.input_ids, self.exit_layer, raw_exit=self.adapter, aux=aux)
+        cfg, sampling = self.plan.cfg, self.plan.sampling
+        aux: list[torch.Tensor] | None = [] if self.plan.eagle_coef > 0 else None
+        h, h_exit = backbone(
+            policy, mb.input_ids, self.plan.exit_layer, raw_exit=self.plan.adapter, aux=aux
+        )
         sel = mb.mask > 0  # [b, s-1]: sampled completion positions, the only ones the loss reads
         h_sel = h[:, :-1][sel]  # [N, H]
         logprobs = chosen_logprobs(
@@ -472,7 +457,7 @@ class _StepTerms:
             ref_logprobs=ref_lp,
             kl_coef=cfg.kl_coef,
             num_tokens=self.n_valid,
-            options=self.options,
+            options=self.plan.options,
             sequences=self._sequences(mb, sel),
         )
         loss, draft = self._draft_terms(policy, mb, out.loss, (h, h_sel, h_exit), aux)
@@ -498,7 +483,7 @@ class _StepTerms:
     def _sequences(self, mb: MicroBatch, sel: torch.Tensor) -> Sequences | None:
         """Each selected token's row and its row's completion length, where the options need
         sequences."""
-        opts = self.options
+        opts = self.plan.options
         if opts is None or (opts.ratio_level == "token" and opts.aggregation == "token_mean"):
             return None
         b, t = mb.mask.shape
@@ -518,21 +503,21 @@ class _StepTerms:
         KL, EAGLE positions): the adapter's or the early exit's, and the EAGLE-3 head's.
         ``states``: the policy's final-normed states (all positions, completion positions) and
         those after the exit layer."""
-        cfg, sampling = self.cfg, self.sampling
+        cfg, sampling = self.plan.cfg, self.plan.sampling
         h, h_sel, h_exit = states
         sel = mb.mask > 0
         n_valid = self.n_valid.clamp(min=1.0)
         zero = torch.zeros((), device=h.device)
         exit_kl, accept, eagle_kl, positions = zero, zero, zero, zero
-        if self.adapter:
+        if self.plan.adapter:
             # The adapter's loss: detached from the policy (learner/draft_loss.py).
             d_sel = draft_states(policy, h_exit)[:, :-1][sel]
             kl_sum, accept = adapter_terms(
                 policy, h_sel, d_sel, sampling.temperature, cfg.logprob_chunk_tokens
             )
             exit_kl = kl_sum / n_valid
-            loss = loss + self.aux_coef * exit_kl
-        elif self.exit_layer:
+            loss = loss + self.plan.aux_coef * exit_kl
+        elif self.plan.exit_layer:
             exit_sum = exit_kl_sum(
                 policy.lm_head,
                 h_sel,
@@ -541,7 +526,7 @@ class _StepTerms:
                 cfg.logprob_chunk_tokens,
             )
             exit_kl = exit_sum / n_valid
-            loss = loss + self.aux_coef * exit_kl
+            loss = loss + self.plan.aux_coef * exit_kl
         if aux is not None:
             # The EAGLE-3 head's loss: detached from the policy (learner/eagle_loss.py).
             kl_sum, step_accepts, step_counts = eagle_terms(
@@ -552,15 +537,15 @@ class _StepTerms:
                 sel,
                 sampling.temperature,
                 cfg.logprob_chunk_tokens,
-                self.eagle_steps,
-                self.eagle_decay,
+                self.plan.eagle_steps,
+                self.plan.eagle_decay,
             )
             eagle_kl = kl_sum / n_valid
             # A zero that reaches every parameter of the head even where this micro-batch has
             # no head position (padding, one-token prompts): FSDP reduces the same gradients on
             # every rank.
             reach = sum(p.sum() for p in policy.eagle.parameters())
-            loss = loss + self.eagle_coef * eagle_kl + 0.0 * reach
+            loss = loss + self.plan.eagle_coef * eagle_kl + 0.0 * reach
             accept, positions = step_accepts[0], step_counts[0]
             per_step = [*step_accepts, *step_counts]
         else:

@@ -45,6 +45,7 @@ from learner.distributed import (
     materialize,
     shard,
 )
+from learner.optim import make_optimizer, warm_up_lr
 from learner.policy import (
     hf_config,
     is_builtin,
@@ -56,19 +57,17 @@ from learner.policy import (
 )
 from learner.prepare.fit_check import memory_facts
 from learner.prepare.warm_start import ensure_model
-from learner.step import make_optimizer, train_step, warm_up_lr
+from learner.step import Trainer
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LearnerState:
-    model: nn.Module
-    """The policy (built-in ``Transformer`` or ``transformers`` model), or its FSDP-sharded
-    ``PolicyModule`` on N ranks."""
+    trainer: Trainer
+    """The policy (``trainer.model``: the built-in ``Transformer`` or a ``transformers`` model,
+    or its FSDP-sharded ``PolicyModule`` on N ranks), its optimizer, reference and loss plan."""
     tokenizer: Tokenizer
-    optimizer: torch.optim.Optimizer
-    ref_model: nn.Module | None
     step: int
     version: int
     dedupe: dict
@@ -155,10 +154,12 @@ def setup(
     if ckpt is not None and (dist is None or dist.is_main):
         pending = load_pending(ckpt, DecodeLimits(vocab_size=args.vocab_size))
         log.info("%d groups carried over from the checkpoint", len(pending))
-    state = LearnerState(
-        model, tokenizer, optimizer, ref_model, step, version, dedupe, pending, wal_from, args
+    max_new_tokens = algorithm_max_new_tokens(cfg)
+    trainer = Trainer(
+        model, optimizer, lcfg, cfg.sampling, ref_model, cfg.spec, dist, max_new_tokens
     )
-    state.max_new_tokens = algorithm_max_new_tokens(cfg)
+    state = LearnerState(trainer, tokenizer, step, version, dedupe, pending, wal_from, args)
+    state.max_new_tokens = max_new_tokens
     state.shaping = RewardShaping.from_config(lcfg, state.max_new_tokens)
     return state
 
@@ -256,32 +257,21 @@ def restore_sharpening(policy: nn.Module, dirs: list[Path]) -> None:
 def gather_checkpoint(state: LearnerState, dist: DistContext | None) -> FullState | None:
     """The model and optimizer to checkpoint: a collective under FSDP (None on ranks > 0)."""
     if dist is None:
-        return full_state(state.model, state.optimizer)
-    weights = full_model_state(state.model)
-    opt_tensors, groups = full_optimizer_state(state.model, state.optimizer)
+        return full_state(state.trainer.model, state.trainer.optimizer)
+    weights = full_model_state(state.trainer.model)
+    opt_tensors, groups = full_optimizer_state(state.trainer.model, state.trainer.optimizer)
     if not dist.is_main:
         return None
-    policy = unwrap(state.model)
+    policy = unwrap(state.trainer.model)
     dtype = next(iter(weights.values())).dtype
     return FullState(hf_config(policy, dtype), weights, opt_tensors, groups)
 
 
-def train_on(
-    state: LearnerState, batch: TrainBatch, cfg: SpecRLConfig, dist: DistContext | None
-) -> dict[str, float]:
-    """One optimizer step on ``batch``: the same call on rank 0 and on the other ranks."""
-    warm_up_lr(state.optimizer, cfg.learner, state.step, cfg.run.steps)
-    return train_step(
-        state.model,
-        state.optimizer,
-        batch,
-        cfg.learner,
-        cfg.sampling,
-        state.ref_model,
-        cfg.spec,
-        dist,
-        agg_tokens=state.max_new_tokens,
-    )
+def train_on(state: LearnerState, batch: TrainBatch, cfg: SpecRLConfig) -> dict[str, float]:
+    """One optimizer step on ``batch`` at the run's learning rate for ``state.step``: the same
+    call on rank 0 and on the other ranks."""
+    warm_up_lr(state.trainer.optimizer, cfg.learner, state.step, cfg.run.steps)
+    return state.trainer.step(batch)
 
 
 def make_admission(cfg: SpecRLConfig, args: Layout) -> Admission:

@@ -15,7 +15,8 @@ from common.config.run import SamplingConfig
 from common.tokenizer import CharTokenizer
 from learner.batch import TrainBatch
 from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import train_step
 
 
 def checkpoint_round_trip(

@@ -35,7 +35,8 @@ from common.weights.format import (
     dtype_name,
 )
 from learner.batch import collate
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import train_step
 
 # ------------------------------------------------------------------------------ environment
 

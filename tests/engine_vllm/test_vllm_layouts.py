@@ -25,8 +25,9 @@ from common.weights.publish.publisher import Publisher
 from common.weights.publish.writer import WeightWriter
 from learner.batch import collate
 from learner.checkpoint import TrainerState, save_checkpoint
+from learner.optim import make_optimizer
 from learner.policy import is_builtin, load_policy, model_args
-from learner.step import make_optimizer, train_step
+from learner.step import train_step
 from learner.versions import PolicyView
 from testing.groups import make_groups
 from testing.models import FOREIGN_LAYOUTS, random_hf_model, token_logprobs

@@ -42,7 +42,7 @@ from learner.checkpoint import (
     save_checkpoint,
 )
 from learner.distributed import full_model_state, load_optimizer_state, shard
-from learner.step import make_optimizer
+from learner.optim import make_optimizer
 from learner.wiring import gather_checkpoint, setup, train_on
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
@@ -116,21 +116,21 @@ def _rank(rank: int, world: int, port: int, tmp: str, phase: str) -> None:
         if phase == "train":
             # The run that is not interrupted: step 1, checkpoint, step 2.
             state = setup(cfg, root, CPU, ctx)
-            train_on(state, batches[0], cfg, ctx)
+            train_on(state, batches[0], cfg)
             full = gather_checkpoint(state, ctx)
             if ctx.is_main:
                 save_checkpoint(root, full, TOKENIZER, None, TrainerState(step=1, version=1))
             ctx.barrier()
-            report["loss"] = train_on(state, batches[1], cfg, ctx)["learner/loss"]
-            params = full_model_state(state.model)
+            report["loss"] = train_on(state, batches[1], cfg)["learner/loss"]
+            params = full_model_state(state.trainer.model)
         elif phase == "resume":
             with AnonPeak() as memory:
                 state = setup(cfg, root, CPU, ctx)
             report["added"] = memory.added
             report["step"] = state.step
-            report["sharded"] = _sharded(state.model, state.optimizer)
-            report["loss"] = train_on(state, batches[1], cfg, ctx)["learner/loss"]
-            params = full_model_state(state.model)
+            report["sharded"] = _sharded(state.trainer.model, state.trainer.optimizer)
+            report["loss"] = train_on(state, batches[1], cfg)["learner/loss"]
+            params = full_model_state(state.trainer.model)
         else:  # "full_load": the resume before the sharded read
             with AnonPeak() as memory:
                 policy, tensors, _, groups = load_checkpoint(latest_checkpoint(root), CPU)

@@ -74,8 +74,8 @@ def _save(root: Path, state, ctx, step: int) -> Path | None:
     main = ctx.is_main
     return sharded.save_sharded_checkpoint(
         root,
-        state.model,
-        state.optimizer,
+        state.trainer.model,
+        state.trainer.optimizer,
         ctx,
         TOKENIZER if main else None,
         TrainerState(step=step, version=step, dedupe={"a": [1]}) if main else None,
@@ -91,14 +91,17 @@ def _rank(rank: int, world: int, port: int, tmp: str, phase: str, eagle: bool) -
         state = setup(cfg, root, CPU, ctx)
         report = {"start_step": state.step, "dedupe": state.dedupe}
         while state.step < STEPS:
-            train_on(state, _batch(state.step), cfg, ctx)
+            train_on(state, _batch(state.step), cfg)
             state.step += 1
             if phase == "stopped" and state.step == SAVED_AT:
                 _save(root, state, ctx, state.step)
                 if ctx.is_main:
-                    save_file(full_model_state(state.model), str(out / "at_checkpoint.safetensors"))
+                    save_file(
+                        full_model_state(state.trainer.model),
+                        str(out / "at_checkpoint.safetensors"),
+                    )
                 else:
-                    full_model_state(state.model)
+                    full_model_state(state.trainer.model)
             if phase == "stopped" and state.step == SAVED_AT + 1:
                 # The next checkpoint dies after every rank wrote its shards, before the commit;
                 # then the run is stopped.
@@ -108,8 +111,8 @@ def _rank(rank: int, world: int, port: int, tmp: str, phase: str, eagle: bool) -
                 except Crash:
                     report["crashed"] = True
                 break
-        weights = full_model_state(state.model)
-        moments, _ = full_optimizer_state(state.model, state.optimizer)
+        weights = full_model_state(state.trainer.model)
+        moments, _ = full_optimizer_state(state.trainer.model, state.trainer.optimizer)
         if ctx.is_main:
             save_file(weights, str(out / f"{phase}.model.safetensors"))
             save_file(moments, str(out / f"{phase}.optimizer.safetensors"))
@@ -233,7 +236,7 @@ def _memory_rank(rank: int, world: int, port: int, tmp: str) -> None:
         cfg = _config(out / "model")
         root = out / "checkpoints"
         state = setup(cfg, root, CPU, ctx)
-        train_on(state, _batch(0), cfg, ctx)
+        train_on(state, _batch(0), cfg)
         state.step = 1
         sharded.FILE_BYTES = 16 * 1024 * 1024
         report = {"sharded": _added_while(lambda: _save(root, state, ctx, 1))}

@@ -330,7 +330,7 @@ def test_task_facts_tokenize_the_longest_prompts_as_the_actors_do(tmp_path):
 
 
 def test_learning_rate_warm_up_ramps_the_policy_group_only():
-    from learner.step import warm_up_lr
+    from learner.optim import warm_up_lr
 
     cfg = vllm_cfg(lr=1e-6, lr_warmup_steps=4).learner
     policy, draft = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))

@@ -12,7 +12,8 @@ from common.config.run import SamplingConfig
 from common.model import DRAFT_FILE, attach_draft
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import train_step
 from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups
 from testing.models import tiny_model

@@ -226,7 +226,7 @@ def _lrs(schedule, floor=0.1, warmup=3, total=11):
     from dataclasses import replace
 
     from common.config.learner import LearnerConfig
-    from learner.step import warm_up_lr
+    from learner.optim import warm_up_lr
 
     cfg = replace(
         LearnerConfig(), lr=1.0, lr_warmup_steps=warmup, lr_schedule=schedule, lr_min_ratio=floor

@@ -21,7 +21,7 @@ from learner.checkpoint import (
     temp_checkpoint,
 )
 from learner.checkpoint_sharded import export_checkpoint, is_sharded, main, use_sharded
-from learner.step import make_optimizer
+from learner.optim import make_optimizer
 from testing.models import random_model
 
 RANKS = SimpleNamespace(is_main=True, world=2)

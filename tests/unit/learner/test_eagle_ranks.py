@@ -26,7 +26,8 @@ from learner.distributed import (
     shard,
     stream_full_state,
 )
-from learner.step import draft_acceptance_key, eagle_group, make_optimizer, train_step
+from learner.optim import eagle_group, make_optimizer
+from learner.step import draft_acceptance_key, train_step
 from learner.wiring import attach_eagle_head
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups

@@ -21,9 +21,10 @@ from common.model_args import default_eagle_aux_layers
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.eagle_loss import eagle_states, eagle_terms
+from learner.optim import make_optimizer
 from learner.policy import backbone, hf_config
 from learner.prepare.eagle_warmup import SHARPENING_KEY
-from learner.step import make_optimizer, train_step
+from learner.step import train_step
 from learner.wiring import attach_eagle_head, restore_sharpening
 from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups

@@ -20,13 +20,9 @@ from common.layers import KVCache
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.eagle_loss import eagle_states, eagle_terms, ttt_states
+from learner.optim import eagle_group, make_optimizer
 from learner.policy import backbone
-from learner.step import (
-    draft_acceptance_key,
-    eagle_group,
-    make_optimizer,
-    train_step,
-)
+from learner.step import draft_acceptance_key, train_step
 from testing.groups import make_groups
 from testing.models import random_model, tiny_model
 

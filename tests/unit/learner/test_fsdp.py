@@ -24,7 +24,8 @@ from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from learner.distributed import full_model_state, load_optimizer_state, shard
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import Trainer, train_step
 from learner.wiring import LearnerState, gather_checkpoint
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
@@ -63,8 +64,9 @@ def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
         # it and take a second step.
         cfg = LearnerConfig(lr=1e-2, **CFG)
         optimizer = make_optimizer(module, cfg)
-        train_step(module, optimizer, batches[0], cfg, SamplingConfig(), dist=ctx)
-        state = LearnerState(module, TOKENIZER, optimizer, None, 1, 1, {}, [])
+        trainer = Trainer(module, optimizer, cfg, SamplingConfig(), dist=ctx)
+        trainer.step(batches[0])
+        state = LearnerState(trainer, TOKENIZER, 1, 1, {}, [])
         full = gather_checkpoint(state, ctx)
         root = Path(out) / "ckpt"
         if rank == 0:

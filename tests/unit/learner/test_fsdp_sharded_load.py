@@ -37,7 +37,8 @@ from learner.distributed import (
     materialize,
     shard,
 )
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import train_step
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import random_model

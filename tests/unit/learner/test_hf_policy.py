@@ -17,8 +17,9 @@ from common.policy_meta import model_args_from_meta, policy_meta
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
+from learner.optim import make_optimizer
 from learner.policy import load_policy, model_args
-from learner.step import make_optimizer, train_step
+from learner.step import train_step
 from learner.versions import PolicyView
 from testing.groups import make_groups
 from testing.own_model import tiny_hf_config

@@ -14,7 +14,8 @@ from learner.checkpoint import (
     restore_optimizer,
     save_checkpoint,
 )
-from learner.step import make_optimizer, train_step
+from learner.optim import make_optimizer
+from learner.step import LossPlan, Trainer, train_step
 from testing.groups import make_groups
 from testing.models import tiny_model
 
@@ -50,6 +51,37 @@ def test_one_step_changes_every_parameter():
     unchanged = [n for n, p in model.named_parameters() if torch.equal(before[n], p.detach())]
     assert not unchanged, f"parameters not updated: {unchanged}"
     assert np.isfinite(metrics["learner/loss"]) and metrics["learner/grad_norm"] > 0
+
+
+def test_a_trainer_resolves_its_loss_plan_once_and_steps_as_one_off_steps_do(monkeypatch):
+    """A learner's trainer works out what its loss is made of at start, not every step, and its
+    steps are bit-for-bit those of one-off ``train_step`` calls on a copy of the same model."""
+    import copy
+
+    tokenizer = CharTokenizer(BUILTIN_ALPHABET)
+    cfg = LearnerConfig(lr=1e-3)
+    model = tiny_model(tokenizer.vocab_size)
+    twin = copy.deepcopy(model)
+    batches = [
+        collate(
+            make_groups(tokenizer.vocab_size, version=v), v, tokenizer.pad_id, torch.device("cpu")
+        )
+        for v in range(3)
+    ]
+    resolved = []
+    real = LossPlan.resolve.__func__
+    monkeypatch.setattr(
+        LossPlan, "resolve", classmethod(lambda c, *a: resolved.append(1) or real(c, *a))
+    )
+    trainer = Trainer(model, make_optimizer(model, cfg), cfg, SamplingConfig())
+    figures = [trainer.step(b) for b in batches]
+    assert len(resolved) == 1
+    optimizer = make_optimizer(twin, cfg)
+    one_off = [train_step(twin, optimizer, b, cfg, SamplingConfig()) for b in batches]
+    assert len(resolved) == 4  # a one-off step resolves its own
+    assert figures == one_off
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_zero_advantage_step_changes_nothing():

@@ -105,11 +105,13 @@ def test_setup_trains_with_the_settings_auto_picked(tmp_path):
     )
     state = setup(cfg, tmp_path / "run" / "checkpoints", torch.device("cpu"))
     assert Profile.of(cfg.learner) == frugal
-    assert state.model.gradient_checkpointing  # the built-in model, checkpointing each layer
-    assert next(state.model.parameters()).dtype == torch.float32  # bf16-mixed: fp32 master
+    assert (
+        state.trainer.model.gradient_checkpointing
+    )  # the built-in model, checkpointing each layer
+    assert next(state.trainer.model.parameters()).dtype == torch.float32  # bf16-mixed: fp32 master
     vocab = state.args.vocab_size
     batch = collate(make_groups(vocab, n=16, g=8), 0, state.tokenizer.pad_id, torch.device("cpu"))
-    metrics = train_on(state, batch, cfg, None)
+    metrics = train_on(state, batch, cfg)
     lengths = row_lengths(batch)
     expected = len(plan_microbatches(list(range(len(lengths))), lengths, 512))
     assert metrics[mn.LEARNER_MICROBATCHES] == expected > 1
