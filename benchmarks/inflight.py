@@ -40,7 +40,7 @@ from common.tokenizer import encode_prompt, load_tokenizer
 from learner.batch import collate
 from learner.loss import ppo_clip_loss
 from learner.optim import make_optimizer
-from learner.step import train_step
+from learner.step import Trainer
 from testing.lossless_check import (
     exact_sequence_logprobs,
     peaky_model,
@@ -73,7 +73,7 @@ def consecutive_versions(model, task, tokenizer, n_versions, rng) -> list[dict[s
             tokenizer.pad_id,
             torch.device("cpu"),
         )
-        train_step(learner, optimizer, batch, cfg, SamplingConfig())
+        Trainer(learner, optimizer, cfg, SamplingConfig()).step(batch)
         versions.append({k: t.detach().clone() for k, t in learner.state_dict().items()})
         engine.load_weights(v + 1, versions[-1])
     return versions

@@ -9,7 +9,7 @@ width 256, a 32,000-token vocabulary). Both paths train on the same batch (rows 
 
 - ``old``: the naive step: fp32 logits [B, S, V] at every position, a full
   ``log_softmax``, the whole batch in one forward/backward, no activation checkpointing.
-- ``new``: ``learner.step.train_step`` with log-probs of the chosen tokens at completion
+- ``new``: ``learner.step.Trainer.step`` with log-probs of the chosen tokens at completion
   positions only (chunks of ``logprob_chunk_tokens``), micro-batches of
   ``max_tokens_per_microbatch`` tokens and activation checkpointing (fp32, so the comparison
   isolates the memory plan, not precision).
@@ -100,7 +100,7 @@ def _rss_bytes() -> int:
 def child_step(model_name: str, path: str, steps: int, groups: int) -> dict:
     """One configuration in this (fresh) process: peak memory and tokens/s."""
     from learner.optim import make_optimizer
-    from learner.step import train_step
+    from learner.step import Trainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     batch = build_batch(MODELS[model_name][0], groups)
@@ -114,7 +114,7 @@ def child_step(model_name: str, path: str, steps: int, groups: int) -> dict:
         if path == "old":
             old_step(model, optimizer, batch, cfg)
         else:
-            train_step(model, optimizer, batch, cfg, SamplingConfig())
+            Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return {
@@ -135,7 +135,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 def _rank_worker(rank: int, world: int, port: int, model_name: str, out: str, groups: int) -> None:
     from learner.distributed import init_from_env, local_rank_env, shard, shutdown
     from learner.optim import make_optimizer
-    from learner.step import train_step
+    from learner.step import Trainer
 
     os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)
@@ -159,7 +159,7 @@ def _rank_worker(rank: int, world: int, port: int, model_name: str, out: str, gr
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            train_step(module, optimizer, batch, cfg, SamplingConfig(), dist=ctx)
+            Trainer(module, optimizer, cfg, SamplingConfig(), dist=ctx).step(batch)
             times.append(time.perf_counter() - t0)
         params = sum(_local_bytes(p) for p in module.parameters())
         optim = sum(

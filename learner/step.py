@@ -217,22 +217,6 @@ class Trainer:
         return figures
 
 
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: TrainBatch,
-    cfg: LearnerConfig,
-    sampling: SamplingConfig,
-    ref_model: nn.Module | None = None,
-    spec: SpecConfig | None = None,
-    dist: DistContext | None = None,
-    agg_tokens: int = 0,
-) -> dict[str, float]:
-    """One :meth:`Trainer.step` of a trainer made for it (a one-off step: tests, benchmarks; a
-    learner keeps its :class:`Trainer`)."""
-    return Trainer(model, optimizer, cfg, sampling, ref_model, spec, dist, agg_tokens).step(batch)
-
-
 def _eagle_terms(module: PolicyModule, spec: SpecConfig | None) -> tuple[float, int, float]:
     """(weight of the EAGLE-3 head's loss, 0 when it is not trained; its draft steps; their
     weights' decay)."""

@@ -16,7 +16,7 @@ from common.tokenizer import CharTokenizer
 from learner.batch import TrainBatch
 from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
 from learner.optim import make_optimizer
-from learner.step import train_step
+from learner.step import Trainer
 
 
 def checkpoint_round_trip(
@@ -31,7 +31,7 @@ def checkpoint_round_trip(
     back on the CPU with a fresh optimizer restored from it: (the checkpoint, ``model``'s
     optimizer, the loaded model, its restored optimizer)."""
     optimizer = make_optimizer(model, cfg, spec)
-    train_step(model, optimizer, batch, cfg, SamplingConfig(), spec=spec)
+    Trainer(model, optimizer, cfg, SamplingConfig(), spec=spec).step(batch)
     path = save_checkpoint(tmp_path, model, tokenizer, optimizer, TrainerState(1, 1, {}))
     loaded, tensors, _, groups = load_checkpoint(path, torch.device("cpu"))
     restored = make_optimizer(loaded, cfg, spec)
@@ -50,8 +50,8 @@ def assert_next_step_matches(
 ) -> None:
     """The next step from the original and from the resumed state (:func:`checkpoint_round_trip`)
     has the same draft acceptance and leaves the same weights."""
-    m1 = train_step(model, optimizer, batch, cfg, SamplingConfig(), spec=spec)
-    m2 = train_step(loaded, restored, batch, cfg, SamplingConfig(), spec=spec)
+    m1 = Trainer(model, optimizer, cfg, SamplingConfig(), spec=spec).step(batch)
+    m2 = Trainer(loaded, restored, cfg, SamplingConfig(), spec=spec).step(batch)
     assert m1[mn.SPEC_DRAFT_ACCEPTANCE] == m2[mn.SPEC_DRAFT_ACCEPTANCE]
     for name, tensor in model.state_dict().items():
         assert torch.allclose(loaded.state_dict()[name], tensor, atol=1e-6), name

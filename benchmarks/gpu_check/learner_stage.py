@@ -36,7 +36,7 @@ from common.weights.format import (
 )
 from learner.batch import collate
 from learner.optim import make_optimizer
-from learner.step import train_step
+from learner.step import Trainer
 
 # ------------------------------------------------------------------------------ environment
 
@@ -106,7 +106,7 @@ def learner_step(plan: Plan, device: torch.device, run: Run) -> tuple[dict[str, 
     for i in range(1 + plan.learner_steps):
         sync(device)
         started = time.perf_counter()
-        metrics = train_step(model, optimizer, batch, cfg, SamplingConfig())
+        metrics = Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
         sync(device)
         seconds = time.perf_counter() - started
         times += [seconds] if i else []

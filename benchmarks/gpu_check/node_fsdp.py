@@ -24,7 +24,7 @@ from common import metric_names as mn
 from common.config.learner import LearnerConfig
 from common.config.run import SamplingConfig
 from learner.batch import collate
-from learner.step import train_step
+from learner.step import Trainer
 from testing.groups import make_groups
 
 STEP_CFG = dict(grad_clip=0.0, max_tokens_per_microbatch=24, logprob_chunk_tokens=4)
@@ -42,8 +42,8 @@ def step(model: torch.nn.Module, shape: dict[str, Any], device: torch.device, di
     """One SGD step (lr 1) on fixed groups; the step's metrics."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     batch = collate(make_groups(shape["vocab_size"], GROUPS, GROUP_SIZE), 0, 0, device)
-    return train_step(
-        model, optimizer, batch, LearnerConfig(**STEP_CFG), SamplingConfig(), dist=dist
+    return Trainer(model, optimizer, LearnerConfig(**STEP_CFG), SamplingConfig(), dist=dist).step(
+        batch
     )
 
 

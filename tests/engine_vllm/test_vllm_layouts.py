@@ -27,7 +27,7 @@ from learner.batch import collate
 from learner.checkpoint import TrainerState, save_checkpoint
 from learner.optim import make_optimizer
 from learner.policy import is_builtin, load_policy, model_args
-from learner.step import train_step
+from learner.step import Trainer
 from learner.versions import PolicyView
 from testing.groups import make_groups
 from testing.models import FOREIGN_LAYOUTS, random_hf_model, token_logprobs
@@ -80,7 +80,7 @@ def test_learner_to_vllm_actor(model_type, tmp_path, redis_client):
     cfg = LearnerConfig(lr=1e-2, max_tokens_per_microbatch=32)
     optimizer = make_optimizer(policy, cfg)
     batch = collate(make_groups(VOCAB, n=2, g=4), 0, TOKENIZER.pad_id, CPU)
-    assert train_step(policy, optimizer, batch, cfg, SamplingConfig())["learner/skipped"] == 0.0
+    assert Trainer(policy, optimizer, cfg, SamplingConfig()).step(batch)["learner/skipped"] == 0.0
     publisher.publish(1)
     ckpt = save_checkpoint(tmp_path / "ckpt", policy, TOKENIZER, optimizer, TrainerState(1, 1))
     v1 = policy.eval()

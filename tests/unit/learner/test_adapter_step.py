@@ -13,7 +13,7 @@ from common.model import DRAFT_FILE, attach_draft
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.optim import make_optimizer
-from learner.step import train_step
+from learner.step import Trainer
 from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups
 from testing.models import tiny_model
@@ -41,8 +41,8 @@ def test_adapter_learns_and_leaves_the_policy_update_unchanged():
     draft_before = {n: p.detach().clone() for n, p in with_adapter.draft.named_parameters()}
     accept = []
     for _ in range(8):
-        m_a = train_step(with_adapter, opt_a, batch, cfg, SamplingConfig(), spec=SPEC)
-        m_p = train_step(plain, opt_p, batch, cfg, SamplingConfig())  # no draft loss
+        m_a = Trainer(with_adapter, opt_a, cfg, SamplingConfig(), spec=SPEC).step(batch)
+        m_p = Trainer(plain, opt_p, cfg, SamplingConfig()).step(batch)  # no draft loss
         accept.append(m_a[mn.SPEC_DRAFT_ACCEPTANCE])
         assert m_a[mn.LEARNER_GRAD_NORM] == m_p[mn.LEARNER_GRAD_NORM]
     policy_a = {n: p for n, p in with_adapter.state_dict().items() if not n.startswith("draft.")}
@@ -61,7 +61,7 @@ def test_adapter_is_not_trained_without_spec_adapter():
     opt = make_optimizer(model, cfg, SPEC)
     before = {n: p.detach().clone() for n, p in model.draft.named_parameters()}
     spec = SpecConfig(method="early_exit", exit_layer=1, aux_coef=0.5)  # adapter off
-    metrics = train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
+    metrics = Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)
     assert mn.SPEC_DRAFT_ACCEPTANCE not in metrics
     assert all(torch.equal(p, before[n]) for n, p in model.draft.named_parameters())
 

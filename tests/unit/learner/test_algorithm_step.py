@@ -13,7 +13,7 @@ from common.config.run import SamplingConfig
 from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.loss import ppo_clip_loss
-from learner.step import loss_options, train_step
+from learner.step import Trainer, loss_options
 from testing.groups import make_groups
 from testing.models import tiny_model, token_logprobs
 
@@ -25,7 +25,7 @@ def sgd_delta(model, batch, cfg, **kw):
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    train_step(model, optimizer, batch, cfg, SamplingConfig(), **kw)
+    Trainer(model, optimizer, cfg, SamplingConfig(), **kw).step(batch)
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 

@@ -27,7 +27,7 @@ from learner.distributed import (
     stream_full_state,
 )
 from learner.optim import eagle_group, make_optimizer
-from learner.step import draft_acceptance_key, train_step
+from learner.step import Trainer, draft_acceptance_key
 from learner.wiring import attach_eagle_head
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
@@ -54,7 +54,7 @@ def _batch():
 
 def _train(model, optimizer, dist=None) -> list[dict[str, float]]:
     return [
-        train_step(model, optimizer, _batch(), CFG, SamplingConfig(), spec=SPEC, dist=dist)
+        Trainer(model, optimizer, CFG, SamplingConfig(), spec=SPEC, dist=dist).step(_batch())
         for _ in range(STEPS)
     ]
 

@@ -24,7 +24,7 @@ from learner.eagle_loss import eagle_states, eagle_terms
 from learner.optim import make_optimizer
 from learner.policy import backbone, hf_config
 from learner.prepare.eagle_warmup import SHARPENING_KEY
-from learner.step import train_step
+from learner.step import Trainer
 from learner.wiring import attach_eagle_head, restore_sharpening
 from testing.checkpoints import assert_next_step_matches, checkpoint_round_trip
 from testing.groups import make_groups
@@ -134,8 +134,8 @@ def test_head_learns_and_leaves_the_policy_update_unchanged():
     head_before = {n: p.detach().clone() for n, p in with_head.eagle.named_parameters()}
     accept = []
     for _ in range(8):
-        m_e = train_step(with_head, opt_e, batch, cfg, SamplingConfig(), spec=SPEC)
-        m_p = train_step(plain, opt_p, batch, cfg, SamplingConfig())  # no head at all
+        m_e = Trainer(with_head, opt_e, cfg, SamplingConfig(), spec=SPEC).step(batch)
+        m_p = Trainer(plain, opt_p, cfg, SamplingConfig()).step(batch)  # no head at all
         accept.append(m_e[mn.SPEC_DRAFT_ACCEPTANCE])
         assert m_e[mn.LEARNER_GRAD_NORM] == m_p[mn.LEARNER_GRAD_NORM]
         assert m_e[mn.SPEC_EAGLE_KL] > 0
@@ -156,7 +156,7 @@ def test_head_learns_a_peaked_policy_well():
     spec = replace(SPEC, eagle_lr=3e-3)
     opt = make_optimizer(model, cfg, spec)
     accept = [
-        train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)[mn.SPEC_DRAFT_ACCEPTANCE]
+        Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)[mn.SPEC_DRAFT_ACCEPTANCE]
         for _ in range(16)
     ]
     assert accept[0] < 0.2, accept
@@ -169,8 +169,8 @@ def test_metrics_do_not_depend_on_micro_batches_or_chunks():
     for budget, chunk in ((0, 0), (12, 3)):
         m = copy.deepcopy(model)
         cfg = LearnerConfig(lr=1e-3, max_tokens_per_microbatch=budget, logprob_chunk_tokens=chunk)
-        metrics = train_step(
-            m, make_optimizer(m, cfg, SPEC), batch, cfg, SamplingConfig(), spec=SPEC
+        metrics = Trainer(m, make_optimizer(m, cfg, SPEC), cfg, SamplingConfig(), spec=SPEC).step(
+            batch
         )
         out.append((metrics, m))
     (a, m_a), (b, m_b) = out
@@ -187,7 +187,7 @@ def test_head_is_not_trained_without_eagle3_or_with_no_weight(spec):
     _, model, batch = _setup()
     opt = make_optimizer(model, cfg, spec)
     before = {n: p.detach().clone() for n, p in model.eagle.named_parameters()}
-    metrics = train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
+    metrics = Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)
     assert mn.SPEC_DRAFT_ACCEPTANCE not in metrics and mn.SPEC_EAGLE_KL not in metrics
     assert all(torch.equal(p, before[n]) for n, p in model.eagle.named_parameters())
 
@@ -229,8 +229,8 @@ def test_two_steps_add_the_second_steps_loss_and_keep_the_policy_update():
     out = {}
     for spec in (SPEC, two):
         m = copy.deepcopy(model)
-        metrics = train_step(
-            m, make_optimizer(m, cfg, spec), batch, cfg, SamplingConfig(), spec=spec
+        metrics = Trainer(m, make_optimizer(m, cfg, spec), cfg, SamplingConfig(), spec=spec).step(
+            batch
         )
         out[spec.eagle_steps] = (metrics, m)
     (one_m, one), (two_m, two_model) = out[1], out[2]

@@ -22,7 +22,7 @@ from learner.batch import collate
 from learner.eagle_loss import eagle_states, eagle_terms, ttt_states
 from learner.optim import eagle_group, make_optimizer
 from learner.policy import backbone
-from learner.step import draft_acceptance_key, train_step
+from learner.step import Trainer, draft_acceptance_key
 from testing.groups import make_groups
 from testing.models import random_model, tiny_model
 
@@ -143,9 +143,9 @@ def test_each_steps_acceptance_is_measured_on_the_batch_before_the_update():
     spec = replace(ONE, eagle_steps=3)
     cfg = LearnerConfig(lr=1e-3)
     before = copy.deepcopy(model)
-    metrics = train_step(
-        model, make_optimizer(model, cfg, spec), batch, cfg, SamplingConfig(), spec=spec
-    )
+    metrics = Trainer(
+        model, make_optimizer(model, cfg, spec), cfg, SamplingConfig(), spec=spec
+    ).step(batch)
     sel = batch.mask > 0
     aux: list[torch.Tensor] = []
     with torch.no_grad():
@@ -175,22 +175,22 @@ def test_the_head_accumulates_over_learner_steps_and_warms_its_rate_up():
     single = copy.deepcopy(model)
     opt = make_optimizer(model, cfg, spec)
     start = _head(model)
-    first = train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
+    first = Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)
     assert not _changed(start, _head(model))  # held: half its gradients are in
     assert all(p.grad is not None for p in model.eagle.parameters())
     assert eagle_group(opt)["eagle_pending"] == 1
-    second = train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
+    second = Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)
     assert _changed(start, _head(model)) and eagle_group(opt)["eagle_updates"] == 1
     assert second[mn.SPEC_EAGLE_LR] == pytest.approx(spec.eagle_lr / 4)
     assert first[mn.SPEC_DRAFT_ACCEPTANCE] == pytest.approx(second[mn.SPEC_DRAFT_ACCEPTANCE])
     # Two equal steps' mean is one step's gradient: the same update as without accumulating.
     one = replace(spec, eagle_accumulate=1)
-    train_step(single, make_optimizer(single, cfg, one), batch, cfg, SamplingConfig(), spec=one)
+    Trainer(single, make_optimizer(single, cfg, one), cfg, SamplingConfig(), spec=one).step(batch)
     for key, value in _head(single).items():
         torch.testing.assert_close(_head(model)[key], value, rtol=1e-5, atol=1e-7)
     rates = []
     for _ in range(8):
-        train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
+        Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)
         rates.append(eagle_group(opt)["lr"])
     # Set at each update (every second step): 2/4, 3/4, then the full rate from the 4th on.
     quarter = spec.eagle_lr / 4
@@ -204,11 +204,11 @@ def test_a_skipped_step_drops_the_heads_accumulated_gradients():
     spec = replace(ONE, eagle_accumulate=3)
     cfg = LearnerConfig(lr=1e-3)
     opt = make_optimizer(model, cfg, spec)
-    train_step(model, opt, batch, cfg, SamplingConfig(), spec=spec)
+    Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(batch)
     assert eagle_group(opt)["eagle_pending"] == 1
     bad = copy.deepcopy(batch)
     bad.advantages[0] = float("nan")
-    metrics = train_step(model, opt, bad, cfg, SamplingConfig(), spec=spec)
+    metrics = Trainer(model, opt, cfg, SamplingConfig(), spec=spec).step(bad)
     assert metrics[mn.LEARNER_SKIPPED] == 1.0
     assert eagle_group(opt)["eagle_pending"] == 0
     assert all(p.grad is None for p in model.eagle.parameters())

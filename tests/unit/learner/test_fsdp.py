@@ -25,7 +25,7 @@ from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from learner.distributed import full_model_state, load_optimizer_state, shard
 from learner.optim import make_optimizer
-from learner.step import Trainer, train_step
+from learner.step import Trainer
 from learner.wiring import LearnerState, gather_checkpoint
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
         module = shard(tiny_model(VOCAB))
         if mode == "sgd":
             optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
-            metrics = train_step(module, optimizer, batches[0], cfg, SamplingConfig(), dist=ctx)
+            metrics = Trainer(module, optimizer, cfg, SamplingConfig(), dist=ctx).step(batches[0])
             state = full_model_state(module)
             if rank == 0:
                 save_file(state, os.path.join(out, "params.safetensors"))
@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
         resumed = shard(policy)
         opt2 = make_optimizer(resumed, cfg)
         load_optimizer_state(resumed, opt2, tensors, groups)
-        train_step(resumed, opt2, batches[1], cfg, SamplingConfig(), dist=ctx)
+        Trainer(resumed, opt2, cfg, SamplingConfig(), dist=ctx).step(batches[1])
         final = full_model_state(resumed)
         if rank == 0:
             save_file(final, os.path.join(out, "params.safetensors"))
@@ -94,7 +94,7 @@ def test_two_rank_step_equals_the_single_process_step(tmp_path):
     model = tiny_model(VOCAB)
     single = copy.deepcopy(model)
     optimizer = torch.optim.SGD(single.parameters(), lr=1.0)
-    metrics = train_step(single, optimizer, _batches()[0], LearnerConfig(**CFG), SamplingConfig())
+    metrics = Trainer(single, optimizer, LearnerConfig(**CFG), SamplingConfig()).step(_batches()[0])
     sharded = run_ranks(tmp_path, "sgd")
     expected = single.state_dict()
     assert set(sharded) == set(expected)
@@ -111,7 +111,7 @@ def test_two_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     single = tiny_model(VOCAB)
     optimizer = make_optimizer(single, cfg)
     for batch in _batches():
-        train_step(single, optimizer, batch, cfg, SamplingConfig())
+        Trainer(single, optimizer, cfg, SamplingConfig()).step(batch)
     resumed = run_ranks(tmp_path, "resume")
     assert json.loads((tmp_path / "metrics.json").read_text()) == 1
     expected = single.state_dict()

@@ -34,7 +34,7 @@ from learner.distributed import (
     mixed_precision,
     shard,
 )
-from learner.step import train_step
+from learner.step import Trainer
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import tiny_model
@@ -85,7 +85,7 @@ def _sharded_step(precision: str, ctx, seen: dict[str, set[str]]) -> dict[str, t
         return step(*args, **kwargs)
 
     optimizer.step = step_noting_grads
-    train_step(module, optimizer, _batch(), _cfg(precision), SamplingConfig(), dist=ctx)
+    Trainer(module, optimizer, _cfg(precision), SamplingConfig(), dist=ctx).step(_batch())
     seen["shard"] = {str(p.dtype) for p in params}
     seen["dtensor"] = {str(all(isinstance(p, DTensor) for p in params))}
     return full_model_state(module)
@@ -144,7 +144,7 @@ def test_bf16_mixed_gathers_and_computes_in_bf16_and_reduces_in_fp32(tmp_path):
     start = tiny_model(VOCAB)
     single = copy.deepcopy(start)
     optimizer = torch.optim.SGD(single.parameters(), lr=1.0)
-    train_step(single, optimizer, _batch(), _cfg("bf16-mixed"), SamplingConfig())
+    Trainer(single, optimizer, _cfg("bf16-mixed"), SamplingConfig()).step(_batch())
     ranks = load_file(str(tmp_path / "bf16-mixed.safetensors"))
     before, after = start.state_dict(), single.state_dict()
     update = {n: after[n] - before[n] for n in before}

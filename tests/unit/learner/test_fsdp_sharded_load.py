@@ -38,7 +38,7 @@ from learner.distributed import (
     shard,
 )
 from learner.optim import make_optimizer
-from learner.step import train_step
+from learner.step import Trainer
 from testing.fsdp import group_rank, spawn_ranks
 from testing.groups import make_groups
 from testing.models import random_model
@@ -56,7 +56,7 @@ def _checkpoint(root: Path, case: str) -> Path:
     if case != "tied":
         attach_draft(model, 1)  # rides along untrained: weights, no AdamW state
     optimizer = make_optimizer(model, CFG)
-    train_step(model, optimizer, collate(make_groups(VOCAB), 0, 0, CPU), CFG, SamplingConfig())
+    Trainer(model, optimizer, CFG, SamplingConfig()).step(collate(make_groups(VOCAB), 0, 0, CPU))
     optimizer.param_groups[0]["lr"] = 3e-3
     path = save_checkpoint(root / case, model, TOKENIZER, optimizer, TrainerState(1, 1))
     if case == "draft_older_layout":

@@ -19,7 +19,7 @@ from learner.batch import collate
 from learner.checkpoint import TrainerState, load_checkpoint, restore_optimizer, save_checkpoint
 from learner.optim import make_optimizer
 from learner.policy import load_policy, model_args
-from learner.step import train_step
+from learner.step import Trainer
 from learner.versions import PolicyView
 from testing.groups import make_groups
 from testing.own_model import tiny_hf_config
@@ -62,9 +62,9 @@ def hf_dir(kind: str, tmp_path: Path) -> Path:
 def sgd_delta(model, batch, cfg, spec=None):
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train_step(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg, SamplingConfig(), spec=spec
-    )
+    Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), cfg, SamplingConfig(), spec=spec
+    ).step(batch)
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
@@ -97,7 +97,7 @@ def test_published_versions_load_in_the_actor_and_checkpoints_in_transformers(ki
     optimizer = make_optimizer(hf, cfg)
     for step in range(3):
         batch = collate(make_groups(VOCAB, n=2, g=4, version=step), step, 0, CPU)
-        metrics = train_step(hf, optimizer, batch, cfg, SamplingConfig())
+        metrics = Trainer(hf, optimizer, cfg, SamplingConfig()).step(batch)
         assert metrics["learner/skipped"] == 0.0
     # What the publisher sends: the view's args and state dict, with policy meta.
     view = PolicyView(hf, model_args(hf), None)

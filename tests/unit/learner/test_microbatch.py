@@ -13,7 +13,7 @@ from common.tokenizer import BUILTIN_ALPHABET, CharTokenizer
 from learner.batch import collate
 from learner.loss import early_exit_kl, ppo_clip_loss
 from learner.microbatch import plan_microbatches, row_lengths, shard_rows
-from learner.step import train_step
+from learner.step import Trainer
 from testing.groups import make_groups
 from testing.models import tiny_model, token_logprobs
 
@@ -27,7 +27,7 @@ def sgd_delta(model, batch, cfg, sampling=None, **kw):
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics = train_step(model, optimizer, batch, cfg, sampling or SamplingConfig(), **kw)
+    metrics = Trainer(model, optimizer, cfg, sampling or SamplingConfig(), **kw).step(batch)
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}, metrics
 
 
@@ -133,7 +133,7 @@ def test_a_non_finite_microbatch_skips_the_whole_step():
     cfg = LearnerConfig(max_tokens_per_microbatch=24)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig())
+    metrics = Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
     assert metrics["learner/skipped"] == 1.0 and metrics["learner/microbatches"] > 1
     assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
     assert not optimizer.state
@@ -161,7 +161,7 @@ def test_pure_bf16_trains_bf16_weights_and_state(setting):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = LearnerConfig(precision="bf16", max_tokens_per_microbatch=24)
-    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig())
+    metrics = Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
     assert metrics["learner/skipped"] == 0.0
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in optimizer.state.values())

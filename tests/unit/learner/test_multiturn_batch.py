@@ -27,7 +27,7 @@ from learner.batch import RewardShaping, collate, sampled_count, shaped_rewards
 from learner.buffer import StalenessBuffer
 from learner.checkpoint import TRAINING_DIR, TrainerState, load_pending, write_training_state
 from learner.microbatch import row_lengths
-from learner.step import train_step
+from learner.step import Trainer
 from testing.groups import group_of
 from testing.models import tiny_model
 
@@ -169,7 +169,7 @@ def sgd_delta(model: torch.nn.Module, batch, cfg: LearnerConfig, **kw) -> tuple[
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig(), **kw)
+    metrics = Trainer(model, optimizer, cfg, SamplingConfig(), **kw).step(batch)
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}, metrics  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from learner.checkpoint import (
     save_checkpoint,
 )
 from learner.optim import make_optimizer
-from learner.step import LossPlan, Trainer, train_step
+from learner.step import LossPlan, Trainer
 from testing.groups import make_groups
 from testing.models import tiny_model
 
@@ -47,15 +47,16 @@ def test_one_step_changes_every_parameter():
     optimizer = make_optimizer(model, cfg)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = collate(make_groups(tokenizer.vocab_size), 0, tokenizer.pad_id, torch.device("cpu"))
-    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig())
+    metrics = Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
     unchanged = [n for n, p in model.named_parameters() if torch.equal(before[n], p.detach())]
     assert not unchanged, f"parameters not updated: {unchanged}"
     assert np.isfinite(metrics["learner/loss"]) and metrics["learner/grad_norm"] > 0
 
 
-def test_a_trainer_resolves_its_loss_plan_once_and_steps_as_one_off_steps_do(monkeypatch):
+def test_a_trainer_resolves_its_loss_plan_once_and_steps_as_fresh_trainers_do(monkeypatch):
     """A learner's trainer works out what its loss is made of at start, not every step, and its
-    steps are bit-for-bit those of one-off ``train_step`` calls on a copy of the same model."""
+    steps are bit-for-bit those of trainers made afresh for each step (each resolving its own
+    plan) on a copy of the same model."""
     import copy
 
     tokenizer = CharTokenizer(BUILTIN_ALPHABET)
@@ -77,8 +78,8 @@ def test_a_trainer_resolves_its_loss_plan_once_and_steps_as_one_off_steps_do(mon
     figures = [trainer.step(b) for b in batches]
     assert len(resolved) == 1
     optimizer = make_optimizer(twin, cfg)
-    one_off = [train_step(twin, optimizer, b, cfg, SamplingConfig()) for b in batches]
-    assert len(resolved) == 4  # a one-off step resolves its own
+    one_off = [Trainer(twin, optimizer, cfg, SamplingConfig()).step(b) for b in batches]
+    assert len(resolved) == 4  # a fresh trainer resolves its own
     assert figures == one_off
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -95,7 +96,9 @@ def test_zero_advantage_step_changes_nothing():
         for c in group.completions:
             c.reward = 1.0
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train_step(model, optimizer, collate(groups, 0, 0, torch.device("cpu")), cfg, SamplingConfig())
+    Trainer(model, optimizer, cfg, SamplingConfig()).step(
+        collate(groups, 0, 0, torch.device("cpu"))
+    )
     assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
 
 
@@ -105,7 +108,7 @@ def test_checkpoint_round_trip(tmp_path):
     cfg = LearnerConfig(lr=1e-3)
     optimizer = make_optimizer(model, cfg)
     batch = collate(make_groups(tokenizer.vocab_size), 0, 0, torch.device("cpu"))
-    train_step(model, optimizer, batch, cfg, SamplingConfig())
+    Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
     dedupe = {"format": 1, "actors": {"a": {"floor": 2, "above": []}}}
     path = save_checkpoint(tmp_path, model, tokenizer, optimizer, TrainerState(7, 9, dedupe))
     assert latest_checkpoint(tmp_path) == path
@@ -116,8 +119,8 @@ def test_checkpoint_round_trip(tmp_path):
     # The restored optimizer continues exactly like the original one.
     opt2 = make_optimizer(loaded, cfg)
     restore_optimizer(loaded, opt2, opt_tensors, groups)
-    train_step(model, optimizer, batch, cfg, SamplingConfig())
-    train_step(loaded, opt2, batch, cfg, SamplingConfig())
+    Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
+    Trainer(loaded, opt2, cfg, SamplingConfig()).step(batch)
     for p, p2 in zip(model.parameters(), loaded.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), p2.detach(), atol=1e-6, rtol=1e-5)
     # Only the newest checkpoints are kept.
@@ -141,7 +144,7 @@ def test_early_exit_aux_loss_reduces_exit_divergence():
             c.reward = 0.5
     batch = collate(groups, 0, 0, torch.device("cpu"))
     kls = [
-        train_step(model, optimizer, batch, cfg, SamplingConfig(), spec=spec)["spec/exit_kl"]
+        Trainer(model, optimizer, cfg, SamplingConfig(), spec=spec).step(batch)["spec/exit_kl"]
         for _ in range(30)
     ]
     assert kls[0] > 0
@@ -156,7 +159,7 @@ def test_tokens_outside_the_nucleus_leave_the_loss_instead_of_nan():
     optimizer = make_optimizer(model, cfg)
     ref = tiny_model(tokenizer.vocab_size)
     batch = collate(make_groups(tokenizer.vocab_size), 0, 0, torch.device("cpu"))
-    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig(top_p=0.3), ref_model=ref)
+    metrics = Trainer(model, optimizer, cfg, SamplingConfig(top_p=0.3), ref_model=ref).step(batch)
     assert 0 < metrics["learner/outside_nucleus_frac"] < 1
     assert np.isfinite(metrics["learner/loss"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -173,13 +176,13 @@ def test_a_step_with_a_non_finite_loss_is_skipped_and_changes_nothing():
     groups[0].completions[0].reward = 1e300  # inf in float32
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batch = collate(groups, 0, tokenizer.pad_id, torch.device("cpu"))
-    metrics = train_step(model, optimizer, batch, cfg, SamplingConfig())
+    metrics = Trainer(model, optimizer, cfg, SamplingConfig()).step(batch)
     assert metrics["learner/skipped"] == 1.0
     assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
     assert not optimizer.state, "a skipped step must not touch the optimizer state"
     # The next finite batch trains as usual.
     ok = collate(make_groups(tokenizer.vocab_size), 0, tokenizer.pad_id, torch.device("cpu"))
-    assert train_step(model, optimizer, ok, cfg, SamplingConfig())["learner/skipped"] == 0.0
+    assert Trainer(model, optimizer, cfg, SamplingConfig()).step(ok)["learner/skipped"] == 0.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -190,12 +193,8 @@ def test_checkpoint_keeps_training_state_apart_and_reads_the_older_layout(tmp_pa
     model = tiny_model(tokenizer.vocab_size)
     cfg = LearnerConfig(lr=1e-3)
     optimizer = make_optimizer(model, cfg)
-    train_step(
-        model,
-        optimizer,
-        collate(make_groups(tokenizer.vocab_size), 0, 0, torch.device("cpu")),
-        cfg,
-        SamplingConfig(),
+    Trainer(model, optimizer, cfg, SamplingConfig()).step(
+        collate(make_groups(tokenizer.vocab_size), 0, 0, torch.device("cpu"))
     )
     path = save_checkpoint(tmp_path, model, tokenizer, optimizer, TrainerState(3, 4, {}))
     # Model loaders read every *.safetensors at the top: only the policy is there.

@@ -102,7 +102,7 @@ def test_auto_fits_7b_on_four_80gib_devices_and_the_learner_takes_the_settings(t
     assert before["total"] > USABLE_FRACTION * 80 * GiB
     assert fit.plan["weights"] == 4 * SHAPE.params() / 4  # fp32 master weights, sharded over 4
     # At start (rank 0 of 4; the memory is given, so no collective runs): the learner's config
-    # now holds the picked settings, which setup() and every train_step read.
+    # now holds the picked settings, which setup() and every trainer reads.
     rank0 = DistContext(rank=0, world=4, local_rank=0, device=CPU)
     memory = memory_facts(cfg, qwen_dir(tmp_path), CPU, rank0)
     assert memory is not None and memory.ranks == 4
