@@ -138,6 +138,12 @@ LEARNER_ABS_LOG_RATIO = "learner/abs_log_ratio"
 LEARNER_CLIP_FRAC = "learner/clip_frac"
 LEARNER_COMPLETION_LEN_MEAN = "learner/completion_len_mean"
 LEARNER_DROPPED_STALE = "learner/dropped_stale"
+# The staleness bound in force for the step (learner.max_staleness, or raised to the measured
+# weight-delivery lag + 1 with learner.max_staleness_from_lag).
+LEARNER_MAX_STALENESS = "learner/max_staleness"
+# Versions published that the slowest live actor did not hold at its last batch, the most over
+# the last steps (learner/buffer.py DeliveryLag).
+LEARNER_WEIGHT_DELIVERY_LAG = "learner/weight_delivery_lag"
 LEARNER_FINISHED_FRAC = "learner/finished_frac"
 LEARNER_GRAD_NORM = "learner/grad_norm"
 LEARNER_GROUPS = "learner/groups"

@@ -25,6 +25,42 @@ from common.metrics import MetricsWriter
 log = logging.getLogger(__name__)
 
 
+LAG_WINDOW = 8
+"""Steps over which :class:`DeliveryLag` keeps its highest reading."""
+
+
+class DeliveryLag:
+    """The weight-delivery lag, in versions: how far the slowest live actor's weights are behind
+    the learner's newest version, read once per step from the versions actors report holding
+    (heartbeats, at the end of each of their batches). The most over the last
+    :data:`LAG_WINDOW` readings is the lag: one reading lands anywhere in a publish/load cycle.
+
+    With a cap (``learner.max_staleness_from_lag``) :meth:`bound` is that lag + 1 (a group is
+    generated over at least one more version), never below ``floor`` nor above the cap."""
+
+    def __init__(self, floor: int, cap: int = 0, window: int = LAG_WINDOW) -> None:
+        self.floor = floor
+        self.cap = cap
+        self.readings: deque[int] = deque(maxlen=window)
+
+    @property
+    def lag(self) -> int:
+        return max(self.readings, default=0)
+
+    def observe(self, learner_version: int, actor_versions: Iterable[int]) -> int:
+        """One reading (an actor that has not reported a version yet, -1, is left out); the
+        bound in force after it."""
+        held = [v for v in actor_versions if v >= 0]
+        if held and learner_version >= 0:
+            self.readings.append(max(learner_version - min(held), 0))
+        return self.bound()
+
+    def bound(self) -> int:
+        if self.cap <= 0:
+            return self.floor
+        return min(max(self.floor, self.lag + 1), self.cap)
+
+
 class StalenessBuffer:
     def __init__(
         self,

@@ -42,6 +42,16 @@ STALENESS_BUCKETS = tuple(float(s) for s in range(9))  # 0..8 versions behind, t
 _LEARNER_METRICS = {
     mn.RECEIVER_RECEIVED: ("groups_received", "Trajectory groups received and accepted."),
     mn.LEARNER_DROPPED_STALE: ("groups_dropped_stale", "Groups dropped beyond max_staleness."),
+    mn.LEARNER_MAX_STALENESS: (
+        "max_staleness",
+        "The staleness bound in force (learner.max_staleness, or the measured weight-delivery "
+        "lag + 1 up to learner.max_staleness_from_lag).",
+    ),
+    mn.LEARNER_WEIGHT_DELIVERY_LAG: (
+        "weight_delivery_lag",
+        "Versions published that the slowest live actor did not hold at its last batch (the most "
+        "over the last 8 steps).",
+    ),
     mn.RECEIVER_DUPLICATES: ("groups_duplicated", "Resent groups dropped by (actor_id, seq)."),
     mn.LEARNER_REJECTED_GROUPS: ("groups_rejected", "Groups refused by the shape check."),
     mn.LEARNER_GROUPS_SKIPPED_NO_SIGNAL: (
@@ -117,6 +127,8 @@ _LEARNER_GAUGES = frozenset(
         mn.LEARNER_VERSION,
         mn.LEARNER_STEP,
         mn.LEARNER_REWARD_MEAN,
+        mn.LEARNER_MAX_STALENESS,
+        mn.LEARNER_WEIGHT_DELIVERY_LAG,
         mn.ACTOR_TOKENS_PER_S,
         mn.ACTOR_LIVE,
         mn.RECEIVER_QUEUE_SIZE,

@@ -23,7 +23,7 @@ from common.metrics import MetricsWriter
 from common.weights.publish.publisher import Publisher, publish_dtype
 from common.weights.publish.writer import WeightWriter
 from learner.batch import TrainBatch, collate
-from learner.buffer import StalenessBuffer
+from learner.buffer import DeliveryLag, StalenessBuffer
 from learner.checkpoint import TrainerState, save_checkpoint
 from learner.checkpoint_sharded import save_sharded_checkpoint, use_sharded
 from learner.distributed import DistContext, init_from_env, shutdown
@@ -173,6 +173,7 @@ class Learner:
             cfg.learner.max_staleness, admission, self.ledger, signal_filter(cfg, state)
         )
         self.buffer.carry([*state.pending, *replayed])
+        self.lag = DeliveryLag(cfg.learner.max_staleness, cfg.learner.max_staleness_from_lag)
         self.receiver = build_receiver(cfg, limits, admission, self.wal_dir, lambda: state.version)
         self.intake = self.receiver.intake  # what arrived: groups, dedupe record, counters
         self.exporter.watch(
@@ -255,6 +256,16 @@ class Learner:
         state, learner_cfg = self.state, self.cfg.learner
         self.buffer.step = state.step + 1
         self.republisher.check(state.version)
+        held = [info.version for info in self.intake.live_actors().values()]
+        bound = self.lag.observe(state.version, held)
+        if bound != self.buffer.max_staleness:
+            log.info(
+                "learner: staleness bound %d -> %d (weight-delivery lag %d versions)",
+                self.buffer.max_staleness,
+                bound,
+                self.lag.lag,
+            )
+            self.buffer.max_staleness = bound
         return self.buffer.collect(
             self.intake.get,
             learner_cfg.groups_per_step,
@@ -308,6 +319,8 @@ class Learner:
             **self._new_evaluation(),
             **intake.stats(),
             mn.LEARNER_DROPPED_STALE: self.buffer.dropped_stale,
+            mn.LEARNER_MAX_STALENESS: self.buffer.max_staleness,
+            mn.LEARNER_WEIGHT_DELIVERY_LAG: self.lag.lag,
             mn.LEARNER_REPUBLISHED: self.republisher.republished,
             mn.LEARNER_REJECTED_GROUPS: self.buffer.rejected,
             mn.LEARNER_GROUPS_SKIPPED_NO_SIGNAL: self.buffer.skipped_no_signal,

@@ -15,8 +15,9 @@ real-model preset) the learner and each actor on a GPU start instead from:
   their KV cache would not fit the GPU, and ``learner.groups_per_step`` for :data:`STEP_ROWS`
   completions per optimizer step;
 - ``learner.queue_max`` and ``actor.outbox_max`` of at least a step's and a call's groups
-  (:func:`pipeline_sizes`), so actors do not wait on acks while a step trains, and
-  ``learner.tis_cap`` = :data:`TIS_CAP`;
+  (:func:`pipeline_sizes`), so actors do not wait on acks while a step trains,
+  ``learner.tis_cap`` = :data:`TIS_CAP`, and ``learner.max_staleness_from_lag`` =
+  :data:`STALENESS_FROM_LAG` (the bound follows the measured weight-delivery lag);
 - ``engine.vllm_stop_token_ids``: every ``eos_token_id`` of the model's ``generation_config.json``
   (an int or a list: Llama 3 and Qwen chat models end turns on several).
 
@@ -93,11 +94,15 @@ STEP_ROWS = 512
 """Completions per optimizer step the profile aims at (``learner.groups_per_step`` groups):
 about two GPU actors' calls, within the hundreds to thousands RL recipes update on at 7B."""
 LENGTH_QUANTUM = 128
+"""``engine.vllm_max_model_len`` and ``learner.max_seq_tokens`` are rounded up to this."""
 TIS_CAP = 2.0
 """``learner.tis_cap`` the profile turns on: vLLM's sampling and the learner's forward differ
 in bf16 kernels, so the behaviour log-probs the actors record are not the learner's; a cap of 2
 on the per-token weight is verl's default for the same correction."""
-"""``engine.vllm_max_model_len`` and ``learner.max_seq_tokens`` are rounded up to this."""
+STALENESS_FROM_LAG = 8
+"""``learner.max_staleness_from_lag`` the profile sets: the staleness bound follows the measured
+weight-delivery lag up to this many versions (a 7B version through Redis is projected at several
+learner steps: ``publish_7b_projected_s_redis`` in docs/benchmarks.md)."""
 ACTOR_MEMORY_SHARE = 0.9
 """Share of an actor's GPU its engine may fill, unless ``engine.vllm_kwargs`` sets
 ``gpu_memory_utilization`` (vLLM's default)."""
@@ -115,6 +120,7 @@ PROFILE_KEYS: tuple[str, ...] = (
     "learner.queue_max",
     "actor.outbox_max",
     "learner.tis_cap",
+    "learner.max_staleness_from_lag",
 )
 """The settings the profile chooses (``section.field``)."""
 
@@ -529,6 +535,15 @@ def _pipeline(b: _Builder) -> None:
         "truncated importance sampling against the engine's log-probs (vLLM's bf16 kernels "
         "are not the learner's)",
     )
+    floor = int(b.value("learner.max_staleness"))
+    if floor > 0:
+        b.choose(
+            "learner.max_staleness_from_lag",
+            max(STALENESS_FROM_LAG, floor),
+            f"the staleness bound follows the measured weight-delivery lag (+1, from "
+            f"max_staleness={floor}): groups generated while a version was on its way are "
+            "trained with tis_cap, not dropped",
+        )
 
 
 def _stop_ids(

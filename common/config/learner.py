@@ -88,6 +88,13 @@ class LearnerConfig:
     """Trajectory groups consumed per optimizer step."""
     max_staleness: int = 2
     """Groups with ``learner_version - group.version`` above this are dropped (and counted)."""
+    max_staleness_from_lag: int = 0
+    """0: the bound is ``max_staleness``. N > 0: it follows the measured weight-delivery lag, the
+    versions the learner has published that the slowest live actor did not hold at its last
+    batch (the most over the last 8 steps), plus one: never
+    below ``max_staleness``, at most N. Groups generated under weights still on their way are
+    then trained (with ``tis_cap`` against their staleness), not dropped. The GPU profile sets
+    8 (not with ``max_staleness=0``: on-policy runs wait for each version)."""
     clip_eps: float = 0.2
     """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. With
     ``ratio_level=sequence`` (GSPO) the ratio is a sequence's, and GSPO uses far smaller values
@@ -258,6 +265,13 @@ class LearnerConfig:
         require_at_least("learner", self, groups_per_step=1, publish_every=1, checkpoint_every=1)
         require_at_least("learner", self, queue_max=1, metrics_every=1)
         require_at_least("learner", self, publish_max_inflight=0, max_staleness=0, kl_coef=0)
+        lag_cap = self.max_staleness_from_lag
+        require(
+            lag_cap == 0 or (self.max_staleness > 0 and lag_cap >= self.max_staleness),
+            "learner.max_staleness_from_lag must be 0 (off) or at least learner.max_staleness "
+            f"(its floor), and needs max_staleness > 0 (on-policy runs wait for each version), "
+            f"got {lag_cap} with max_staleness={self.max_staleness}",
+        )
         require_at_least("learner", self, max_tokens_per_microbatch=0, logprob_chunk_tokens=0)
         require_at_least("learner", self, device_memory_gib=0, lr_warmup_steps=0)
         require_positive("learner", self, "lr", "max_abs_reward", "group_timeout_s")

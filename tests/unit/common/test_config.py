@@ -41,6 +41,7 @@ def test_defaults_and_overrides():
     ("override", "quoted"),
     [
         ("learner.max_staleness=-1", "-1"),
+        ("learner.max_staleness_from_lag=1", "1"),  # below max_staleness (2), its floor
         ("actor.group_size=1", "1"),
         ("sampling.top_p=1.5", "1.5"),
         ("learner.address=http://x:1", "'http://x:1'"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def test_qwen25_7b_profile_on_an_h100():
         "learner.queue_max": 64,  # the next step's groups wait while a step trains
         "actor.outbox_max": 32,  # a whole call's groups go out without waiting for acks
         "learner.tis_cap": 2.0,
+        "learner.max_staleness_from_lag": 8,  # the bound follows the measured delivery lag
         "engine.vllm_stop_token_ids": [151645, 151643],
     }
     assert profile.warnings == ()
@@ -103,7 +105,18 @@ def test_qwen25_7b_profile_on_an_h100():
     table = profile.table()
     assert "7.62B parameters on 8 x NVIDIA H100 80GB HBM3" in table
     assert "learner.lr" in table and "= 1e-06 (" in table and "verl/OpenRLHF/prime-rl" in table
-    assert "engine.vllm_stop_token_ids = [151645, 151643] (every eos_token_id" in table
+    assert re.search(
+        r"engine.vllm_stop_token_ids +\= \[151645, 151643\] \(every eos_token_id", table
+    )
+
+
+def test_the_staleness_bound_follows_the_delivery_lag_except_on_policy():
+    assert "learner.max_staleness_from_lag" not in qwen_profile(vllm_cfg(max_staleness=0)).changes()
+    assert (
+        qwen_profile(vllm_cfg(max_staleness=10)).changes()["learner.max_staleness_from_lag"] == 10
+    )
+    kept = qwen_profile(vllm_cfg(), explicit={"learner.max_staleness_from_lag"})
+    assert "learner.max_staleness_from_lag" not in kept.changes()
 
 
 def test_every_eos_id_of_the_generation_config():
@@ -273,7 +286,7 @@ def test_gpu_start_applies_each_roles_sections(tmp_path, monkeypatch, capsys):
     assert (learner.learner.groups_per_step, actor.learner.groups_per_step) == (64, 16)
     logged = capsys.readouterr().err  # the entry point's logging (parse) writes to stderr
     assert logged.count("GPU profile for 7.62B parameters") == 2  # once per process
-    assert "learner.lr              = 1e-06 (7.62B parameters" in logged
+    assert re.search(r"learner.lr +\= 1e-06 \(7.62B parameters", logged)
     refused = [f"model.path={qwen_dir(tmp_path / 'again')}", "learner.lr=3e-4"]
     with pytest.raises(SystemExit, match=r"specrl-learner: invalid configuration: learner.lr="):
         run_main(refused, "specrl-learner", "", learner_run(seen), role="learner")
