@@ -66,11 +66,8 @@ alone)."""
 
 def use_sharded(lcfg: LearnerConfig, dist: Any) -> bool:
     """Whether this learner writes sharded checkpoints (``learner.checkpoint_format``): only with
-    several ranks; ``auto`` then unless ``kl_coef`` > 0 (the reference model is loaded whole
-    from the checkpoint it resumes from)."""
-    if dist is None or lcfg.checkpoint_format == "full":
-        return False
-    return lcfg.checkpoint_format == "sharded" or lcfg.kl_coef == 0
+    several ranks (``auto`` and ``sharded``)."""
+    return dist is not None and lcfg.checkpoint_format != "full"
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

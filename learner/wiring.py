@@ -96,13 +96,15 @@ def setup(
     rank and shards them; a resume has each rank read only its shards of the checkpoint."""
     lcfg = cfg.learner
     ckpt = latest_checkpoint(checkpoint_root) if lcfg.resume else None
-    model_dir = ckpt
-    if ckpt is None:
+    start_dir = None  # the model the run started from: trained from, or the KL reference
+    if ckpt is None or lcfg.kl_coef > 0:
         if dist is not None and not dist.is_main:
             dist.barrier()  # rank 0 builds the model directory first (a warm start, once)
-        model_dir = ensure_model(cfg)
+        start_dir = ensure_model(cfg)
         if dist is not None and dist.is_main:
             dist.barrier()
+    model_dir = ckpt if ckpt is not None else start_dir
+    assert model_dir is not None
     # The resolve step, once, now that the memory is known: the GPU profile, the precision
     # fallback and the memory settings that fit the device (learner.profile), or a refusal;
     # before any model is built.
@@ -133,12 +135,15 @@ def setup(
     set_activation_checkpointing(policy, lcfg.activation_checkpointing)
     ref_model = None
     if lcfg.kl_coef > 0:
-        # The reference is the policy the run started from (the checkpoint's, after a resume);
-        # a full replica on every rank.
-        if ckpt is not None and dist is not None:  # the policy has no weights yet
-            ref_model = load_policy(ckpt, lcfg.model_impl, device, dtype)
-        else:
+        # The reference is the policy the run started from, after a resume too (the
+        # checkpoint's policy has moved on, and a sharded checkpoint holds no whole one): a
+        # full replica on every rank.
+        if ckpt is None:
             ref_model = copy.deepcopy(policy)
+        else:
+            assert start_dir is not None
+            ref_model = load_policy(start_dir, lcfg.model_impl, device, dtype)
+            check_reference(ref_model, policy, start_dir)
         ref_model.eval().requires_grad_(False)
     model: nn.Module = policy if dist is None else shard(policy, lcfg.precision)
     if ckpt is not None and dist is not None:
@@ -162,6 +167,20 @@ def setup(
     state.max_new_tokens = max_new_tokens
     state.shaping = RewardShaping.from_config(lcfg, state.max_new_tokens)
     return state
+
+
+def check_reference(ref_model: nn.Module, policy: nn.Module, start_dir: Path) -> None:
+    """Refuse a KL reference (the run's starting model, read again on a resume) whose
+    parameters are not the resumed policy's, by name and shape: the model directory was changed
+    or replaced since the run began. (The policy may hold more: a draft head attached since.)"""
+    shapes = {name: tuple(p.shape) for name, p in policy.named_parameters()}
+    wrong = [name for name, p in ref_model.named_parameters() if shapes.get(name) != tuple(p.shape)]
+    if wrong:
+        raise ValueError(
+            f"learner.kl_coef > 0: the KL reference is the model the run started from, "
+            f"{start_dir}, but {len(wrong)} of its parameters (e.g. {wrong[0]}) are not the "
+            "checkpoint's: resume with the model the run started from"
+        )
 
 
 def algorithm_max_new_tokens(cfg: SpecRLConfig) -> int:

@@ -178,7 +178,7 @@ class LearnerConfig:
     """With several learner ranks: ``sharded``, each rank writes its own rows of the model and
     AdamW state (``torch.distributed.checkpoint``; no full-state gather; consolidated for HF tools
     with ``python -m learner.checkpoint_sharded``), or ``full``, gathered to rank 0 and written in
-    HF format. ``auto``: sharded unless ``kl_coef`` > 0. One process always writes ``full``."""
+    HF format. ``auto``: sharded. One process always writes ``full``."""
     queue_max: int = 4
     """Groups received but not yet trained on; when full the learner stops reading (and acking),
     so actors' outboxes fill and they wait: memory stays bounded and data stays fresh."""
@@ -246,11 +246,6 @@ class LearnerConfig:
         require_choice("learner.publish_upload", self.publish_upload, PUBLISH_UPLOADS)
         require_choice("learner.profile", self.profile, LEARNER_PROFILES)
         require_choice("learner.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        require(
-            self.checkpoint_format != "sharded" or self.kl_coef == 0,
-            "learner.checkpoint_format=sharded needs kl_coef=0: a resume loads the KL reference "
-            "whole from the checkpoint (use full or auto)",
-        )
         self._check_algorithm()
         require(
             self.publish_dtype in PUBLISH_DTYPES,

@@ -48,12 +48,14 @@ STEPS = 4
 SAVED_AT = 2
 
 
-def _config(model_dir: Path, eagle: bool = False) -> SpecRLConfig:
+def _config(model_dir: Path, kind: str = "policy") -> SpecRLConfig:
     cfg = SpecRLConfig()
     cfg.model = dataclasses.replace(cfg.model, path=str(model_dir))
-    if eagle:  # an EAGLE-3 head trained beside the policy: its weights and AdamW state resume too
+    if kind == "eagle3":  # an EAGLE-3 head trained beside the policy: weights and AdamW resume too
         cfg.spec = SpecConfig(method="eagle3", k=3, eagle_lr=3e-3)
-    cfg.learner = LearnerConfig(lr=1e-2, grad_clip=1.0, max_tokens_per_microbatch=32)
+    # "kl": a KL term to the starting model, which a resume reads again from its directory.
+    kl = 0.5 if kind == "kl" else 0.0
+    cfg.learner = LearnerConfig(lr=1e-2, grad_clip=1.0, max_tokens_per_microbatch=32, kl_coef=kl)
     return cfg
 
 
@@ -83,10 +85,10 @@ def _save(root: Path, state, ctx, step: int) -> Path | None:
     )
 
 
-def _rank(rank: int, world: int, port: int, tmp: str, phase: str, eagle: bool) -> None:
+def _rank(rank: int, world: int, port: int, tmp: str, phase: str, kind: str) -> None:
     with group_rank(rank, world, port) as ctx:
         out = Path(tmp)
-        cfg = _config(out / "model", eagle)
+        cfg = _config(out / "model", kind)
         root = out / phase / "checkpoints" if phase != "resume" else out / "stopped" / "checkpoints"
         state = setup(cfg, root, CPU, ctx)
         report = {"start_step": state.step, "dedupe": state.dedupe}
@@ -120,8 +122,8 @@ def _rank(rank: int, world: int, port: int, tmp: str, phase: str, eagle: bool) -
         ctx.barrier()
 
 
-def _run(tmp_path: Path, phase: str, eagle: bool) -> list[dict]:
-    spawn_ranks(_rank, str(tmp_path), phase, eagle)
+def _run(tmp_path: Path, phase: str, kind: str) -> list[dict]:
+    spawn_ranks(_rank, str(tmp_path), phase, kind)
     return [json.loads((tmp_path / f"{phase}_{r}.json").read_text()) for r in range(2)]
 
 
@@ -130,14 +132,15 @@ def _shard_rows(path: Path) -> dict[str, list[int]]:
         return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
 
-@pytest.mark.parametrize("eagle", [False, True], ids=["policy", "eagle3"])
-def test_two_rank_sharded_checkpoint_resumes_bit_identically(tmp_path, eagle):
+@pytest.mark.parametrize("kind", ["policy", "eagle3", "kl"])
+def test_two_rank_sharded_checkpoint_resumes_bit_identically(tmp_path, kind):
+    eagle = kind == "eagle3"
     model_dir = tmp_path / "model"
     save_pretrained(random_model(seed=0, **SHAPE).train(), model_dir)
     TOKENIZER.save(model_dir)
 
-    _run(tmp_path, "straight", eagle)
-    stopped = _run(tmp_path, "stopped", eagle)
+    _run(tmp_path, "straight", kind)
+    stopped = _run(tmp_path, "stopped", kind)
     assert [r.get("crashed") for r in stopped] == [True, None]
 
     root = tmp_path / "stopped" / "checkpoints"
@@ -166,7 +169,7 @@ def test_two_rank_sharded_checkpoint_resumes_bit_identically(tmp_path, eagle):
                 assert all(s and s[0] <= -(-whole[0] // 2) for s in sizes), (name, sizes)
         assert all(f.stat().st_size < 0.6 * sum(g.stat().st_size for g in files) for f in files)
 
-    resumed = _run(tmp_path, "resume", eagle)
+    resumed = _run(tmp_path, "resume", kind)
     assert [r["start_step"] for r in resumed] == [SAVED_AT, SAVED_AT]
     assert resumed[0]["dedupe"] == {"a": [1]}
     for part in ("model", "optimizer"):
