@@ -315,6 +315,8 @@ class DraftLength:
     duration back to :meth:`learn`).
     """
 
+    adaptive = True
+
     def __init__(
         self,
         method: str,

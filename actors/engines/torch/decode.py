@@ -11,6 +11,7 @@ import torch
 from actors.decoding.draft_length import EAGLE, EARLY_EXIT, NGRAM, PLAIN, DraftLength, StepOutcome
 from actors.decoding.eagle import EagleDrafter
 from actors.decoding.early_exit import EarlyExitDrafter
+from actors.decoding.fixed_length import FixedLength
 from actors.decoding.ngram import NgramDrafter
 from actors.decoding.paged_cache import PagedKVCache
 from actors.decoding.sampler import pad_rows, rejection_sample
@@ -22,9 +23,10 @@ from common.sampling import processed_logprobs, sample_tokens
 
 class Decoder:
     """The torch engine's decoding: each step of the rows in the batch with ``policy``'s model
-    over ``batch``'s cache, drafting as ``spec`` says with the drafters given (the EAGLE-3
-    head's steps: :class:`~actors.engines.torch.eagle.EagleSteps`), ``draft_length`` (with
-    ``spec.adaptive``) picking each step's drafter and k."""
+    over ``batch``'s cache, drafting with the drafters given (the EAGLE-3 head's steps:
+    :class:`~actors.engines.torch.eagle.EagleSteps`). One dispatcher: each step's drafter and k
+    come from ``draft_length`` (``spec.adaptive``), else from a :class:`FixedLength` (``spec.k``
+    with the drafters present)."""
 
     def __init__(
         self,
@@ -42,7 +44,13 @@ class Decoder:
     ) -> None:
         self.policy, self.batch, self.sampling, self.spec = policy, batch, sampling, spec
         self.pad_id, self.device = pad_id, device
-        self.early_exit, self.ngram, self.draft_length = early_exit, ngram, draft_length
+        self.early_exit, self.ngram = early_exit, ngram
+        self.control: DraftLength | FixedLength = draft_length or FixedLength(
+            spec.k,
+            early_exit=early_exit is not None,
+            ngram=ngram is not None,
+            eagle=eagle is not None,
+        )
         self.eagle_steps = (
             EagleSteps(eagle, policy, batch, sampling, pad_id, device)
             if eagle is not None
@@ -76,32 +84,18 @@ class Decoder:
             return self._first_step(active)
         last = torch.tensor([r.last for r in active], dtype=torch.long, device=self.device)
         pos = torch.tensor([r.pos for r in active], dtype=torch.long, device=self.device)
-        if self.draft_length is not None:
-            return self._adaptive_step(active, last, pos, self.draft_length)
-        k, bind = self.spec.k, self.batch.bind
-        if self.eagle_steps is not None:
-            return self.eagle_steps.step(active, last, pos, k)
-        if self.early_exit is not None and self.ngram is not None:
-            # Hybrid: n-gram drafts where every row has a match (no draft forward); otherwise
-            # the early exit drafts, continuing after each row's n-gram match if it has one.
-            # Which way a step goes depends only on the tokens so far, so both stay exact.
-            drafts = self.ngram.propose_rows([r.id for r in active], k)
-            if all(drafts):
-                return self._verify_ngram(active, drafts, last, pos)
-            return self._early_exit_step(bind(active, [k] * len(active)), last, pos, drafts)
-        if self.early_exit is not None:
-            return self._early_exit_step(bind(active, [k] * len(active)), last, pos)
-        if self.ngram is not None:
-            drafts = self.ngram.propose_rows([r.id for r in active], k)
-            return self._verify_ngram(active, drafts, last, pos)
-        return self._plain_step(bind(active, [0] * len(active)), last, pos)
+        return self._draft_step(active, last, pos, self.control)
 
-    def _adaptive_step(
-        self, active: list[Row], last: torch.Tensor, pos: torch.Tensor, control: DraftLength
+    def _draft_step(
+        self,
+        active: list[Row],
+        last: torch.Tensor,
+        pos: torch.Tensor,
+        control: DraftLength | FixedLength,
     ) -> Emitted:
         """A step whose drafter and draft length ``control`` picks from the past only (n-gram
         matches of the tokens so far, earlier steps' times and acceptance: exact whatever it
-        picks); the step's outcome (wall time, acceptance) goes back to it."""
+        picks); an adaptive controller gets the step's outcome (wall time, acceptance) back."""
         ids = [r.id for r in active]
         drafts: list[list[int]] = []
         ngram = self.ngram
@@ -116,11 +110,12 @@ class Decoder:
             # Hybrid's early-exit steps draft the matches first: look them up every step.
             matches = match_lengths() if self.early_exit is not None else match_lengths
         choice = control.choose(len(active), matches)
-        self.batch.counters.count_choice(choice.kind, choice.k, self.spec.k, self.spec.method)
-        k, forced = choice.k, None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # newcomers' prefill is not this step's time
-        started = control.clock()
+        k, forced, started = choice.k, None, 0.0
+        if control.adaptive:
+            self.batch.counters.count_choice(choice.kind, choice.k, self.spec.k, self.spec.method)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # newcomers' prefill is not this step's time
+            started = control.clock()
         if self.eagle_steps is not None:
             assert choice.kind in (PLAIN, EAGLE)
             emitted = self.eagle_steps.step(active, last, pos, k)
@@ -133,11 +128,13 @@ class Decoder:
             forced = [d[:k] for d in drafts] if choice.ngram_prefix else None
             cache = self.batch.bind(active, [k] * len(active))
             emitted = self._early_exit_step(cache, last, pos, forced, k)
-        seconds = control.clock() - started
-        lengths = None if forced is None else [len(f) for f in forced]
-        control.learn(
-            StepOutcome(choice, len(active), seconds, emitted.accepted, emitted.proposed, lengths)
-        )
+        if control.adaptive:
+            seconds = control.clock() - started
+            lengths = None if forced is None else [len(f) for f in forced]
+            outcome = StepOutcome(
+                choice, len(active), seconds, emitted.accepted, emitted.proposed, lengths
+            )
+            control.learn(outcome)
         return emitted
 
     def _first_step(self, active: list[Row]) -> Emitted:

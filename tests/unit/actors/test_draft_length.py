@@ -360,3 +360,27 @@ def test_adaptive_figures_are_registered_and_reported():
     text = render_markdown(rows, {}, "run")
     assert "tokens per verify forward" in text
     assert f"{stats[mn.SPEC_MEAN_DRAFT_LEN]:.2f}" in text
+
+
+def test_a_fixed_k_is_a_fixed_choice_of_the_one_dispatcher():
+    """``spec.adaptive=false``: the decoder's step takes its drafter and k from a FixedLength,
+    as it takes them from DraftLength otherwise: the choice by drafters present, hybrid's by
+    whether every row has an n-gram match (looked up only for an n-gram step)."""
+    from actors.decoding.draft_length import EAGLE, EARLY_EXIT, NGRAM, PLAIN_STEP, Choice
+    from actors.decoding.fixed_length import FixedLength
+
+    def never() -> list[int]:
+        raise AssertionError("looked up n-gram matches for a step that drafts none")
+
+    fixed = FixedLength
+    assert fixed(4, early_exit=False, ngram=False, eagle=False).choose(8, None) == PLAIN_STEP
+    assert fixed(4, early_exit=False, ngram=False, eagle=True).choose(8, never) == Choice(EAGLE, 4)
+    assert fixed(4, early_exit=True, ngram=False, eagle=False).choose(8) == Choice(EARLY_EXIT, 4)
+    looked: list[int] = []
+    ngram = fixed(4, early_exit=False, ngram=True, eagle=False)
+    assert ngram.choose(2, lambda: looked.append(1) or [3, 0]) == Choice(NGRAM, 4)
+    assert looked == [1]  # the lookup fills the step's drafts
+    hybrid = fixed(3, early_exit=True, ngram=True, eagle=False)
+    assert hybrid.choose(2, [2, 1]) == Choice(NGRAM, 3)
+    assert hybrid.choose(2, [2, 0]) == Choice(EARLY_EXIT, 3, ngram_prefix=True)
+    assert not fixed.adaptive and DraftLength.adaptive
