@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -106,10 +107,12 @@ def run_main(
     against the resolved one saved in the run directory. Run from its own command line, the
     process first makes itself non-dumpable (:func:`make_non_dumpable`) and creates what it
     writes (the run directory, checkpoints, logs) for its user alone (umask 077, as ``specrl
-    run`` does for its children)."""
+    run`` does for its children), and a fatal signal (a C++ abort in gloo, libzmq or a kernel, a
+    segfault) prints every thread's Python stack to its log (stderr) before it dies."""
     if role is not None and argv is None:  # the learner's or an actor's own process
         make_non_dumpable()
         os.umask(0o077)
+        faulthandler.enable()
     overrides = sys.argv[1:] if argv is None else argv
     cfg = parse(overrides, prog, description or "")
     if cfg is None:

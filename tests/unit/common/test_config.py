@@ -222,3 +222,28 @@ def test_spec_auto_is_the_engines_own_method_with_the_trained_draft():
     assert SpecConfig(method="auto").for_engine("vllm").method == "early_exit"
     with pytest.raises(ValueError, match="spec.adapter drafts with the early exit"):
         SpecConfig(method="ngram", adapter=True)
+
+
+def test_a_process_that_aborts_leaves_its_python_stack_in_its_log(tmp_path):
+    """The learner's or an actor's own process (run_main from its command line): a C++ abort
+    (gloo's ``terminate called...``, a libzmq assertion) is a SIGABRT that kills it; before it
+    dies, every thread's Python stack goes to stderr, the process's log."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "from common.entrypoint import run_main\n"
+        "def crash_in_a_step(cfg):\n"
+        "    os.abort()\n"
+        "run_main(None, 'specrl-learner', '', crash_in_a_step, role='learner')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, f"run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -6  # SIGABRT
+    assert "Fatal Python error: Aborted" in proc.stderr
+    assert "crash_in_a_step" in proc.stderr  # the Python frame that was running
