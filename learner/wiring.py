@@ -14,6 +14,7 @@ from torch import nn
 
 from common.config import SpecRLConfig
 from common.config.actor import SpecConfig
+from common.config.learner import LearnerConfig
 from common.curve_keys import authorized_dir, learner_keys
 from common.eagle import attach_eagle
 from common.link.protocol import DecodeLimits, TrajectoryGroup
@@ -133,18 +134,7 @@ def setup(
     restore_sharpening(policy, [model_dir, Path(cfg.model.path)] if cfg.model.path else [model_dir])
     args = model_args(policy)  # refuses a model whose versions actors could not load
     set_activation_checkpointing(policy, lcfg.activation_checkpointing)
-    ref_model = None
-    if lcfg.kl_coef > 0:
-        # The reference is the policy the run started from, after a resume too (the
-        # checkpoint's policy has moved on, and a sharded checkpoint holds no whole one): a
-        # full replica on every rank.
-        if ckpt is None:
-            ref_model = copy.deepcopy(policy)
-        else:
-            assert start_dir is not None
-            ref_model = load_policy(start_dir, lcfg.model_impl, device, dtype)
-            check_reference(ref_model, policy, start_dir)
-        ref_model.eval().requires_grad_(False)
+    ref_model = reference_model(lcfg, policy, start_dir if ckpt is not None else None, device)
     model: nn.Module = policy if dist is None else shard(policy, lcfg.precision)
     if ckpt is not None and dist is not None:
         materialize(model, device)
@@ -167,6 +157,23 @@ def setup(
     state.max_new_tokens = max_new_tokens
     state.shaping = RewardShaping.from_config(lcfg, state.max_new_tokens)
     return state
+
+
+def reference_model(
+    lcfg: LearnerConfig, policy: nn.Module, start_dir: Path | None, device: torch.device
+) -> nn.Module | None:
+    """The KL reference (``learner.kl_coef > 0``, else None): the policy the run started from,
+    a full replica on every rank. On a fresh start (``start_dir`` None) a copy of ``policy``;
+    after a resume it is read again from ``start_dir`` (the checkpoint's policy has moved on,
+    and a sharded checkpoint holds no whole one) and checked against the checkpoint's."""
+    if lcfg.kl_coef <= 0:
+        return None
+    if start_dir is None:
+        ref_model = copy.deepcopy(policy)
+    else:
+        ref_model = load_policy(start_dir, lcfg.model_impl, device, param_dtype(lcfg.precision))
+        check_reference(ref_model, policy, start_dir)
+    return ref_model.eval().requires_grad_(False)
 
 
 def check_reference(ref_model: nn.Module, policy: nn.Module, start_dir: Path) -> None:
