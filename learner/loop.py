@@ -219,7 +219,8 @@ class Learner:
             latest_wins=lcfg.publish_latest_wins,
             should_stop=self.stop,
             on_published=lambda version: write_version_mark(self.version_mark, version),
-            optimizer=state.trainer.optimizer,  # the snapshot is taken in the background, before a step
+            # The snapshot is taken in the background, before a step.
+            optimizer=state.trainer.optimizer,
             on_snapshot=self.collective.take if self.collective is not None else None,
         )
         self.publisher.publish(state.version)

@@ -174,10 +174,9 @@ class Trainer:
         cfg = plan.cfg
         module.train()
         world = dist.world if dist is not None else 1
-        n_valid = (
-            batch.mask.sum()
-        )  # trained (sampled) tokens of the global batch (all on every rank)
-        n_seqs = (batch.mask.sum(dim=-1) > 0).sum().float()  # and its sequences
+        # Trained (sampled) tokens of the global batch (all on every rank), and its sequences.
+        n_valid = batch.mask.sum()
+        n_seqs = (batch.mask.sum(dim=-1) > 0).sum().float()
         terms = _StepTerms(plan, n_valid, n_seqs)
         micro = _rank_microbatches(batch, cfg.max_tokens_per_microbatch, dist)
         autocast = torch.autocast(

@@ -32,21 +32,19 @@ class FixedLength:
             self._choice = PLAIN_STEP
         else:
             self._choice = None  # hybrid: decided per step from the match lengths
-        self.needs_matches = ngram
 
     def choose(
         self, rows: int, matches: Sequence[int] | Callable[[], Sequence[int]] | None = None
     ) -> Choice:
         choice = self._choice
-        if choice is not None and choice.kind != NGRAM:
-            return choice
-        lengths = matches() if callable(matches) else matches  # an n-gram step's drafts
-        if choice is not None:
-            return choice
-        assert lengths is not None, "hybrid needs each row's n-gram match length"
-        if all(lengths):
-            return Choice(NGRAM, self.k)
-        return Choice(EARLY_EXIT, self.k, ngram_prefix=True)
+        if choice is None or choice.kind == NGRAM:
+            lengths = matches() if callable(matches) else matches  # fills the step's drafts
+            if choice is None:  # hybrid: an n-gram step only if every row has a match
+                assert lengths is not None, "hybrid needs each row's n-gram match length"
+                choice = Choice(NGRAM, self.k)
+                if not all(lengths):
+                    choice = Choice(EARLY_EXIT, self.k, ngram_prefix=True)
+        return choice
 
     def learn(self, step: StepOutcome) -> None:
         """Nothing to learn: the choice is fixed."""

@@ -91,10 +91,10 @@ class LearnerConfig:
     max_staleness_from_lag: int = 0
     """0: the bound is ``max_staleness``. N > 0: it follows the measured weight-delivery lag, the
     versions the learner has published that the slowest live actor did not hold at its last
-    batch (the most over the last 8 steps), plus one: never
-    below ``max_staleness``, at most N. Groups generated under weights still on their way are
-    then trained (with ``tis_cap`` against their staleness), not dropped. The GPU profile sets
-    8 (not with ``max_staleness=0``: on-policy runs wait for each version)."""
+    batch (the most over the last 8 steps), plus one: never below ``max_staleness``, at most N.
+    Groups generated under weights still on their way are then trained (with ``tis_cap``
+    against their staleness), not dropped. The GPU profile sets 8 (not with
+    ``max_staleness=0``: on-policy runs wait for each version)."""
     clip_eps: float = 0.2
     """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. With
     ``ratio_level=sequence`` (GSPO) the ratio is a sequence's, and GSPO uses far smaller values

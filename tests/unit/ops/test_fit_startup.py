@@ -105,9 +105,8 @@ def test_setup_trains_with_the_settings_auto_picked(tmp_path):
     )
     state = setup(cfg, tmp_path / "run" / "checkpoints", torch.device("cpu"))
     assert Profile.of(cfg.learner) == frugal
-    assert (
-        state.trainer.model.gradient_checkpointing
-    )  # the built-in model, checkpointing each layer
+    # The built-in model, checkpointing each layer.
+    assert state.trainer.model.gradient_checkpointing
     assert next(state.trainer.model.parameters()).dtype == torch.float32  # bf16-mixed: fp32 master
     vocab = state.args.vocab_size
     batch = collate(make_groups(vocab, n=16, g=8), 0, state.tokenizer.pad_id, torch.device("cpu"))
